@@ -1,0 +1,291 @@
+"""Configs: the defaults of every key, loading `configs/*.py`, and validation into a frozen run plan.
+
+Every check here runs before jax traces or compiles anything, and raises `ConfigError` with one
+line naming the setting, its value and what would be valid. The command-line tools turn a
+`ConfigError` into exit status 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from typing import Any, Mapping
+
+import ml_collections
+
+DTYPES = ('float32', 'bfloat16')
+REMAT_POLICIES = ('none', 'full', 'dots', 'attn')
+SCHEDULES = ('gpipe', 'circular')
+GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
+ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
+
+
+class ConfigError(ValueError):
+  """A setting that cannot work. The message is one line: setting, value, what would be valid."""
+
+
+# The key names below are a public contract (tests, scripts and users rely on them): rename nothing.
+def base_config() -> ml_collections.ConfigDict:
+  """Every key jax3d understands, with its default; `configs/*.py` start from it."""
+  c = ml_collections.ConfigDict()
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.dp = -1  # data parallel; -1 = all devices left over by the other axes
+  c.mesh.pp = 1  # pipeline stages
+  c.mesh.tp = 1  # tensor (Megatron) parallel, kept inside a host
+  c.mesh.allow_tp_across_hosts = False  # refuse a tp group that spans hosts unless forced
+
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.microbatches = 1  # m: micro-batches per step (per grad_accum chunk)
+  c.pipeline.repeats = 1  # v: layer chunks per stage (circular schedule when > 1)
+  c.pipeline.schedule = 'gpipe'  # 'gpipe' or 'circular'
+
+  c.model = ml_collections.ConfigDict()
+  c.model.n_layers = 4
+  c.model.d_model = 256
+  c.model.n_heads = 4
+  c.model.n_kv_heads = 4
+  c.model.d_ff = 1024
+  c.model.vocab_size = 256
+  c.model.vocab_multiple = 128  # the vocabulary is padded to a multiple of this (layout-independent)
+  c.model.max_seq_len = 2048
+  c.model.rope_theta = 10000.0
+  c.model.norm_eps = 1e-5
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 1000
+  c.train.global_batch_size = 32  # sequences per optimizer step (all devices, all accumulation chunks)
+  c.train.seq_len = 128
+  c.train.seed = 0
+  c.train.lr = 3e-3
+  c.train.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio
+  c.train.warmup_steps = 50
+  c.train.weight_decay = 0.1
+  c.train.b1 = 0.9
+  c.train.b2 = 0.95
+  c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
+  c.train.remat = 'none'  # none | full | dots | attn  (see jax3d/remat.py)
+  c.train.compute_dtype = 'float32'  # float32 | bfloat16
+  c.train.param_dtype = 'float32'  # float32 | bfloat16 (master weights and optimizer state)
+  c.train.grad_accum = 1  # sequential chunks of the global batch per optimizer step
+  c.train.max_bad_steps = 5  # consecutive non-finite steps before the run stops
+  c.train.shard_optimizer = False  # ZeRO-1: shard Adam moments over dp
+  c.train.grad_reduce_dtype = 'float32'  # float32 | bfloat16 | int8 for the dp gradient reduction
+  c.train.attention = 'auto'  # auto | xla | cudnn  (jax.nn.dot_product_attention implementation)
+
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ''  # '' = the Python standard library's own source, as bytes
+  c.data.eval_fraction = 0.05  # held-out share (by file where the corpus has files)
+  c.data.prefetch = 2  # batches prepared ahead on a background thread
+
+  c.log = ml_collections.ConfigDict()
+  c.log.every = 10
+  c.log.tensorboard = False
+  c.log.progress = True  # live progress bar (rich) on the console
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 100
+  c.eval.batches = 8
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 200
+  c.checkpoint.keep = 3
+  c.checkpoint.async_save = True
+  c.checkpoint.init_from = ''  # warm start: load only the parameters of another run
+
+  c.profile = ml_collections.ConfigDict()
+  c.profile.start = -1  # first profiled step; -1 = no profile
+  c.profile.steps = 3
+
+  c.hardware = ml_collections.ConfigDict()
+  c.hardware.peak_tflops = 0.0  # per device; 0 = look it up from the device kind (unknown on CPU)
+
+  c.sample = ml_collections.ConfigDict()
+  c.sample.prompt = 'def '
+  c.sample.tokens = 200
+  c.sample.temperature = 0.8
+  c.sample.top_k = 40
+  return c
+
+
+def repo_root() -> str:
+  return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def default_config_path() -> str:
+  return os.path.join(repo_root(), 'configs', 'tiny.py')
+
+
+def load_config(path: str | None = None,
+                overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+  """Loads `configs/NAME.py` (its `get_config()`), applies `{'mesh.tp': 4, ...}`, locks it.
+
+  A short name such as 'tiny' is looked up in the repository's `configs/` folder.
+  """
+  path = path or default_config_path()
+  if not os.path.exists(path) and os.path.exists(os.path.join(repo_root(), 'configs', f'{path}.py')):
+    path = os.path.join(repo_root(), 'configs', f'{path}.py')
+  if not os.path.exists(path):
+    raise ConfigError(f'--config={path}: no such file (try configs/tiny.py, configs/gpt2_small.py, '
+                      'configs/llama3_8b.py or configs/llama3_70b.py)')
+  spec = importlib.util.spec_from_file_location('jax3d_user_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config()
+  cfg.lock()
+  for key, value in (overrides or {}).items():
+    set_key(cfg, key, value)
+  return cfg
+
+
+def set_key(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
+  """Sets `cfg.a.b = value`, rejecting keys that do not exist (with the valid ones listed)."""
+  *parents, leaf = dotted.split('.')
+  node = cfg
+  for i, name in enumerate(parents):
+    if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+      raise ConfigError(f'unknown config key {".".join(parents[:i + 1])!r}; valid sections: '
+                        f'{", ".join(sorted(cfg.keys()))}')
+    node = node[name]
+  if leaf not in node:
+    raise ConfigError(f'unknown config key {dotted!r}; valid keys here: '
+                      f'{", ".join(sorted(node.keys()))}')
+  current = node[leaf]
+  if isinstance(current, bool) and isinstance(value, str):
+    value = value.lower() in ('1', 'true', 'yes')
+  elif isinstance(current, (int, float)) and not isinstance(current, bool) and isinstance(value, str):
+    value = type(current)(float(value)) if isinstance(current, int) and '.' not in value else type(current)(value)
+  with node.unlocked():
+    node[leaf] = value
+
+
+# --------------------------------------------------------------------------------------------
+# The run plan: every derived number, validated.
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  dp: int
+  pp: int
+  tp: int
+  microbatches: int
+  repeats: int
+  grad_accum: int
+  global_batch: int
+  seq_len: int
+  vocab_padded: int
+
+  @property
+  def n_devices(self) -> int:
+    return self.dp * self.pp * self.tp
+
+  @property
+  def chunk_batch(self) -> int:  # sequences per accumulation chunk
+    return self.global_batch // self.grad_accum
+
+  @property
+  def micro_batch(self) -> int:  # sequences per micro-batch (all dp shards together)
+    return self.chunk_batch // self.microbatches
+
+  @property
+  def iterations(self) -> int:  # pipeline loop trips: v*m + p - 1
+    return self.repeats * self.microbatches + self.pp - 1
+
+  @property
+  def bubble(self) -> float:  # idle (wasted) share of the pipeline loop: (p-1)/(v*m+p-1)
+    return (self.pp - 1) / self.iterations
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.global_batch * self.seq_len
+
+
+def _fail(key: str, value: Any, valid: str) -> None:
+  raise ConfigError(f'{key}={value!r} is invalid: {valid}')
+
+
+def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int) -> tuple[int, int, int]:
+  """Fills one -1 axis with the devices left over; checks dp*pp*tp == n_devices."""
+  sizes = {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp}
+  for k, v in sizes.items():
+    if not isinstance(v, int) or (v < 1 and v != -1):
+      _fail(k, v, 'a positive integer, or -1 for "all remaining devices"')
+  free = [k for k, v in sizes.items() if v == -1]
+  if len(free) > 1:
+    raise ConfigError(f'{" and ".join(f"{k}=-1" for k in free)}: at most one mesh axis may be -1')
+  fixed = math.prod(v for v in sizes.values() if v != -1)
+  if free:
+    if n_devices % fixed:
+      raise ConfigError(f'{free[0]}=-1 cannot be filled: the other axes use {fixed} devices, '
+                        f'which does not divide the {n_devices} visible devices')
+    sizes[free[0]] = n_devices // fixed
+  total = math.prod(sizes.values())
+  if total != n_devices:
+    raise ConfigError(f'mesh dp*pp*tp = {sizes["mesh.dp"]}*{sizes["mesh.pp"]}*{sizes["mesh.tp"]} = '
+                      f'{total}, but {n_devices} devices are visible (use -1 on one axis to fill)')
+  return sizes['mesh.dp'], sizes['mesh.pp'], sizes['mesh.tp']
+
+
+def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
+  """Checks every setting against the others and the device count; returns the run plan."""
+  m, t, p_ = cfg.model, cfg.train, cfg.pipeline
+  for key, value in (('train.compute_dtype', t.compute_dtype), ('train.param_dtype', t.param_dtype)):
+    if value not in DTYPES:
+      _fail(key, value, f'one of {", ".join(DTYPES)}')
+  if t.remat not in REMAT_POLICIES:
+    _fail('train.remat', t.remat, f'one of {", ".join(REMAT_POLICIES)}')
+  if p_.schedule not in SCHEDULES:
+    _fail('pipeline.schedule', p_.schedule, f'one of {", ".join(SCHEDULES)}')
+  if t.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+    _fail('train.grad_reduce_dtype', t.grad_reduce_dtype, f'one of {", ".join(GRAD_REDUCE_DTYPES)}')
+  if t.attention not in ATTENTION_IMPLS:
+    _fail('train.attention', t.attention, f'one of {", ".join(ATTENTION_IMPLS)}')
+  for key in ('n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'd_ff', 'vocab_size', 'max_seq_len',
+              'vocab_multiple'):
+    if not isinstance(m[key], int) or m[key] < 1:
+      _fail(f'model.{key}', m[key], 'a positive integer')
+  for key in ('global_batch_size', 'seq_len', 'grad_accum', 'max_bad_steps'):
+    if not isinstance(t[key], int) or t[key] < 1:
+      _fail(f'train.{key}', t[key], 'a positive integer')
+  if not isinstance(t.steps, int) or t.steps < 0:
+    _fail('train.steps', t.steps, 'an integer >= 0')
+  if not isinstance(p_.microbatches, int) or p_.microbatches < 1:
+    _fail('pipeline.microbatches', p_.microbatches, 'an integer >= 1')
+  if not isinstance(p_.repeats, int) or p_.repeats < 1:
+    _fail('pipeline.repeats', p_.repeats, 'an integer >= 1')
+  if p_.schedule == 'gpipe' and p_.repeats != 1:
+    _fail('pipeline.repeats', p_.repeats, "repeats > 1 is the circular schedule: set "
+          "--config.pipeline.schedule=circular (or repeats=1 for GPipe)")
+  if cfg.log.every < 1:
+    _fail('log.every', cfg.log.every, 'an integer >= 1')
+  if m.d_model % m.n_heads:
+    _fail('model.d_model', m.d_model, f'a multiple of model.n_heads={m.n_heads}')
+  if (m.d_model // m.n_heads) % 2:
+    _fail('model.d_model', m.d_model, f'd_model/n_heads must be even for rotary embeddings '
+          f'(it is {m.d_model // m.n_heads})')
+  if m.n_heads % m.n_kv_heads:
+    _fail('model.n_kv_heads', m.n_kv_heads, f'a divisor of model.n_heads={m.n_heads}')
+  if t.seq_len > m.max_seq_len:
+    _fail('train.seq_len', t.seq_len, f'at most model.max_seq_len={m.max_seq_len}')
+
+  dp, pp, tp = resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices)
+  for key in ('n_heads', 'n_kv_heads', 'd_ff'):
+    if m[key] % tp:
+      _fail(f'model.{key}', m[key], f'must be divisible by mesh.tp={tp}')
+  vocab_padded = -(-m.vocab_size // m.vocab_multiple) * m.vocab_multiple
+  if vocab_padded % tp:
+    _fail('model.vocab_size', m.vocab_size, f'padded to {vocab_padded} (model.vocab_multiple='
+          f'{m.vocab_multiple}), which mesh.tp={tp} does not divide; pick a vocab_multiple divisible by tp')
+  v = p_.repeats
+  if m.n_layers % (pp * v):
+    _fail('model.n_layers', m.n_layers, f'must be divisible by mesh.pp*pipeline.repeats = {pp}*{v} = {pp * v}')
+  if v > 1 and p_.microbatches < pp:
+    _fail('pipeline.microbatches', p_.microbatches, f'the circular schedule (repeats={v}) needs '
+          f'microbatches >= mesh.pp={pp}')
+  per = dp * p_.microbatches * t.grad_accum
+  if t.global_batch_size % per:
+    _fail('train.global_batch_size', t.global_batch_size, f'must be divisible by mesh.dp*'
+          f'pipeline.microbatches*train.grad_accum = {dp}*{p_.microbatches}*{t.grad_accum} = {per} '
+          f'(each micro-batch is split over dp)')
+  return RunPlan(dp=dp, pp=pp, tp=tp, microbatches=p_.microbatches, repeats=v, grad_accum=t.grad_accum,
+                 global_batch=t.global_batch_size, seq_len=t.seq_len, vocab_padded=vocab_padded)

@@ -1,0 +1,69 @@
+"""The ('dp', 'pp', 'tp') device mesh.
+
+Placement follows the tutorial's "map ranks to the topology": `tp` varies fastest, so a tensor-
+parallel group is a set of neighbouring devices (one host's NVLink domain), `pp` next, and `dp`
+outermost, across hosts. On several hosts `create_hybrid_device_mesh` keeps `tp` inside a host.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jax3d.config import ConfigError, RunPlan
+
+AXES = ('dp', 'pp', 'tp')
+FAKE_CPU_DEVICES = 8
+
+
+def use_fake_cpu_devices(n: int = FAKE_CPU_DEVICES) -> None:
+  """Exposes n fake CPU devices, unless the user set XLA_FLAGS. Call before jax starts its backend.
+
+  The flag only affects the host platform, so on a GPU machine the GPUs stay the default devices.
+  """
+  if 'XLA_FLAGS' not in os.environ:
+    os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={n}'
+
+
+def build_mesh(plan: RunPlan, devices=None, allow_tp_across_hosts: bool = False) -> Mesh:
+  """Mesh(('dp','pp','tp')) with tp inside hosts, pp next, dp outermost. Axis types are Auto."""
+  devices = list(devices if devices is not None else jax.devices())
+  if len(devices) != plan.n_devices:
+    raise ConfigError(f'mesh dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.n_devices}, but '
+                      f'{len(devices)} devices are visible')
+  n_hosts = len({d.process_index for d in devices})
+  per_host = len(devices) // n_hosts
+  if n_hosts > 1:
+    if plan.tp > per_host or per_host % plan.tp:
+      if not allow_tp_across_hosts:
+        raise ConfigError(f'mesh.tp={plan.tp} would span hosts ({per_host} devices per host): tensor '
+                          'parallelism needs the fast intra-host links; use tp <= devices per host, or '
+                          'set --config.mesh.allow_tp_across_hosts=True to force it')
+      grid = np.array(devices).reshape(plan.dp, plan.pp, plan.tp)
+    else:
+      from jax.experimental import mesh_utils
+      # Inside a host: (1, pp_in, tp); across hosts: (dp, pp_out, 1).
+      inner = per_host // plan.tp
+      pp_in = np.gcd(plan.pp, inner)
+      dp_in = inner // pp_in
+      if plan.dp % dp_in:
+        raise ConfigError(f'mesh dp={plan.dp}, pp={plan.pp}, tp={plan.tp} cannot be placed on '
+                          f'{n_hosts} hosts of {per_host} devices')
+      grid = mesh_utils.create_hybrid_device_mesh(
+          (dp_in, pp_in, plan.tp), (plan.dp // dp_in, plan.pp // pp_in, 1), devices=devices)
+  else:
+    devices.sort(key=lambda d: d.id)
+    grid = np.array(devices).reshape(plan.dp, plan.pp, plan.tp)
+  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def describe_placement(mesh: Mesh) -> list[str]:
+  """One line per device: its (dp, pp, tp) coordinate, host and id."""
+  lines = []
+  for idx in np.ndindex(mesh.devices.shape):
+    d = mesh.devices[idx]
+    lines.append(f'  (dp={idx[0]}, pp={idx[1]}, tp={idx[2]}) -> process {d.process_index} '
+                 f'device {d.id} ({d.device_kind})')
+  return lines

@@ -1,0 +1,208 @@
+"""A Llama-style decoder in Flax: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+The model speaks logical axes only (see sharding.py); tensor parallelism is the Megatron layout
+expressed as annotations: Q/K/V and gate/up are column-parallel (heads, mlp on tp), the output
+and down projections row-parallel, so XLA inserts exactly one all-reduce after attention and one
+after the MLP. Embedding and head are vocabulary-parallel; the loss never gathers the logits.
+
+Layer weights are stacked on a leading `layers` axis, ready for `lax.scan` and pipeline stages.
+
+Shape legend: b batch, t time, d model, f ffw, n query heads, k kv heads, h head dim, v vocab.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jax3d.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  n_layers: int
+  d_model: int
+  n_heads: int
+  n_kv_heads: int
+  d_ff: int
+  vocab_size: int  # the real vocabulary
+  vocab_padded: int  # padded to model.vocab_multiple; padded entries never win
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  dtype: Any = jnp.float32  # compute
+  param_dtype: Any = jnp.float32
+  attention: str = 'auto'
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @staticmethod
+  def from_config(cfg, plan) -> 'Dims':
+    m = cfg.model
+    return Dims(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                d_ff=m.d_ff, vocab_size=m.vocab_size, vocab_padded=plan.vocab_padded,
+                rope_theta=m.rope_theta, norm_eps=m.norm_eps, dtype=jnp.dtype(cfg.train.compute_dtype),
+                param_dtype=jnp.dtype(cfg.train.param_dtype), attention=cfg.train.attention)
+
+  def param_count(self) -> int:
+    """Parameters of the real model (padded vocabulary rows excluded)."""
+    d, h = self.d_model, self.head_dim
+    per_layer = (2 * d + d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2 + 3 * d * self.d_ff)
+    return self.n_layers * per_layer + 2 * self.vocab_size * d + d
+
+
+def _init(names, stddev):
+  return nn.with_logical_partitioning(nn.initializers.normal(stddev), names)
+
+
+class RMSNorm(nn.Module):
+  dims: Dims
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
+                       (x.shape[-1],), self.dims.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.dims.norm_eps)
+    return (y * scale.astype(jnp.float32)).astype(self.dims.dtype)
+
+
+def rope(x_btnh, theta: float):
+  """Rotary position embedding (half-split form), positions 0..t-1, computed in fp32."""
+  t, h = x_btnh.shape[1], x_btnh.shape[-1]
+  inv_freq = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float32) / h))  # (h/2,)
+  ang_th = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]  # (t, h/2)
+  cos, sin = jnp.cos(ang_th)[None, :, None, :], jnp.sin(ang_th)[None, :, None, :]
+  x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
+
+
+class Block(nn.Module):
+  """One decoder layer. Called on a micro-batch inside a pipeline stage (batch -> dp)."""
+  dims: Dims
+
+  @nn.compact
+  def __call__(self, x_btd):
+    dm = self.dims
+    n, k, h, d = dm.n_heads, dm.n_kv_heads, dm.head_dim, dm.d_model
+    std, out_std = 0.02, 0.02 / np.sqrt(2 * dm.n_layers)
+    dense = lambda feat, axis, names, s, name: nn.DenseGeneral(
+        feat, axis=axis, use_bias=False, dtype=dm.dtype, param_dtype=dm.param_dtype,
+        kernel_init=_init(names, s), name=name)
+    x_btd = constrain(x_btd, ('batch', 'seq', 'embed'))
+
+    # Attention: column-parallel Q/K/V (heads on tp), row-parallel output (one all-reduce).
+    a_btd = RMSNorm(dm, name='attn_norm')(x_btd)
+    q_btnh = dense((n, h), -1, ('embed', 'heads', 'head_dim'), std, 'q')(a_btd)
+    k_btkh = dense((k, h), -1, ('embed', 'kv_heads', 'head_dim'), std, 'k')(a_btd)
+    v_btkh = dense((k, h), -1, ('embed', 'kv_heads', 'head_dim'), std, 'v')(a_btd)
+    q_btnh = constrain(rope(q_btnh, dm.rope_theta), ('batch', 'seq', 'heads', 'head_dim'))
+    k_btkh = constrain(rope(k_btkh, dm.rope_theta), ('batch', 'seq', 'kv_heads', 'head_dim'))
+    v_btkh = constrain(v_btkh, ('batch', 'seq', 'kv_heads', 'head_dim'))
+    impl = None if dm.attention == 'auto' else dm.attention
+    o_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True, implementation=impl)
+    o_btnh = checkpoint_name(constrain(o_btnh, ('batch', 'seq', 'heads', 'head_dim')), 'attn_out')
+    o_btd = dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), out_std, 'o')(o_btnh)
+    x_btd = x_btd + constrain(o_btd, ('batch', 'seq', 'embed'))
+
+    # SwiGLU MLP: column-parallel gate/up (mlp on tp), row-parallel down (one all-reduce).
+    m_btd = RMSNorm(dm, name='mlp_norm')(x_btd)
+    g_btf = dense(dm.d_ff, -1, ('embed', 'mlp'), std, 'gate')(m_btd)
+    u_btf = dense(dm.d_ff, -1, ('embed', 'mlp'), std, 'up')(m_btd)
+    h_btf = constrain(nn.silu(g_btf) * u_btf, ('batch', 'seq', 'mlp'))
+    y_btd = dense(d, -1, ('mlp', 'embed'), out_std, 'down')(h_btf)
+    return x_btd + constrain(checkpoint_name(y_btd, 'mlp_out'), ('batch', 'seq', 'embed'))
+
+
+class Embed(nn.Module):
+  """Vocabulary-parallel token embedding (vocab rows on tp)."""
+  dims: Dims
+
+  @nn.compact
+  def __call__(self, tokens_bt):
+    table_vd = self.param('embedding', _init(('vocab', 'embed'), 1.0),
+                          (self.dims.vocab_padded, self.dims.d_model), self.dims.param_dtype)
+    x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(self.dims.dtype)
+    return constrain(x_btd, ('batch_all', 'seq', 'embed'))
+
+
+class Head(nn.Module):
+  """Final norm and vocabulary-parallel output projection; logits in fp32, vocab on tp."""
+  dims: Dims
+
+  @nn.compact
+  def __call__(self, x_btd):
+    dm = self.dims
+    x_btd = RMSNorm(dm, name='norm')(constrain(x_btd, ('batch_all', 'seq', 'embed')))
+    logits_btv = nn.DenseGeneral(dm.vocab_padded, use_bias=False, dtype=dm.dtype,
+                                 param_dtype=dm.param_dtype,
+                                 kernel_init=_init(('embed', 'vocab'), 1.0 / np.sqrt(dm.d_model)),
+                                 name='out')(x_btd)
+    logits_btv = logits_btv.astype(jnp.float32)
+    if dm.vocab_padded > dm.vocab_size:  # padded entries can never be predicted
+      pad_v = jnp.arange(dm.vocab_padded) >= dm.vocab_size
+      logits_btv = jnp.where(pad_v, -1e30, logits_btv)
+    return constrain(logits_btv, ('batch_all', 'seq', 'vocab'))
+
+
+def cross_entropy_sum(logits_btv, targets_bt):
+  """Sum of token losses. Vocab-parallel: max, sum-exp and the target logit are reduced over the
+  vocab shards (tp); the full-vocabulary logits are never gathered on one device."""
+  lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+  onehot_btv = jax.nn.one_hot(targets_bt, logits_btv.shape[-1], dtype=logits_btv.dtype)
+  target_bt = jnp.sum(logits_btv * onehot_btv, axis=-1)
+  return jnp.sum(lse_bt - target_bt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: init (with stacked layers) and their logical axes.
+# ---------------------------------------------------------------------------------------------
+def _unboxed_init(module, key, *args):
+  return nn.unbox(module.init(key, *args)['params'])
+
+
+def init_params(key, dims: Dims, layer_order: np.ndarray):
+  """All parameters. Layer j of the stack holds canonical layer `layer_order[j]`, whose values come
+  from that layer's own key, so the values never depend on the layout (pipeline order, sharding)."""
+  k_embed, k_layers, k_head = jax.random.split(key, 3)
+  tok = jnp.zeros((1, 1), jnp.int32)
+  x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
+  layer_keys = jax.random.split(k_layers, dims.n_layers)[jnp.asarray(layer_order)]
+  return {
+      'embed': _unboxed_init(Embed(dims), k_embed, tok),
+      'layers': jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys),
+      'head': _unboxed_init(Head(dims), k_head, x),
+  }
+
+
+def param_logical_axes(dims: Dims):
+  """The same tree as `init_params`, with each leaf's logical axis names (a tuple)."""
+  tok = jnp.zeros((1, 1), jnp.int32)
+  x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
+  key = jax.random.key(0)
+
+  def names(module, *args):
+    boxed = jax.eval_shape(lambda: module.init(key, *args)['params'])
+    return jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=lambda b: isinstance(b, nn.Partitioned))
+
+  layer = jax.tree.map(lambda n: ('layers',) + n, names(Block(dims), x),
+                       is_leaf=lambda n: isinstance(n, tuple))
+  return {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x)}
+
+
+def block_apply(dims: Dims, layer_params, x_btd):
+  return Block(dims).apply({'params': layer_params}, x_btd)
+
+
+def embed_apply(dims: Dims, params, tokens_bt):
+  return Embed(dims).apply({'params': params['embed']}, tokens_bt)
+
+
+def head_apply(dims: Dims, params, x_btd):
+  return Head(dims).apply({'params': params['head']}, x_btd)

@@ -1,0 +1,35 @@
+"""The optimizer: optax AdamW with linear warmup + cosine decay and global-norm clipping, wrapped in
+`optax.apply_if_finite` so a step with a non-finite gradient leaves the state as it was.
+
+Weight decay applies to matrices (kernels, embedding), not to norm scales.
+"""
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def schedule(cfg):
+  t = cfg.train
+  warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
+      decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
+
+
+def _decay_mask(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) != 'scale', params)
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+  t = cfg.train
+  parts = []
+  if t.grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(t.grad_clip))
+  parts.append(optax.adamw(schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay,
+                           mask=_decay_mask))
+  # Non-finite gradients: the update is skipped (params and moments unchanged). The run itself
+  # stops after train.max_bad_steps in a row (train.py); the large limit here keeps optax from
+  # ever applying a non-finite update on its own.
+  return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=10**9)
