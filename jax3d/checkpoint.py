@@ -1,0 +1,169 @@
+"""Checkpoints with Orbax: save, exact resume, resume onto another layout, integrity, warm start.
+
+Layout on disk: WORKDIR/checkpoints/<step>/{state, meta}. `state` is the whole train state
+(params, optimizer state with its schedule count, step); `meta` is JSON: the config, the layout
+(dp, pp, tp, repeats), the data position (the next step; a batch depends only on seed and step),
+the seed, and the shape and dtype of every saved array.
+
+Orbax writes a step into a temporary directory and renames it when complete, so a write killed
+with SIGKILL never becomes a step. A step that fails to restore (missing or truncated files) is
+reported with its path and the previous one is used. Shapes and dtypes are compared with the
+config before reading (Orbax would cast dtypes silently). Arrays are read straight into the
+target shardings; when the pipeline layer order differs (another pp or repeats), the layer axis
+is permuted on the devices, never through one host.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jax3d import pipeline
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be used (message lists what is wrong)."""
+
+
+def _path_str(path) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path)
+
+
+def array_signature(tree) -> dict[str, list]:
+  """{'params/layers/q/kernel': [[shape...], 'float32'], ...} for every array leaf."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if hasattr(leaf, 'shape'):
+      out[_path_str(path)] = [list(leaf.shape), str(jnp.dtype(leaf.dtype))]
+  return out
+
+
+def _is_layer_path(path) -> bool:
+  return any(getattr(k, 'key', None) == 'layers' for k in path)
+
+
+def permute_layers(tree, perm: np.ndarray, shardings):
+  """Reorders the stacked layer axis of every `layers` leaf (on the devices, under jit)."""
+  if np.array_equal(perm, np.arange(perm.size)):
+    return tree
+
+  def fn(t):
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: a[perm] if _is_layer_path(p) and a.ndim and a.shape[0] == perm.size else a, t)
+  return jax.jit(fn, out_shardings=shardings)(tree)
+
+
+class Checkpointer:
+  """Saves every `checkpoint.every` steps (asynchronously), keeps the last `checkpoint.keep`."""
+
+  def __init__(self, directory: str, keep: int, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    self.manager = ocp.CheckpointManager(
+        self.directory, item_names=('state', 'meta'),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                             cleanup_tmp_directories=True))
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
+    ok = bool(jax.device_get(_all_finite(state)))
+    if not ok:
+      raise CheckpointError(f'refusing to save step {step}: the state holds non-finite values')
+    meta = dict(meta, arrays=array_signature(state))
+    return self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+  def read_meta(self, step: int) -> dict:
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+
+  def restore_latest(self, abstract_state, layout: dict, warn=print):
+    """(state, meta) of the newest step that restores cleanly, or (None, None) if there is none."""
+    for step in reversed(self.steps()):
+      path = os.path.join(self.directory, str(step))
+      try:
+        meta = self.read_meta(step)
+        check_signature(meta, abstract_state, path)
+        state = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state)))['state']
+      except CheckpointError:
+        raise
+      except Exception as e:  # damaged or incomplete: fall back to the previous step
+        warn(f'checkpoint {path} is damaged or incomplete ({type(e).__name__}: '
+             f'{str(e).splitlines()[0][:200] if str(e) else ""}); trying the previous one')
+        continue
+      return relayout(state, meta, layout, abstract_state), meta
+    return None, None
+
+
+def check_signature(meta: dict, abstract_state, path: str, only: str | None = None) -> None:
+  """Refuses a checkpoint whose array shapes or dtypes differ from the config's, listing them."""
+  saved, want = meta.get('arrays', {}), array_signature(abstract_state)
+  if only:
+    saved = {k: v for k, v in saved.items() if k.startswith(only)}
+    want = {k: v for k, v in want.items() if k.startswith(only)}
+  bad = []
+  for k in sorted(set(saved) | set(want)):
+    if k not in saved:
+      bad.append(f'{k}: missing from the checkpoint')
+    elif k not in want:
+      bad.append(f'{k}: in the checkpoint but not in this model')
+    elif saved[k] != want[k]:
+      bad.append(f'{k}: checkpoint {tuple(saved[k][0])} {saved[k][1]}, config '
+                 f'{tuple(want[k][0])} {want[k][1]}')
+  if bad:
+    raise CheckpointError(f'checkpoint {path} does not match the config ({len(bad)} mismatched '
+                          f'entries): ' + '; '.join(bad[:20]) + (' ...' if len(bad) > 20 else ''))
+
+
+def relayout(state, meta, layout, abstract_state):
+  """Permutes the layer axis from the saved pipeline order into this run's order."""
+  saved, n = meta['layout'], layout['n_layers']
+  old = pipeline.layer_order(n, saved['pp'], saved['repeats'])
+  new = pipeline.layer_order(n, layout['pp'], layout['repeats'])
+  perm = np.argsort(old)[new]  # new position j <- saved position holding canonical new[j]
+  shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
+  return permute_layers(state, perm, shardings)
+
+
+def load_params(path: str, abstract_params, layout: dict, warn=print):
+  """Warm start: the parameters of the newest good step under `path` (a run's workdir or its
+  checkpoints folder), checked against this config's shapes, in this run's layer order."""
+  directory = path if os.path.basename(os.path.normpath(path)) == 'checkpoints' else os.path.join(path, 'checkpoints')
+  if not os.path.isdir(directory):
+    raise CheckpointError(f'checkpoint.init_from={path!r}: no checkpoints folder at {directory}')
+  mgr = ocp.CheckpointManager(directory, item_names=('state', 'meta'),
+                              options=ocp.CheckpointManagerOptions(read_only=True))
+  for step in sorted(mgr.all_steps(), reverse=True):
+    meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+    check_signature(meta, {'params': abstract_params}, os.path.join(directory, str(step)), only='params/')
+    try:
+      item = {'params': abstract_params}
+      restored = mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                       restore_args=jax.tree.map(
+                                           lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), item))))
+    except Exception as e:
+      warn(f'checkpoint {directory}/{step} is damaged ({type(e).__name__}); trying the previous one')
+      continue
+    params = relayout(restored['state'], meta, layout, {'params': abstract_params})['params']
+    mgr.close()
+    return params, step
+  raise CheckpointError(f'checkpoint.init_from={path!r}: no usable checkpoint in {directory}')
+
+
+@jax.jit
+def _all_finite(tree):
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.floating)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

@@ -1,0 +1,178 @@
+"""Corpora, tokenisation and deterministic batches.
+
+The default corpus needs no download and was written by no one here: the Python standard
+library's own source files, read from the running interpreter's installation, as bytes
+(vocabulary 256). A user's text file or folder (`data.path`) is read the same way; a nanoGPT-style
+token file (`.bin`, uint16) or a folder with `train.bin` and `val.bin` is used as is.
+
+The held-out split is by file where there are files (a file is held out when a hash of its
+relative path says so), otherwise the tail of the stream. The batch of step i depends only on
+(seed, i): its rows are windows at offsets drawn from `default_rng([seed, i])`, so no layout,
+process count or resume point can change what a step sees. Each process builds only the rows of
+its own data-parallel shard; a background thread prepares the next batches while a step runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import queue
+import sysconfig
+import threading
+
+import jax
+import numpy as np
+
+from jax3d.config import ConfigError
+
+TEXT_SUFFIXES = ('.py', '.txt', '.md', '.rst', '.c', '.h', '.json', '.toml', '.cfg', '.ini', '.html')
+MAX_CORPUS_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class Corpus:
+  train: np.ndarray  # 1-D token stream
+  held_out: np.ndarray
+  vocab_size: int
+  source: str
+
+  def describe(self) -> str:
+    return (f'{self.source}: {self.train.size / 1e6:.1f}M train tokens, '
+            f'{self.held_out.size / 1e6:.2f}M held out, vocab {self.vocab_size}')
+
+
+def _held_out(rel_path: str, fraction: float) -> bool:
+  h = int.from_bytes(hashlib.sha1(rel_path.encode()).digest()[:4], 'little')
+  return h / 2**32 < fraction
+
+
+def _read_files(root: str, fraction: float, suffixes=TEXT_SUFFIXES) -> tuple[np.ndarray, np.ndarray]:
+  train, held, total = [], [], 0
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in ('site-packages', '__pycache__')
+                         and not d.startswith('.'))
+    for name in sorted(filenames):
+      if not name.endswith(suffixes):
+        continue
+      path = os.path.join(dirpath, name)
+      try:
+        with open(path, 'rb') as f:
+          raw = f.read()
+      except OSError:
+        continue
+      if not raw:
+        continue
+      (held if _held_out(os.path.relpath(path, root), fraction) else train).append(raw)
+      total += len(raw)
+      if total > MAX_CORPUS_BYTES:
+        break
+  to_arr = lambda parts: np.frombuffer(b'\n'.join(parts), dtype=np.uint8)
+  return to_arr(train), to_arr(held)
+
+
+def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
+  """Reads the corpus named by `data.path` ('' = the standard library). Raises ConfigError when
+  the path does not exist or holds too little usable data for one sequence."""
+  if not path:
+    root = sysconfig.get_paths()['stdlib']
+    train, held = _read_files(root, eval_fraction, ('.py',))
+    corpus = Corpus(train, held, 256, f'Python standard library source ({root})')
+  elif not os.path.exists(path):
+    raise ConfigError(f'data.path={path!r} does not exist (give a text file, a folder of text files, '
+                      'a uint16 .bin token file, or a folder with train.bin and val.bin)')
+  elif os.path.isdir(path) and os.path.exists(os.path.join(path, 'train.bin')):
+    train = np.memmap(os.path.join(path, 'train.bin'), dtype=np.uint16, mode='r')
+    val_path = os.path.join(path, 'val.bin')
+    held = (np.memmap(val_path, dtype=np.uint16, mode='r') if os.path.exists(val_path)
+            else train[int(len(train) * (1 - eval_fraction)):])
+    corpus = Corpus(train, held, int(max(train.max(initial=0), held.max(initial=0))) + 1, f'tokens {path}')
+  elif path.endswith('.bin'):
+    tokens = np.memmap(path, dtype=np.uint16, mode='r')
+    cut = int(len(tokens) * (1 - eval_fraction))
+    corpus = Corpus(tokens[:cut], tokens[cut:], int(tokens.max(initial=0)) + 1, f'tokens {path}')
+  elif os.path.isdir(path):
+    train, held = _read_files(path, eval_fraction)
+    if held.size < min_tokens:  # too few files to split by file: hold out the tail instead
+      stream = np.concatenate([train, held])
+      cut = int(len(stream) * (1 - eval_fraction))
+      train, held = stream[:cut], stream[cut:]
+    corpus = Corpus(train, held, 256, f'text files under {path}')
+  else:
+    with open(path, 'rb') as f:
+      stream = np.frombuffer(f.read(), dtype=np.uint8)
+    cut = int(len(stream) * (1 - eval_fraction))
+    corpus = Corpus(stream[:cut], stream[cut:], 256, f'text file {path}')
+  for name, arr in (('training', corpus.train), ('held-out', corpus.held_out)):
+    if arr.size < min_tokens:
+      raise ConfigError(f'data.path={path!r} holds no usable {name} data: {arr.size} tokens, need at '
+                        f'least {min_tokens} (train.seq_len + 1)')
+  return corpus
+
+
+def check_vocab(corpus: Corpus, vocab_size: int) -> None:
+  if corpus.vocab_size > vocab_size:
+    raise ConfigError(f'model.vocab_size={vocab_size} is smaller than the data\'s vocabulary '
+                      f'({corpus.vocab_size}, {corpus.source})')
+
+
+def batch_rows(tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int,
+               rows: slice = slice(None)) -> dict[str, np.ndarray]:
+  """Rows `rows` of the batch of step `step`: windows of seq_len+1 tokens at (seed, step) offsets."""
+  offsets = np.random.default_rng([seed, step]).integers(0, tokens.size - seq_len - 1, size=batch)
+  windows = np.stack([np.asarray(tokens[o:o + seq_len + 1]) for o in offsets[rows]]).astype(np.int32)
+  return {'inputs': windows[:, :-1], 'targets': windows[:, 1:]}
+
+
+def eval_batches(corpus: Corpus, seed: int, n: int, batch: int, seq_len: int):
+  """The fixed held-out batches (the same for every eval of a run and every layout)."""
+  return [batch_rows(corpus.held_out, seed + 1_000_003, j, batch, seq_len) for j in range(n)]
+
+
+def local_rows(sharding, batch: int) -> slice:
+  """The rows of the global batch this process holds under `sharding` (contiguous over dp)."""
+  idx = sharding.addressable_devices_indices_map((batch, 1))
+  starts = sorted({(i[0].start or 0) for i in idx.values()})
+  stops = sorted({(i[0].stop if i[0].stop is not None else batch) for i in idx.values()})
+  return slice(starts[0], stops[-1])
+
+
+def to_global(local: dict[str, np.ndarray], sharding, batch: int) -> dict[str, jax.Array]:
+  return {k: jax.make_array_from_process_local_data(sharding, v, (batch,) + v.shape[1:])
+          for k, v in local.items()}
+
+
+class Prefetcher:
+  """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step."""
+
+  def __init__(self, corpus: Corpus, seed: int, start: int, stop: int, batch: int, seq_len: int,
+               sharding, depth: int = 2):
+    self.rows = local_rows(sharding, batch)
+    self.args = (corpus.train, seed, batch, seq_len)
+    self.sharding, self.batch = sharding, batch
+    self.q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+    self._stop = threading.Event()
+    self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
+    self.thread.start()
+
+  def _run(self, start, stop):
+    tokens, seed, batch, seq_len = self.args
+    for i in range(start, stop):
+      if self._stop.is_set():
+        return
+      local = batch_rows(tokens, seed, i, batch, seq_len, self.rows)
+      item = (i, to_global(local, self.sharding, self.batch))
+      while not self._stop.is_set():
+        try:
+          self.q.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+
+  def next(self, expected_step: int):
+    i, b = self.q.get()
+    if i != expected_step:
+      raise RuntimeError(f'data pipeline out of order: got step {i}, expected {expected_step}')
+    return b
+
+  def close(self):
+    self._stop.set()

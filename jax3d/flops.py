@@ -1,0 +1,90 @@
+"""Model FLOPs and MFU: the standard numerator (PaLM appendix B) over the hardware's peak.
+
+  model FLOPs per token = 6 * P + 12 * L * h * s
+  MFU = tokens/s * model FLOPs per token / (peak FLOP/s per device * devices)
+
+P is the parameter count of the real model *minus the input embedding table*: the embedding is a
+lookup (a gather) and does no multiply-adds, while the output head is a real [h, V] matmul and is
+counted. (PaLM's N is the parameter count; nanoGPT drops the position table for the same reason.)
+The 12*L*h*s term is attention's scores and weighted sum (2 matmuls of 2*s*h FLOPs per token per
+layer, times 3 for forward + backward), counted over the full s as PaLM does (no causal halving).
+Recomputation (remat) and the SPMD pipeline's bubble iterations are *not* counted: MFU measures
+useful work, so they lower MFU (they would count in HFU).
+
+Peaks are dense bf16 tensor-core FLOP/s from the vendors' data sheets, per device. There is no
+honest peak for a CPU, so on CPU (or an unknown device) MFU is None unless the config sets
+`hardware.peak_tflops`. Note an fp32 run on a GPU runs its matmuls in TF32 at best (half the
+bf16 peak or less), so its MFU against the bf16 peak is low by construction.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+# (substring of jax's device.device_kind, dense bf16 TFLOP/s per device). First match wins, so
+# the more specific names come first.
+PEAK_TFLOPS = (
+    ('H100 PCIe', 756.0),
+    ('H100', 989.0),  # SXM ('NVIDIA H100 80GB HBM3')
+    ('H200', 989.0),
+    ('H800', 989.0),
+    ('GH200', 989.0),
+    ('B200', 2250.0),
+    ('A100', 312.0),
+    ('A800', 312.0),
+    ('L40S', 362.0),
+    ('L4', 121.0),
+    ('A10', 125.0),
+    ('V100', 125.0),  # fp16 tensor cores (no bf16)
+    ('TPU v6 lite', 918.0),
+    ('TPU v5 lite', 197.0),
+    ('TPU v5', 459.0),  # v5p
+    ('TPU v4', 275.0),
+)
+
+
+def model_params(dims) -> int:
+  """P of the MFU numerator: every parameter except the input embedding table (a lookup)."""
+  return dims.param_count() - dims.vocab_size * dims.d_model
+
+
+def flops_per_token(dims, seq_len: int) -> float:
+  """Training FLOPs per token, 6 * P + 12 * L * h * s (forward + backward, no recompute)."""
+  return 6.0 * model_params(dims) + 12.0 * dims.n_layers * dims.d_model * seq_len
+
+
+def peak_flops(device=None, override_tflops: float = 0.0) -> Optional[float]:
+  """Peak FLOP/s of one device: the override if > 0, else the table, else None (CPU, unknown)."""
+  if override_tflops and override_tflops > 0:
+    return float(override_tflops) * 1e12
+  if device is None or getattr(device, 'platform', 'cpu') == 'cpu':
+    return None
+  kind = getattr(device, 'device_kind', '')
+  for name, tflops in PEAK_TFLOPS:
+    if name in kind:
+      return tflops * 1e12
+  return None
+
+
+def mfu(tokens_per_sec: float, per_token_flops: float, peak_per_device: Optional[float],
+        n_devices: int) -> Optional[float]:
+  """Model FLOPs utilisation in [0, 1], or None when the peak is unknown."""
+  if not peak_per_device or n_devices < 1:
+    return None
+  return tokens_per_sec * per_token_flops / (peak_per_device * n_devices)
+
+
+class MFUMeter:
+  """What train.py needs per log line: built once from the config, called with tokens/s.
+
+    meter = flops.MFUMeter(setup.dims, cfg.train.seq_len, jax.devices()[0], plan.n_devices,
+                           cfg.hardware.peak_tflops)
+    record['mfu'] = meter(tokens_per_sec)      # float or None
+  """
+
+  def __init__(self, dims, seq_len: int, device, n_devices: int, override_tflops: float = 0.0):
+    self.per_token = flops_per_token(dims, seq_len)
+    self.peak = peak_flops(device, override_tflops)
+    self.n_devices = n_devices
+
+  def __call__(self, tokens_per_sec: float) -> Optional[float]:
+    return mfu(tokens_per_sec, self.per_token, self.peak, self.n_devices)

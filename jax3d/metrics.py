@@ -1,0 +1,102 @@
+"""What a run reports: `WORKDIR/metrics.jsonl` records and the console (process 0 only).
+
+metrics.jsonl contract: one JSON object per line, appended (a resumed run appends again; readers
+take the last record of a step). Kinds of record:
+  {"event": "start", "layout": {...}, "config": {...}}                 once per (re)start
+  {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "tokens", "mfu", "memory"}
+  {"step", "eval_loss"}                                                  held-out evaluations
+  {"step", "event": "nonfinite" | "memory_leak" | "checkpoint" | ..., ...}
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+def is_main_process() -> bool:
+  return jax.process_index() == 0
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {k: _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (np.generic, np.ndarray)) or hasattr(x, 'dtype'):
+    x = np.asarray(x).tolist()
+  if isinstance(x, float) and not math.isfinite(x):
+    return None if math.isnan(x) else (1e308 if x > 0 else -1e308)
+  return x
+
+
+class MetricsWriter:
+  """Appends records to WORKDIR/metrics.jsonl and keeps them in memory (for the Python API)."""
+
+  def __init__(self, workdir: str | None):
+    self.records: list[dict] = []
+    self.path = os.path.join(workdir, 'metrics.jsonl') if workdir else None
+    self.file = None
+    if self.path and is_main_process():
+      os.makedirs(workdir, exist_ok=True)
+      self.file = open(self.path, 'a')
+
+  def write(self, record: dict) -> None:
+    record = _jsonable(record)
+    self.records.append(record)
+    if self.file:
+      self.file.write(json.dumps(record) + '\n')
+      self.file.flush()
+
+  def close(self) -> None:
+    if self.file:
+      self.file.close()
+      self.file = None
+
+
+def fmt_bytes(n: float) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+    if abs(n) < 1024 or unit == 'TiB':
+      return f'{n:.1f} {unit}' if unit != 'B' else f'{int(n)} B'
+    n /= 1024
+
+
+def fmt_duration(s: float) -> str:
+  s = int(max(s, 0))
+  return f'{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60}:{s % 60:02d}'
+
+
+class Console:
+  """Console output of process 0: `log` lines, and a live progress line on a terminal."""
+
+  def __init__(self, total_steps: int, live: bool = True):
+    self.main = is_main_process()
+    self.total = total_steps
+    self.live = live and self.main and sys.stdout.isatty()
+    self.t0 = time.time()
+
+  def log(self, msg: str = '') -> None:
+    if self.main:
+      if self.live:
+        sys.stdout.write('\r\033[K')
+      print(msg, flush=True)
+
+  def warn(self, msg: str) -> None:
+    if self.live:
+      sys.stdout.write('\r\033[K')
+    print(f'warning: {msg}', file=sys.stderr, flush=True)
+
+  def progress(self, step: int, start_step: int, loss: float, tok_s: float, step_s: float) -> None:
+    if not self.live:
+      return
+    done = (step - start_step) / max(self.total - start_step, 1)
+    eta = (self.total - step) * step_s
+    bar = '#' * int(30 * done) + '-' * (30 - int(30 * done))
+    sys.stdout.write(f'\r[{bar}] step {step}/{self.total} loss {loss:.4f} {tok_s:,.0f} tok/s '
+                     f'{step_s * 1e3:.0f} ms/step ETA {fmt_duration(eta)}')
+    sys.stdout.flush()

@@ -1,0 +1,245 @@
+"""The training loop behind `python -m jax3d.train` and the Python API.
+
+  t = Trainer(load_config('configs/tiny.py', {'train.steps': 50}), workdir='runs/x')
+  t.train()            # resumes from workdir if it holds a checkpoint
+  t.evaluate()         # held-out loss
+  t.sample('def ')     # text
+
+Order of work: validate the config and the data (errors here, before anything compiles) ->
+mesh -> abstract state and shardings -> restore or jitted sharded init -> loop.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+
+from jax3d import checkpoint as ckpt_lib
+from jax3d import config as config_lib
+from jax3d import data as data_lib
+from jax3d import generate as gen_lib
+from jax3d import mesh as mesh_lib
+from jax3d import metrics as metrics_lib
+from jax3d import step as step_lib
+
+
+class TrainingError(RuntimeError):
+  """The run cannot go on (non-finite steps, ...); the CLI exits with status 3."""
+
+
+class Trainer:
+  def __init__(self, cfg, workdir: str | None = None, devices=None, console: bool = True):
+    self.cfg, self.workdir = cfg, workdir
+    devices = list(devices if devices is not None else jax.devices())
+    self.plan = config_lib.validate(cfg, len(devices))
+    self.corpus = data_lib.load_corpus(cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1)
+    data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
+    self.mesh = mesh_lib.build_mesh(self.plan, devices, cfg.mesh.allow_tp_across_hosts)
+    self.setup = step_lib.Setup.create(cfg, self.plan, self.mesh)
+    self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)
+    self.quiet = not console
+    self.writer = metrics_lib.MetricsWriter(workdir)
+    self.checkpointer = (ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), cfg.checkpoint.keep,
+                                               cfg.checkpoint.async_save) if workdir else None)
+    self.state = None
+    self._train_step = self._eval_step = None
+    self._stop_signal = None
+
+  # ------------------------------------------------------------------ set-up
+  @property
+  def layout(self) -> dict:
+    p = self.plan
+    return {'dp': p.dp, 'pp': p.pp, 'tp': p.tp, 'microbatches': p.microbatches, 'repeats': p.repeats,
+            'n_layers': self.cfg.model.n_layers, 'n_devices': p.n_devices}
+
+  def log(self, msg: str = '') -> None:
+    if not self.quiet:
+      self.console.log(msg)
+
+  def summary(self) -> list[str]:
+    p, d = self.plan, self.setup.dims
+    n_params = d.param_count()
+    shardings = step_lib.param_shardings(self.setup)
+    shapes = jax.eval_shape(lambda: step_lib.init_state(jax.random.key(0), self.setup)['params'])
+    per_dev = sum(int(np.prod(sh.shard_shape(a.shape))) * a.dtype.itemsize
+                  for a, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
+    lc = d.n_layers // (p.pp * p.repeats)
+    return [
+        f'jax3d: {p.n_devices} {jax.devices()[0].platform} devices, mesh dp={p.dp} x pp={p.pp} x tp={p.tp}',
+        f'  model: {d.n_layers} layers, d_model {d.d_model}, heads {d.n_heads}/{d.n_kv_heads} kv, '
+        f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
+        f'  parameters per device: {metrics_lib.fmt_bytes(per_dev)} ({self.cfg.train.param_dtype}), '
+        f'compute {self.cfg.train.compute_dtype}, remat {self.cfg.train.remat}',
+        f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
+        f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '
+        f'{p.bubble:.1%} (executed/useful stage work {p.iterations / (p.repeats * p.microbatches):.2f}); '
+        f'embedding and head run on all {p.n_devices} devices',
+        f'  per stage: {lc * p.repeats} layers = {2 * lc * p.repeats * (n_params - 2 * d.vocab_size * d.d_model) / d.n_layers * p.micro_batch * p.seq_len * p.microbatches / 1e9:.2f} '
+        f'GFLOP forward per step (equal for every stage)',
+        f'  tokens per step: {p.tokens_per_step:,} ({p.global_batch} x {p.seq_len}), grad_accum '
+        f'{p.grad_accum}',
+        f'  data: {self.corpus.describe()}',
+    ]
+
+  def init_state(self) -> str:
+    """Restores the newest good checkpoint, or warm-starts, or initialises. Returns what it did."""
+    abstract = step_lib.abstract_state(self.setup)
+    if self.checkpointer and self.checkpointer.steps():
+      state, meta = self.checkpointer.restore_latest(abstract, self.layout, warn=self.console.warn)
+      if state is not None:
+        self.state = state
+        saved = meta['layout']
+        return (f'resumed from {self.checkpointer.directory}/{meta["step"]} (saved under dp={saved["dp"]} '
+                f'pp={saved["pp"]} tp={saved["tp"]} repeats={saved["repeats"]}), next step {meta["step"]}')
+    self.state = step_lib.make_init(self.setup)(self.cfg.train.seed)
+    if self.cfg.checkpoint.init_from:
+      params, step = ckpt_lib.load_params(self.cfg.checkpoint.init_from, abstract['params'], self.layout,
+                                          warn=self.console.warn)
+      self.state['params'] = params
+      return f'initialised, parameters warm-started from {self.cfg.checkpoint.init_from} (step {step})'
+    return f'initialised from seed {self.cfg.train.seed}'
+
+  def _compile(self):
+    if self._train_step is None:
+      self._train_step = step_lib.make_train_step(self.setup)
+      self._eval_step = step_lib.make_eval_step(self.setup)
+
+  @property
+  def step(self) -> int:
+    return int(jax.device_get(self.state['step']))
+
+  # ------------------------------------------------------------------ checkpoints
+  def meta(self) -> dict:
+    step = self.step
+    return {'step': step, 'data_step': step, 'seed': self.cfg.train.seed, 'layout': self.layout,
+            'config': self.cfg.to_dict()}
+
+  def save(self, force: bool = True) -> str | None:
+    if not self.checkpointer:
+      return None
+    step = self.step
+    if step in self.checkpointer.steps():
+      return os.path.join(self.checkpointer.directory, str(step))
+    self.checkpointer.save(step, self.state, self.meta(), force=force)
+    return os.path.join(self.checkpointer.directory, str(step))
+
+  # ------------------------------------------------------------------ evaluation and text
+  def evaluate(self) -> float:
+    self._compile()
+    batches = data_lib.eval_batches(self.corpus, self.cfg.train.seed, self.cfg.eval.batches,
+                                    self.plan.chunk_batch, self.plan.seq_len)
+    sh = step_lib.batch_sharding(self.setup)
+    losses = [self._eval_step(self.state['params'], data_lib.to_global(
+        {k: v[data_lib.local_rows(sh, self.plan.chunk_batch)] for k, v in b.items()}, sh,
+        self.plan.chunk_batch)) for b in batches]
+    return float(np.mean(jax.device_get(losses)))
+
+  def sample(self, prompt: str | None = None, n_tokens: int | None = None, temperature: float | None = None,
+             top_k: int | None = None, seed: int = 0) -> str:
+    s = self.cfg.sample
+    prompt = s.prompt if prompt is None else prompt
+    toks = gen_lib.generate(self.setup.dims, self.state['params'],
+                            (self.cfg.model.n_layers, self.plan.pp, self.plan.repeats),
+                            list(prompt.encode()), n_tokens or s.tokens, self.cfg.model.max_seq_len,
+                            s.temperature if temperature is None else temperature,
+                            s.top_k if top_k is None else top_k, seed)
+    return prompt + gen_lib.decode_bytes(toks)
+
+  # ------------------------------------------------------------------ the loop
+  def _on_sigterm(self, signum, frame):
+    self._stop_signal = signum
+
+  def train(self, steps: int | None = None) -> list[dict]:
+    """Trains until `train.steps` (or `steps` more steps). Returns the metric records written."""
+    cfg, plan = self.cfg, self.plan
+    if self.state is None:
+      self.log(self.init_state())
+    self._compile()
+    start = self.step
+    stop = cfg.train.steps if steps is None else start + steps
+    n_first = len(self.writer.records)
+    self.writer.write({'event': 'start', 'step': start, 'layout': self.layout, 'config': cfg.to_dict()})
+    prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
+    prefetch = data_lib.Prefetcher(self.corpus, cfg.train.seed, start, stop, plan.global_batch,
+                                   plan.seq_len, step_lib.batch_sharding(self.setup), cfg.data.prefetch)
+    bad, t_last, steps_since, t_compile = 0, time.time(), 0, None
+    try:
+      for i in range(start, stop):
+        batch = prefetch.next(i)
+        t0 = time.time()
+        self.state, m = self._train_step(self.state, batch)
+        m = jax.device_get(m)
+        if t_compile is None:
+          t_compile = time.time() - t0
+          self.log(f'  first step (compile + run): {t_compile:.1f} s')
+          t_last, steps_since = time.time(), 0
+        else:
+          steps_since += 1
+        step = i + 1
+        if not m['finite']:
+          bad += 1
+          msg = (f'step {step}: non-finite loss {float(m["loss"])} / grad norm {float(m["grad_norm"])}; '
+                 f'update skipped ({bad} in a row, limit train.max_bad_steps={cfg.train.max_bad_steps})')
+          self.console.warn(msg)
+          self.writer.write({'step': step, 'event': 'nonfinite', 'loss': float(m['loss']),
+                             'grad_norm': float(m['grad_norm']), 'consecutive': bad})
+          if bad >= cfg.train.max_bad_steps:
+            raise TrainingError(f'stopping at step {step}: {bad} consecutive non-finite steps '
+                                f'(loss {float(m["loss"])}, grad norm {float(m["grad_norm"])}); the last '
+                                f'checkpoint holds finite values only')
+        else:
+          bad = 0
+        if step % cfg.log.every == 0 or step == stop:
+          now = time.time()
+          dt = (now - t_last) / max(steps_since, 1)
+          tok_s = plan.tokens_per_step / dt if steps_since else 0.0
+          self.writer.write({'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']),
+                             'grad_norm': float(m['grad_norm']), 'tokens_per_sec': tok_s,
+                             'step_time_s': dt, 'tokens': step * plan.tokens_per_step})
+          self.log(f'step {step:>6}/{stop}  loss {float(m["loss"]):.4f}  lr {float(m["lr"]):.2e}  '
+                   f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step  '
+                   f'ETA {metrics_lib.fmt_duration((stop - step) * dt)}')
+          t_last, steps_since = now, 0
+        self.console.progress(step, start, float(m['loss']), plan.tokens_per_step / max(time.time() - t0, 1e-9),
+                              time.time() - t0)
+        if cfg.eval.every and step % cfg.eval.every == 0 and step != stop:
+          self._eval_and_log(step)
+          t_last = time.time()
+        if self.checkpointer and cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != stop:
+          self.save(force=True)
+        if self._stop_signal is not None:
+          path = self.save(force=True)
+          if self.checkpointer:
+            self.checkpointer.wait()
+          self.writer.write({'step': step, 'event': 'preempted', 'checkpoint': path})
+          self.log(f'SIGTERM: saved step {step} to {path}; run the same command again to resume')
+          return self.writer.records[n_first:]
+      self._eval_and_log(self.step)
+      if self.checkpointer and stop > start:
+        self.save(force=True)
+        self.checkpointer.wait()
+    finally:
+      prefetch.close()
+      if prev_handler is not None:
+        signal.signal(signal.SIGTERM, prev_handler)
+    return self.writer.records[n_first:]
+
+  def _eval_and_log(self, step: int) -> float:
+    loss = self.evaluate()
+    self.writer.write({'step': step, 'eval_loss': loss})
+    self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits)')
+    return loss
+
+  def close(self) -> None:
+    if self.checkpointer:
+      self.checkpointer.close()
+    self.writer.close()
+
+
+def _main_thread() -> bool:
+  import threading
+  return threading.current_thread() is threading.main_thread()
