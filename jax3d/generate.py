@@ -43,17 +43,19 @@ def _layer_cached(dims, p, x_btd, cache, pos_t, length):
   norm = lambda scale, x: (x.astype(jnp.float32) * jax.lax.rsqrt(
       jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + dims.norm_eps) * scale).astype(dims.dtype)
   a = norm(p['attn_norm']['scale'], x_btd)
-  q = _rope_at(jnp.einsum('btd,dnh->btnh', a, p['q']['kernel'].astype(dims.dtype)), pos_t, dims.rope_theta)
-  k = _rope_at(jnp.einsum('btd,dkh->btkh', a, p['k']['kernel'].astype(dims.dtype)), pos_t, dims.rope_theta)
-  v = jnp.einsum('btd,dkh->btkh', a, p['v']['kernel'].astype(dims.dtype))
+  b, t, _ = x_btd.shape
+  kv, gq = dims.n_kv_heads, dims.n_heads // dims.n_kv_heads
+  qkv = jnp.einsum('btd,dkch->btkch', a, p['qkv']['kernel'].astype(dims.dtype))
+  q = _rope_at(qkv[:, :, :, :gq].reshape(b, t, dims.n_heads, dims.head_dim), pos_t, dims.rope_theta)
+  k = _rope_at(qkv[:, :, :, gq], pos_t, dims.rope_theta)
+  v = qkv[:, :, :, gq + 1]
   k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache.dtype), pos_t[0], axis=1)
   v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache.dtype), pos_t[0], axis=1)
   o = _attend(q, k_cache, v_cache, pos_t, length)
   x_btd = x_btd + jnp.einsum('btnh,nhd->btd', o, p['o']['kernel'].astype(dims.dtype))
   m = norm(p['mlp_norm']['scale'], x_btd)
-  g = jnp.einsum('btd,df->btf', m, p['gate']['kernel'].astype(dims.dtype))
-  u = jnp.einsum('btd,df->btf', m, p['up']['kernel'].astype(dims.dtype))
-  y = jnp.einsum('btf,fd->btd', jax.nn.silu(g) * u, p['down']['kernel'].astype(dims.dtype))
+  gu = jnp.einsum('btd,dsf->btsf', m, p['gate_up']['kernel'].astype(dims.dtype))
+  y = jnp.einsum('btf,fd->btd', jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], p['down']['kernel'].astype(dims.dtype))
   return x_btd + y, jnp.stack([k_cache, v_cache])
 
 

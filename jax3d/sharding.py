@@ -2,7 +2,7 @@
 
   batch      micro-batch rows inside the pipeline          -> dp
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
-  seq, embed, head_dim, norm                               -> replicated
+  seq, embed, head_dim, norm, qkv, gate_up                 -> replicated
   heads, kv_heads    attention heads (Megatron column/row)  -> tp
   mlp        feed-forward hidden units (column/row)         -> tp
   vocab      vocabulary-parallel embedding and head         -> tp
@@ -17,12 +17,12 @@ from jax3d.config import RunPlan
 
 
 def logical_rules(plan: RunPlan) -> dict[str, object]:
-  # The batch outside the pipeline is split over dp*pp when the chunk allows it, else over dp.
-  batch_all = ('dp', 'pp') if plan.chunk_batch % (plan.dp * plan.pp) == 0 else 'dp'
+  # The batch outside the pipeline is split over dp*pp when each micro-batch allows it, else dp.
+  batch_all = ('dp', 'pp') if plan.micro_batch % (plan.dp * plan.pp) == 0 else 'dp'
   return {
       'batch': 'dp', 'batch_all': batch_all, 'seq': None, 'embed': None, 'head_dim': None,
       'norm': None, 'heads': 'tp', 'kv_heads': 'tp', 'mlp': 'tp', 'vocab': 'tp', 'layers': 'pp',
-      'micro': None,
+      'micro': None, 'qkv': None, 'gate_up': None,
   }
 
 
@@ -43,6 +43,11 @@ class use_rules:
   def __exit__(self, *exc):
     global _RULES
     _RULES = self.prev
+
+
+def stage_rules(rules: dict) -> dict:
+  """Rules inside the pipeline loop, which is manual over dp: rows are already local there."""
+  return dict(rules, batch=None)
 
 
 def spec(logical: tuple, rules: dict | None = None) -> P:

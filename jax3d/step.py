@@ -60,10 +60,16 @@ def loss_sum_fn(params, tokens_bt, targets_bt, s: Setup):
   dims, plan = s.dims, s.plan
   x_btd = model_lib.embed_apply(dims, params, tokens_bt)
   x_mbtd = sharding.constrain(to_microbatches(x_btd, plan.microbatches),
-                              ('micro', 'batch', 'seq', 'embed'))
-  layer_fn = lambda p, h: model_lib.block_apply(dims, p, h)
+                              ('micro', 'batch_all', 'seq', 'embed'))
+  inner = sharding.stage_rules(s.rules)
+
+  def layer_fn(p, h):
+    with sharding.use_rules(inner):
+      return model_lib.block_apply(dims, p, h)
+
   y_mbtd = pipeline.pipeline(layer_fn, params['layers'], x_mbtd, mesh=s.mesh, pp=plan.pp,
-                             repeats=plan.repeats, policy=s.cfg.train.remat)
+                             repeats=plan.repeats, policy=s.cfg.train.remat,
+                             scatter=s.rules['batch_all'] == ('dp', 'pp'))
   y_btd = sharding.constrain(from_microbatches(y_mbtd), ('batch_all', 'seq', 'embed'))
   logits_btv = model_lib.head_apply(dims, params, y_btd)
   return model_lib.cross_entropy_sum(logits_btv, targets_bt)
@@ -149,7 +155,7 @@ def make_init(s: Setup):
 def train_step(state, batch, s: Setup):
   with sharding.use_rules(s.rules):
     loss, grads = loss_and_grads(state['params'], batch, s)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = s.tx.update(grads, state['opt_state'], state['params'])
   params = optax.apply_updates(state['params'], updates)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

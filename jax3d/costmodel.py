@@ -1,0 +1,233 @@
+"""Memory and step-time estimates of one layout, from the formulas in docs (Megatron, Korthikanti).
+
+The estimate models what jax3d's step really does, so that it can be checked against XLA's own
+figure (`python -m jax3d.plan --verify`) and printed by the trainer before the first step:
+  - parameters, gradients and AdamW's m and v in `train.param_dtype`; layer weights split over
+    pp (the stacked layer axis) and tp; embedding and head over tp only (replicated over dp, pp);
+    the vocabulary padded to `model.vocab_multiple`; Adam moments over dp too with
+    `train.shard_optimizer` (ZeRO-1).
+  - one more copy of the parameters for the optimizer step's new values (kept beside the old
+    ones until the finite-check select); calibrated against XLA's figure, see `plan --verify`.
+  - activations of the SPMD GPipe pipeline (pipeline.py): its scan keeps the residuals of every one
+    of its v*m+p-1 iterations (bubble iterations included) for the backward pass. What one layer
+    keeps is read off the real layer (`jax.ad_checkpoint` residuals of `model.Block` at the
+    tp-local shapes, under the remat policy), so it follows the code, GQA and SwiGLU included; it
+    agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t)) where the layer is Megatron's.
+    With remat 'full' an iteration keeps only its carry (its input, the stage-0 queue and the
+    outputs: (2m+1) micro-batches).
+  - step time: compute at `efficiency` of peak, tp/pp/dp traffic over the links each axis is
+    placed on (mesh.py: tp inside a node, then pp, dp outermost), the dp all-reduce partly hidden
+    behind the backward pass, and the bubble as wasted compute: executed/useful = (v*m+p-1)/(v*m).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from jax3d.config import RunPlan
+
+GB = 1e9
+BYTES = {'float32': 4, 'bfloat16': 2, 'int8': 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """One cluster. Defaults: an H100/H200 SXM node (dense bf16 peak, NVLink 4, 400 Gb/s NIC per GPU)."""
+  nodes: int = 1
+  gpus_per_node: int = 8
+  memory_gb: float = 80.0
+  peak_tflops: float = 989.0  # dense bf16 per GPU; float32 compute runs at half (TF32)
+  efficiency: float = 0.55  # achievable share of peak for the model's matmuls
+  intra_gbps: float = 450.0  # GB/s per GPU per direction inside a node (NVLink)
+  inter_gbps: float = 50.0  # GB/s per GPU across nodes (400 Gb/s InfiniBand)
+  overlap: float = 0.5  # share of the backward pass the dp gradient all-reduce can hide behind
+  flash_attention: bool = True  # cuDNN fused attention (bf16 on GPU) keeps no s x s scores
+
+  @property
+  def n_devices(self) -> int:
+    return self.nodes * self.gpus_per_node
+
+
+@dataclasses.dataclass
+class Estimate:
+  """Bytes per device (`breakdown`, `total_bytes`) and seconds per step (`times`) of one layout."""
+  breakdown: dict
+  times: dict
+  plan: RunPlan
+  remat: str
+  shard_optimizer: bool
+  model_flops_per_token: float
+  device_memory_bytes: float | None = None
+
+  @property
+  def total_bytes(self) -> float:
+    return sum(self.breakdown.values())
+
+  @property
+  def step_time_s(self) -> float:
+    return self.times['step']
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.plan.tokens_per_step / self.step_time_s
+
+  @property
+  def mfu(self) -> float:
+    return self.model_flops_per_token * self.tokens_per_s / (self.plan.n_devices * self.times['peak'])
+
+  @property
+  def fits(self) -> bool:
+    return self.device_memory_bytes is None or self.total_bytes <= self.device_memory_bytes
+
+  @property
+  def reason(self) -> str:
+    if self.fits:
+      return ''
+    return (f'needs {self.total_bytes / GB:.1f} GB per GPU, has {self.device_memory_bytes / GB:.4g}')
+
+  def describe(self) -> str:
+    parts = ', '.join(f'{k} {v / GB:.2f}' for k, v in self.breakdown.items())
+    return (f'estimated {self.total_bytes / GB:.2f} GB per device ({parts}); step '
+            f'{self.step_time_s:.3g} s, bubble {self.plan.bubble:.0%}, MFU {self.mfu:.0%}')
+
+
+# ---------------------------------------------------------------------------------------------
+# What one layer keeps for the backward pass, read off the real layer.
+# ---------------------------------------------------------------------------------------------
+def layer_residual_bytes(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param,
+                         flash, batch) -> float:
+  """Bytes one tp shard of one layer keeps for its backward pass, inputs and weights included
+  (in the pipeline both are per-iteration values). Linear in the rows: traced at 1 and 2 rows."""
+  one, two = (_traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param,
+                                flash, b)
+              for b in (1, 2))
+  return one + (batch - 1) * (two - one)
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param,
+                      flash, batch) -> float:
+  """The residuals of the real layer at abstract shapes (nothing is computed or allocated).
+  XLA's attention keeps the s x s scores; a fused (flash) kernel keeps a logsumexp instead."""
+  import flax.linen as nn
+  import jax
+  from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals lists
+  from jax3d import model as model_lib, remat
+
+  @dataclasses.dataclass(frozen=True)
+  class ShardDims(model_lib.Dims):  # one tp shard: n/tp heads of the full head size
+    local_head_dim: int = 0
+
+    @property
+    def head_dim(self) -> int:
+      return self.local_head_dim
+
+  dims = ShardDims(n_layers=1, d_model=d_model, n_heads=n_heads // tp, n_kv_heads=n_kv_heads // tp,
+                   d_ff=d_ff // tp, vocab_size=1, vocab_padded=1, dtype=np.dtype(compute),
+                   param_dtype=np.dtype(param), local_head_dim=d_model // n_heads)
+  x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)
+  block = model_lib.Block(dims)
+  params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
+  fn = remat.wrap_layer(lambda h, p: (block.apply({'params': p}, h), None), policy)
+  res = saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x)
+  scores = lambda a: len(a.shape) >= 2 and a.shape[-2:] == (seq, seq)
+  kept = [a for a, _ in res if not (flash and scores(a))]
+  lse = batch * (n_heads // tp) * seq * 4 if flash else 0
+  return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept) + lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------------------------
+def local_params(cfg, plan: RunPlan) -> dict:
+  """Parameters held by one device: layer matrices over pp*tp, norms over pp, embed/head over tp."""
+  m = cfg.model
+  d, hd = m.d_model, m.d_model // m.n_heads
+  mats = d * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * d * m.d_ff
+  layers = m.n_layers // plan.pp * (mats // plan.tp + 2 * d)
+  return {'layers': layers, 'embed_head': 2 * plan.vocab_padded * d // plan.tp + d}
+
+
+def estimate(cfg, plan: RunPlan, gpu_memory_bytes: float | None = None,
+             hw: Hardware | None = None) -> Estimate:
+  """Memory per device and step time of `cfg` on the layout `plan` (see the module docstring).
+
+  Without `hw` (the trainer's call) the devices are the ones jax sees: fused attention where
+  train.attention picks cuDNN (explicitly, or 'auto' with bf16 on a GPU).
+  """
+  if hw is None:
+    import jax
+    flash = cfg.train.attention == 'cudnn' or (cfg.train.attention == 'auto' and jax.default_backend()
+                                               == 'gpu' and cfg.train.compute_dtype == 'bfloat16')
+    hw = Hardware(flash_attention=flash)
+  m, t = cfg.model, cfg.train
+  pb, cb = BYTES[t.param_dtype], BYTES[t.compute_dtype]
+  dp, pp, tp, mb, v = plan.dp, plan.pp, plan.tp, plan.microbatches, plan.repeats
+  s, h = plan.seq_len, m.d_model
+  n_local = sum(local_params(cfg, plan).values())
+
+  # --- memory -------------------------------------------------------------------------------
+  b = plan.micro_batch // dp  # rows of one micro-batch on one device
+  lc = m.n_layers // (pp * v)  # layers per chunk: what one pipeline iteration runs
+  res = functools.partial(layer_residual_bytes, h, m.n_heads, m.n_kv_heads, m.d_ff, s, tp,
+                          compute=t.compute_dtype, param=t.param_dtype, flash=hw.flash_attention, batch=b)
+  act_mb = b * s * h * cb  # one micro-batch's activation [b, s, h]
+  if t.remat == 'full':  # per iteration its carry (input and, with pp > 1, the stage-0 queue of m
+    # micro-batches), plus one iteration recomputed in the backward pass
+    carry = mb + 1 if pp > 1 else 1
+    acts = plan.iterations * carry * act_mb + lc * res(policy='full') + res(policy='none')
+  else:
+    acts = plan.iterations * lc * res(policy=t.remat) + res(policy='none')
+  rows_all = plan.chunk_batch // (dp * pp if plan.chunk_batch % (dp * pp) == 0 else dp)
+  # fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out.
+  head = rows_all * s * (3 * 4 * plan.vocab_padded // tp + 2 * h * cb)
+  grads = n_local * pb * (2 if plan.grad_accum > 1 else 1)  # + the accumulator
+  breakdown = {'params': n_local * pb, 'grads': grads,
+               'optimizer': 2 * n_local * pb / (dp if t.shard_optimizer else 1),
+               'activations': acts, 'head': head,
+               # The optimizer step's new values exist beside the old ones until the finite-check
+               # select (step.train_step) picks one: about one more copy of the parameters.
+               'update': n_local * pb}
+
+  # --- time ---------------------------------------------------------------------------------
+  dims_p = param_count(cfg)
+  p_layers = m.n_layers * (local_params(cfg, dataclasses.replace(plan, pp=1, tp=1))['layers'] // m.n_layers)
+  attn = 12 * m.n_layers * h * s
+  flops_token = 6 * dims_p + attn
+  # Recomputed forward work per token: 'full' reruns each iteration and, inside it, each layer
+  # (both are checkpointed: 2 extra forwards); 'dots' the attention core; 'attn' the matmuls.
+  extra = {'none': 0, 'dots': attn / 3, 'attn': 2 * p_layers, 'full': 2 * (2 * p_layers + attn / 3)}
+  layer_flops = 6 * p_layers + attn + extra[t.remat]
+  waste = plan.iterations / (v * mb)  # (v*m+p-1)/(v*m): bubble iterations compute too
+  peak = hw.peak_tflops * 1e12 * (1.0 if t.compute_dtype == 'bfloat16' else 0.5)
+  tokens = plan.tokens_per_step
+  compute = tokens * (layer_flops * waste + 6 * (dims_p - p_layers)) / plan.n_devices / (peak * hw.efficiency)
+
+  per_host = hw.gpus_per_node
+  tp_in = tp <= per_host
+  pp_in = tp * pp <= per_host
+  dp_in = tp * pp * dp <= per_host
+  bw = lambda inside: (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
+  fwd_passes = 1 + {'none': 0, 'dots': 0, 'attn': 1, 'full': 2}[t.remat]
+  layer_calls = plan.iterations * lc * plan.grad_accum
+  tp_bytes = layer_calls * (2 * fwd_passes + 2) * 2 * (tp - 1) / tp * act_mb
+  pp_bytes = plan.iterations * plan.grad_accum * (2 + (t.remat == 'full')) * act_mb if pp > 1 else 0
+  dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
+  t_dp = dp_bytes / bw(dp_in)
+  times = {'compute': compute, 'tp': tp_bytes / bw(tp_in), 'pp': pp_bytes / bw(pp_in),
+           'dp': t_dp, 'dp_hidden': min(t_dp, hw.overlap * compute * 2 / 3), 'peak': hw.peak_tflops * 1e12}
+  times['step'] = compute + times['tp'] + times['pp'] + t_dp - times['dp_hidden']
+  return Estimate(breakdown=breakdown, times=times, plan=plan, remat=t.remat,
+                  shard_optimizer=bool(t.shard_optimizer), model_flops_per_token=flops_token,
+                  device_memory_bytes=gpu_memory_bytes)
+
+
+def param_count(cfg) -> int:
+  """The real model's parameters (padded vocabulary rows excluded), as model.Dims.param_count."""
+  m = cfg.model
+  d, hd = m.d_model, m.d_model // m.n_heads
+  per_layer = 2 * d + d * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * d * m.d_ff
+  return m.n_layers * per_layer + 2 * m.vocab_size * d + d

@@ -1,0 +1,110 @@
+"""Compile time, median step time and compiled memory of the train step under several layouts.
+
+  python scripts/bench_step.py [--steps=20] [--json=bench_step.json] [--dtype=float32,bfloat16]
+                               [--layouts=1x1x1,4x1x2,2x2x2] [--layer-sweep]
+
+Shape (the issue's reference): 4 layers, d_model 256, 4 heads, 4 KV heads, d_ff 1024, vocab 1024,
+seq 128, global batch 8, full rematerialisation. Layout DPxPPxTP; pipelined layouts use
+microbatches=4 unless given as DPxPPxTPmM. Step time is the median of steps 5..N-1; the ratio is
+against the one-device run of the same dtype, next to the ideal ratio from the bubble
+(v*m+p-1)/(v*m). Everything is measured side by side in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jax3d.mesh import use_fake_cpu_devices  # noqa: E402
+
+use_fake_cpu_devices(8)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax3d import config as config_lib, mesh as mesh_lib, step as step_lib  # noqa: E402
+
+SHAPE = {'model.n_layers': 4, 'model.d_model': 256, 'model.n_heads': 4, 'model.n_kv_heads': 4,
+         'model.d_ff': 1024, 'model.vocab_size': 1024, 'train.seq_len': 128,
+         'train.global_batch_size': 8, 'train.remat': 'full', 'train.warmup_steps': 2}
+
+
+def parse_layout(s: str):
+  m = None
+  if 'm' in s:
+    s, m = s.split('m')
+  dp, pp, tp = (int(x) for x in s.split('x'))
+  return dp, pp, tp, int(m) if m else (4 if pp > 1 else 1)
+
+
+def measure(overrides: dict, steps: int) -> dict:
+  cfg = config_lib.load_config('tiny', overrides)
+  n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
+  plan = config_lib.validate(cfg, n)
+  mesh = mesh_lib.build_mesh(plan, jax.devices()[:n])
+  s = step_lib.Setup.create(cfg, plan, mesh)
+  state = step_lib.make_init(s)(0)
+  rng = np.random.default_rng(0)
+  toks = rng.integers(0, cfg.model.vocab_size, (plan.global_batch, plan.seq_len + 1)).astype(np.int32)
+  sh = step_lib.batch_sharding(s)
+  batch = {'inputs': jax.device_put(toks[:, :-1], sh), 'targets': jax.device_put(toks[:, 1:], sh)}
+  fn = step_lib.make_train_step(s)
+  t0 = time.perf_counter()
+  compiled = fn.lower(state, batch).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m['loss'])
+    times.append(time.perf_counter() - t0)
+  return {'compile_s': compile_s, 'step_s': statistics.median(times[5:]), 'loss': float(m['loss']),
+          'temp_bytes': mem.temp_size_in_bytes, 'argument_bytes': mem.argument_size_in_bytes,
+          'bubble_ratio': plan.iterations / (plan.repeats * plan.microbatches)}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument('--steps', type=int, default=20)
+  ap.add_argument('--json', default='bench_step.json')
+  ap.add_argument('--dtype', default='float32,bfloat16')
+  ap.add_argument('--layouts', default='1x1x1,8x1x1,4x1x2,2x1x4,2x2x2,1x2x4,2x4x1m8')
+  ap.add_argument('--layer-sweep', action='store_true', help='compile time against 4, 16, 64 layers')
+  args = ap.parse_args()
+  rows = []
+  print(f'{"layout":>12} {"dtype":>9} {"compile s":>9} {"step s":>8} {"ratio":>6} {"ideal":>6} '
+        f'{"temp MiB":>9} {"args MiB":>9}')
+  for dtype in args.dtype.split(','):
+    base = None
+    for lay in args.layouts.split(','):
+      dp, pp, tp, m = parse_layout(lay)
+      ov = dict(SHAPE, **{'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp, 'pipeline.microbatches': m,
+                          'train.compute_dtype': dtype})
+      r = measure(ov, args.steps)
+      base = base or (r['step_s'] if (dp, pp, tp) == (1, 1, 1) else None)
+      r.update(layout=lay, dtype=dtype, ratio=r['step_s'] / base if base else None)
+      rows.append(r)
+      ratio = f'{r["ratio"]:.2f}' if r['ratio'] else '-'
+      print(f'{lay:>12} {dtype:>9} {r["compile_s"]:>9.2f} {r["step_s"]:>8.3f} {ratio:>6} '
+            f'{r["bubble_ratio"]:>6.2f} {r["temp_bytes"] / 2**20:>9.1f} {r["argument_bytes"] / 2**20:>9.1f}',
+            flush=True)
+  sweep = []
+  if args.layer_sweep:
+    for L in (4, 16, 64):
+      ov = dict(SHAPE, **{'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.microbatches': 4,
+                          'model.n_layers': L})
+      r = measure(ov, 6)
+      sweep.append({'n_layers': L, 'compile_s': r['compile_s']})
+      print(f'compile time, {L:>2} layers (2x2x2): {r["compile_s"]:.2f} s')
+    print(f'ratio 64 layers / 4 layers: {sweep[-1]["compile_s"] / sweep[0]["compile_s"]:.2f}')
+  with open(args.json, 'w') as f:
+    json.dump({'rows': rows, 'layer_sweep': sweep, 'jax': jax.__version__}, f, indent=1)
+  print(f'wrote {args.json}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,61 @@
+"""Small shared pieces of the tests: a small model config and a one-layout runner."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax3d import config as config_lib, mesh as mesh_lib, pipeline, step as step_lib
+
+SMALL = {'model.n_layers': 8, 'model.d_model': 64, 'model.n_heads': 8, 'model.n_kv_heads': 8,
+         'model.d_ff': 128, 'model.vocab_size': 256, 'train.seq_len': 16,
+         'train.global_batch_size': 32, 'train.warmup_steps': 1, 'train.lr': 1e-2,
+         'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 1, 'pipeline.microbatches': 1}
+
+
+def small_cfg(**over):
+  ov = dict(SMALL)
+  ov.update({k.replace('__', '.'): v for k, v in over.items()})
+  return config_lib.load_config('tiny', ov)
+
+
+def setup_for(cfg):
+  n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
+  plan = config_lib.validate(cfg, n)
+  mesh = mesh_lib.build_mesh(plan, jax.devices()[:n])
+  return step_lib.Setup.create(cfg, plan, mesh)
+
+
+def fixed_batches(cfg, n, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    t = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1))
+    out.append({'inputs': t[:, :-1].astype(np.int32), 'targets': t[:, 1:].astype(np.int32)})
+  return out
+
+
+def canonical(s, params):
+  """Parameters with the layer axis in canonical order (layout-independent), on the host."""
+  params = dict(params)
+  params['layers'] = pipeline.to_canonical(params['layers'], s.dims.n_layers, s.plan.pp, s.plan.repeats)
+  return jax.device_get(params)
+
+
+def run_steps(cfg, n_steps=3):
+  """Losses of the first n steps and the step-1 gradients (canonical order) under cfg's layout."""
+  s = setup_for(cfg)
+  state = step_lib.make_init(s)(cfg.train.seed)
+  sh = step_lib.batch_sharding(s)
+  batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in fixed_batches(cfg, n_steps)]
+  grad_fn = step_lib.MeshJit(lambda p, b: step_lib.loss_and_grads(p, b, s)[1], s.mesh)
+  with_rules = lambda p, b: grad_fn(p, b)
+  from jax3d import sharding
+  with sharding.use_rules(s.rules):
+    grads = canonical(s, with_rules(state['params'], batches[0]))
+  init_params = canonical(s, state['params'])
+  train = step_lib.make_train_step(s)
+  losses = []
+  for b in batches:
+    state, m = train(state, b)
+    losses.append(float(m['loss']))
+  return np.array(losses), grads, init_params

@@ -1,0 +1,100 @@
+"""Memory sampling and the leak detector, with real arrays on the 8 fake CPU devices."""
+import os
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jax3d import flops, memory  # noqa: E402
+
+MB = 2**20
+
+
+@pytest.fixture(scope='module')
+def mesh():
+  return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ('a', 'b'))
+
+
+def _step_output(mesh, i):
+  """A 'step' producing 1 MiB per device (8 MiB sharded over all 8 devices)."""
+  make = jax.jit(lambda v: jnp.full((8 * 2048, 128), v, jnp.float32),  # 2048*128*4 B = 1 MiB per device
+                 out_shardings=NamedSharding(mesh, P(('a', 'b'))))
+  return make(float(i))
+
+
+def test_sample_counts_shards_per_device(mesh):
+  devices = list(mesh.devices.flat)
+  before = memory.sample(devices)
+  assert len(before['bytes_in_use']) == 8 and before['peak_bytes'] == [None] * 8  # CPU: no peak
+  sharded = _step_output(mesh, 0)
+  replicated = jax.device_put(jnp.ones((512, 512), jnp.float32), NamedSharding(mesh, P()))  # 1 MiB each
+  after = memory.sample(devices)
+  grown = np.array(after['bytes_in_use']) - np.array(before['bytes_in_use'])
+  np.testing.assert_array_equal(grown, [2 * MB] * 8)
+  del sharded, replicated
+
+
+def test_leak_detected_once_per_window(mesh):
+  devices = list(mesh.devices.flat)
+  leak = memory.LeakDetector(window=6, threshold_mb_per_step=0.5)
+  kept, events = [], []
+  for step in range(18):
+    out = _step_output(mesh, step)
+    kept.append(out)  # the bug: every step's device arrays stay alive
+    ev = leak.update(step, memory.sample(devices)['bytes_in_use'])
+    if ev:
+      events.append(ev)
+  assert [e['step'] for e in events] == [5, 11, 17]  # once per window, not every step
+  e = events[0]
+  assert e['event'] == 'memory_leak' and e['devices'] == list(range(8))
+  assert e['slope_mb_per_step'] == pytest.approx(1.0, rel=1e-6)
+  assert 'Python list' in e['message'] and 'gradient accumulation' in e['message']
+  del kept
+
+
+def test_steady_loop_raises_nothing(mesh):
+  devices = list(mesh.devices.flat)
+  leak = memory.LeakDetector(window=6, threshold_mb_per_step=0.5)
+  losses = []
+  for step in range(18):
+    out = _step_output(mesh, step)
+    losses.append(float(out[0, 0]))  # a Python float, not a device array
+    del out
+    assert leak.update(step, memory.sample(devices)['bytes_in_use']) is None
+
+
+def test_single_jump_is_not_a_leak():
+  leak = memory.LeakDetector(window=6, threshold_mb_per_step=1.0)
+  series = [100 * MB] * 5 + [400 * MB] * 20  # e.g. a buffer allocated once
+  events = [leak.update(i * 10, [b]) for i, b in enumerate(series)]
+  assert [e['step'] for e in events if e] in ([], [50])  # at most once, then flat: nothing
+  assert sum(e is not None for e in events) <= 1
+
+
+def test_mfu_against_a_hand_count():
+  from jax3d.model import Dims
+  dims = Dims(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=100, vocab_padded=128)
+  # per layer: 2 norms 2*64, q,o 2*64*64, k,v 2*64*32 (2 kv heads of 16), mlp 3*64*128
+  per_layer = 128 + 8192 + 4096 + 24576
+  p_all = 2 * per_layer + 2 * 100 * 64 + 64
+  assert dims.param_count() == p_all
+  p = p_all - 100 * 64  # the input embedding is a lookup: not in 6P
+  per_token = 6 * p + 12 * 2 * 64 * 32  # seq_len 32
+  assert flops.flops_per_token(dims, 32) == per_token
+  # 1e6 tokens/s on 4 devices of 100 TFLOP/s
+  assert flops.mfu(1e6, per_token, 100e12, 4) == pytest.approx(1e6 * per_token / 4e14)
+
+  class H100:
+    platform, device_kind = 'gpu', 'NVIDIA H100 80GB HBM3'
+
+  class Cpu:
+    platform, device_kind = 'cpu', 'cpu'
+
+  assert flops.peak_flops(H100()) == 989e12
+  assert flops.peak_flops(Cpu()) is None  # no invented CPU peak
+  assert flops.peak_flops(Cpu(), override_tflops=2.0) == 2e12
+  assert flops.MFUMeter(dims, 32, Cpu(), 8)(1e6) is None

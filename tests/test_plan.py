@@ -1,0 +1,151 @@
+"""The layout planner: estimator numbers by hand, the tutorial's rules, the CLI, and the estimate
+against XLA's compiled memory figure on 8 fake CPU devices."""
+import os
+import sys
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+
+import json
+import re
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jax3d import config, costmodel, plan  # noqa: E402
+
+CPU = costmodel.Hardware(flash_attention=False)
+
+
+def cli(*args, timeout=240):
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  return subprocess.run([sys.executable, '-m', 'jax3d.plan', *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def llama70b_8x8():
+  cfg = config.load_config('llama3_70b')
+  hw = costmodel.Hardware(nodes=8, gpus_per_node=8, memory_gb=80)
+  return cfg, hw, plan.search(cfg, hw)
+
+
+def test_estimate_by_hand_tiny():
+  cfg = config.load_config('tiny', {'train.remat': 'full'})  # dp=2 pp=2 tp=2, m=4, fp32
+  p = config.validate(cfg, 8)
+  e = costmodel.estimate(cfg, p, hw=CPU)
+  # Layer matrices 256*64*(2*4 + 2*2) + 3*256*768 = 786432, over tp; norms 2*256; 4 layers / pp.
+  # Embedding and head 2*256*256 over tp, plus the final norm 256.
+  n_local = 2 * (786432 // 2 + 512) + 2 * 256 * 256 // 2 + 256
+  assert n_local == 853248
+  assert e.breakdown['params'] == 4 * n_local == e.breakdown['grads']
+  assert e.breakdown['optimizer'] == 8 * n_local  # AdamW m and v, fp32, not sharded
+  assert e.breakdown['update'] == 4 * n_local  # the step's new parameters beside the old
+  # remat=full: each of the v*m+p-1 = 5 iterations keeps its input and the 4-entry stage-0 queue,
+  # micro-batch [2 rows, 128, 256] fp32; plus one iteration recomputed (2 checkpointed layers + 1 layer).
+  carry = 5 * (4 + 1) * 2 * 128 * 256 * 4
+  layer_full = costmodel.layer_residual_bytes(256, 4, 2, 768, 128, 2, 'full', 'float32', 'float32', False, 2)
+  assert layer_full == pytest.approx(2 * 128 * 256 * 4 + 393728 * 4, rel=0.02)  # input + weights
+  layer_none = costmodel.layer_residual_bytes(256, 4, 2, 768, 128, 2, 'none', 'float32', 'float32', False, 2)
+  assert e.breakdown['activations'] == pytest.approx(carry + 2 * layer_full + layer_none)
+  # Head: 4 rows (16 / (dp*pp)) x 128 x (3 fp32 copies of 128 vocab columns + the 256-wide input).
+  assert e.breakdown['head'] == 4 * 128 * (3 * 4 * 128 + 2 * 256 * 4)
+  # Model FLOPs per token 6P + 12*L*h*s, P = 3279104 parameters.
+  assert e.model_flops_per_token == 6 * 3279104 + 12 * 4 * 256 * 128
+  assert p.bubble == pytest.approx(1 / 5)
+  t = e.times
+  assert t['step'] == pytest.approx(t['compute'] + t['tp'] + t['pp'] + t['dp'] - t['dp_hidden'])
+  # The dp all-reduce: 2*(d-1)/d * local params * 4 bytes over NVLink (450 GB/s).
+  assert t['dp'] == pytest.approx(4 * n_local / 450e9)
+
+
+def test_zero1_and_bf16_shrink_the_state():
+  base = config.load_config('tiny', {'mesh.pp': 1, 'mesh.dp': 4, 'pipeline.microbatches': 1})
+  p = config.validate(base, 8)
+  e0 = costmodel.estimate(base, p, hw=CPU)
+  e1 = costmodel.estimate(plan.apply(base, {'train.shard_optimizer': True}), p, hw=CPU)
+  e2 = costmodel.estimate(plan.apply(base, {'train.param_dtype': 'bfloat16'}), p, hw=CPU)
+  assert e1.breakdown['optimizer'] == pytest.approx(e0.breakdown['optimizer'] / 4)
+  assert e2.breakdown['params'] == pytest.approx(e0.breakdown['params'] / 2)
+
+
+def test_rules_on_8x8(llama70b_8x8):
+  cfg, hw, ranked = llama70b_8x8
+  assert ranked and all(c.plan.tp <= 8 for c in ranked)
+  assert all(c.plan.dp * c.plan.pp * c.plan.tp == 64 for c in ranked)
+  assert all(cfg.model.n_layers % c.plan.pp == 0 for c in ranked)
+  fits = [c for c in ranked if c.est.fits]
+  assert fits and all(c.est.total_bytes <= 80e9 for c in fits)
+  times = [c.est.step_time_s for c in fits]
+  assert times == sorted(times)  # best first
+
+
+def test_worked_example_explained_as_the_tutorial(llama70b_8x8):
+  # 8 nodes x 8 GPUs, a 70B model: too wide for one GPU and too deep for one node.
+  cfg, hw, ranked = llama70b_8x8
+  best = next(c for c in ranked if c.est.fits)
+  p = best.plan
+  assert p.tp > 1 and p.pp > 1  # split in width and in depth
+  text = '\n'.join(plan.explain(cfg, best, ranked, hw))
+  i_tp, i_pp = text.index(f'tp = {p.tp}: at most the 8 GPUs per node'), text.index(f'pp = {p.pp}:')
+  i_dp = text.index(f'dp = 64/(tp*pp) = 64/({p.tp}*{p.pp}) = {p.dp}')
+  assert i_tp < i_pp < i_dp  # tp first, then pp, then dp = 64/(tp*pp)
+  assert f'{cfg.model.n_layers} layers -> {cfg.model.n_layers // p.pp} per stage' in text
+
+
+def test_json_and_emit():
+  r = cli('--config=configs/tiny.py', '--nodes=1', '--gpus-per-node=8', '--json', '--top=3')
+  assert r.returncode == 0, r.stderr
+  rows = json.loads(r.stdout)
+  assert len(rows) == 3 and [x['rank'] for x in rows] == [1, 2, 3]
+  for x in rows:
+    assert x['dp'] * x['pp'] * x['tp'] == 8 and x['fits'] is True and x['reason'] == ''
+    assert x['memory_gb'] == pytest.approx(sum(x['memory_breakdown_gb'].values()), abs=0.01)
+    assert x['step_time_s'] > 0 and 0 <= x['bubble'] < 1
+  assert rows[0]['step_time_s'] <= rows[1]['step_time_s'] <= rows[2]['step_time_s']
+  r = cli('--config=configs/tiny.py', '--emit')
+  best = rows[0]
+  assert r.returncode == 0 and r.stdout.startswith(f'--config.mesh.dp={best["dp"]} '
+                                                   f'--config.mesh.pp={best["pp"]} --config.mesh.tp={best["tp"]}')
+
+
+def test_misfit_reason_and_oom_ladder():
+  r = cli('--config=configs/llama3_70b.py', '--nodes=1', '--gpus-per-node=8', '--gpu-memory-gb=80')
+  assert r.returncode == 2
+  assert re.search(r'needs \d+\.\d GB per GPU, has 80', r.stdout)
+  for rung in ('1. recomputation', '3. smaller micro-batch', '4. more pp or tp', '5. bf16',
+               'Smallest cluster that fits: 4 node(s)'):
+    assert rung in r.stdout
+  assert r.stderr.startswith('error: no layout of llama3_70b fits 1 x 8 GPUs of 80 GB')
+
+
+@pytest.mark.parametrize('args', [
+    ['--nodes=0'], ['--gpu-memory-gb=-1'], ['--config.model.nope=1'], ['--config=configs/none.py'],
+    ['--nodes=8', '--config.model.n_layers=7', '--config.model.n_heads=7', '--config.model.n_kv_heads=7',
+     '--config.model.d_model=14'],
+])
+def test_bad_input_exits_2(args):
+  r = cli('--config=configs/tiny.py', *args)
+  assert r.returncode == 2 and r.stderr.startswith('error: ') and len(r.stderr.strip().splitlines()) == 1
+
+
+def _verified_ratio(*args):
+  r = cli('--fixed', '--verify', *args)
+  assert r.returncode == 0, r.stderr[-2000:]
+  est = float(re.search(r'estimate: ([\d.]+) GB', r.stdout).group(1))
+  xla = float(re.search(r'XLA \(compiled on 8 CPU devices\): ([\d.]+) GB', r.stdout).group(1))
+  return est / xla
+
+
+@pytest.mark.parametrize('overrides', [[], ['--config.train.remat=full'], ['--config.train.remat=dots']])
+def test_verify_tiny_within_25_percent(overrides):
+  assert _verified_ratio('--config=configs/tiny.py', *overrides) == pytest.approx(1, abs=0.25)
+
+
+def test_verify_gpt2_small_within_25_percent():
+  ratio = _verified_ratio('--config=configs/gpt2_small.py', '--config.mesh.dp=2', '--config.mesh.pp=2',
+                          '--config.mesh.tp=2', '--config.train.seq_len=256',
+                          '--config.train.global_batch_size=16')
+  assert ratio == pytest.approx(1, abs=0.25)
