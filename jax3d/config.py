@@ -82,7 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.log = ml_collections.ConfigDict()
   c.log.every = 10
   c.log.tensorboard = False
-  c.log.progress = True  # live progress bar (rich) on the console
+  c.log.progress = True  # live progress line on a terminal
+  c.log.leak_window = 20  # logged steps the memory-leak detector fits its slope over
+  c.log.leak_mb_per_step = 1.0  # sustained growth above this (MB per step, any device) warns
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 100

@@ -251,8 +251,8 @@ def expected_comm(s, abstract_state) -> dict:
   'formula'  the papers' count of useful work (m micro-batches through L/p layers per stage);
   'spmd'     what this SPMD pipeline executes: every stage runs and sends in all v*m+p-1
              iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m).
-             For dp ('per_iteration'): each layer chunk's gradient reduced once per iteration,
-             which is what the step compiles to today (see docs/observability.md).
+             dp is the same either way: the pipeline loop is manual over dp, so the weight
+             gradients are summed over dp once per step, after the loop.
   dp: 2(d-1)/d * P_local * bytes, P_local = parameters this device holds after tp/pp sharding."""
   import jax
   plan, dims, a = s.plan, s.dims, s.plan.grad_accum
@@ -271,8 +271,7 @@ def expected_comm(s, abstract_state) -> dict:
              'spmd': per_layer_mb * layers_per_chunk * iters * a},
       'pp': {'formula': 2 * v * m * bsh * a if p > 1 else 0.0,
              'spmd': 2 * iters * bsh * a if p > 1 else 0.0},
-      'dp': {'formula': ring * p_local,
-             'per_iteration': ring * (p_local - layers_local + layers_local / v * iters * a)},
+      'dp': {'formula': ring * p_local, 'spmd': ring * p_local},
       'p_local_bytes': p_local, 'layer_bytes_local': layers_local, 'bsh_bytes': bsh,
   }
 
@@ -314,10 +313,10 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
        'formula': 0.0, 'spmd': 0.0},
       {'axis': 'dp', 'what': 'gradient bytes reduced over dp (buffer vs P_local)',
        'measured': total(dp_grads, 'buffer_bytes'), 'formula': e['p_local_bytes'],
-       'spmd': e['dp']['per_iteration'] / max(e['dp']['formula'], 1e-30) * e['p_local_bytes']},
+       'spmd': e['p_local_bytes']},
       {'axis': 'dp', 'what': 'wire bytes over groups with dp (2(d-1)/d P_local)',
        'measured': total(lambda c: 'dp' in c['axes'].split('+')), 'formula': e['dp']['formula'],
-       'spmd': e['dp']['per_iteration']},
+       'spmd': e['dp']['spmd']},
   ]
   for c in out:
     c['ratio'] = c['measured'] / c['formula'] if c['formula'] else None
@@ -329,15 +328,18 @@ def inspect_step(cfg, plan=None, mesh=None) -> dict:
   """Compiles the real train step for abstract inputs and returns memory, FLOPs and collectives
   per device per step (see the module docstring for what 'bytes' means)."""
   import jax
-  import jax.numpy as jnp
-  from jax3d import config as config_lib, flops as flops_lib, mesh as mesh_lib, step
+  from jax3d import config as config_lib, mesh as mesh_lib, step
   plan = plan or config_lib.validate(cfg, jax.device_count())
   mesh = mesh if mesh is not None else mesh_lib.build_mesh(plan, allow_tp_across_hosts=cfg.mesh.allow_tp_across_hosts)
   s = step.Setup.create(cfg, plan, mesh)
-  state = step.abstract_state(s)
-  batch = {k: jax.ShapeDtypeStruct((plan.global_batch, plan.seq_len), jnp.int32,
-                                   sharding=step.batch_sharding(s)) for k in ('inputs', 'targets')}
-  compiled = step.make_train_step(s).lower(state, batch).compile()
+  state, batch = step.abstract_inputs(s)
+  return inspect_compiled(step.make_train_step(s).lower(state, batch).compile(), s, state)
+
+
+def inspect_compiled(compiled, s, state) -> dict:
+  """The same figures for an already compiled train step (the trainer passes its own)."""
+  from jax3d import flops as flops_lib
+  cfg, plan, mesh = s.cfg, s.plan, s.mesh
   mem = compiled.memory_analysis()
   memory = {k: int(getattr(mem, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
   memory['peak_estimate'] = memory['argument'] + memory['output'] - memory['alias'] + memory['temp']

@@ -72,31 +72,40 @@ def fmt_duration(s: float) -> str:
 
 
 class Console:
-  """Console output of process 0: `log` lines, and a live progress line on a terminal."""
+  """Console output of process 0: `log` lines, and a live rich progress bar on a terminal."""
 
   def __init__(self, total_steps: int, live: bool = True):
     self.main = is_main_process()
     self.total = total_steps
     self.live = live and self.main and sys.stdout.isatty()
-    self.t0 = time.time()
+    self.bar = self.task = None
+    if self.live:
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                 TimeRemainingColumn)
+      self.bar = Progress(TextColumn('[bold]train'), BarColumn(), MofNCompleteColumn(),
+                          TextColumn('{task.fields[stats]}'), TimeRemainingColumn(), transient=True)
 
   def log(self, msg: str = '') -> None:
-    if self.main:
-      if self.live:
-        sys.stdout.write('\r\033[K')
+    if not self.main:
+      return
+    if self.bar and self.task is not None:
+      self.bar.console.print(msg, highlight=False, markup=False)
+    else:
       print(msg, flush=True)
 
   def warn(self, msg: str) -> None:
-    if self.live:
-      sys.stdout.write('\r\033[K')
     print(f'warning: {msg}', file=sys.stderr, flush=True)
 
   def progress(self, step: int, start_step: int, loss: float, tok_s: float, step_s: float) -> None:
-    if not self.live:
+    if not self.bar:
       return
-    done = (step - start_step) / max(self.total - start_step, 1)
-    eta = (self.total - step) * step_s
-    bar = '#' * int(30 * done) + '-' * (30 - int(30 * done))
-    sys.stdout.write(f'\r[{bar}] step {step}/{self.total} loss {loss:.4f} {tok_s:,.0f} tok/s '
-                     f'{step_s * 1e3:.0f} ms/step ETA {fmt_duration(eta)}')
-    sys.stdout.flush()
+    stats = f'loss {loss:.4f}  {tok_s:,.0f} tok/s  {step_s * 1e3:.0f} ms/step'
+    if self.task is None:
+      self.bar.start()
+      self.task = self.bar.add_task('train', total=self.total, completed=step, stats=stats)
+    self.bar.update(self.task, completed=step, stats=stats)
+
+  def stop(self) -> None:
+    if self.bar and self.task is not None:
+      self.bar.stop()
+      self.task = None

@@ -144,6 +144,13 @@ class MeshJit:
       return self.jitted.lower(*args)
 
 
+def abstract_inputs(s: Setup):
+  """(abstract state, abstract batch) with their shardings: for ahead-of-time compilation."""
+  batch = {k: jax.ShapeDtypeStruct((s.plan.global_batch, s.plan.seq_len), jnp.int32,
+                                   sharding=batch_sharding(s)) for k in ('inputs', 'targets')}
+  return abstract_state(s), batch
+
+
 def make_init(s: Setup):
   """jit(init) with out_shardings: every array is created already sharded."""
   def init(seed):

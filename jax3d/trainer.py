@@ -21,7 +21,9 @@ import numpy as np
 from jax3d import checkpoint as ckpt_lib
 from jax3d import config as config_lib
 from jax3d import data as data_lib
+from jax3d import flops as flops_lib
 from jax3d import generate as gen_lib
+from jax3d import memory as memory_lib
 from jax3d import mesh as mesh_lib
 from jax3d import metrics as metrics_lib
 from jax3d import step as step_lib
@@ -48,6 +50,15 @@ class Trainer:
     self.state = None
     self._train_step = self._eval_step = None
     self._stop_signal = None
+    self.compiled_info = None  # memory, FLOPs and collectives of the compiled step (inspect.py)
+    self.devices = list(self.mesh.devices.flat)
+    self.mfu_meter = flops_lib.MFUMeter(self.setup.dims, cfg.train.seq_len, self.devices[0],
+                                        self.plan.n_devices, cfg.hardware.peak_tflops)
+    self.leak = memory_lib.LeakDetector(window=cfg.log.leak_window, threshold_mb_per_step=cfg.log.leak_mb_per_step)
+    self.tb = None
+    if workdir and cfg.log.tensorboard and metrics_lib.is_main_process():
+      from tensorboardX import SummaryWriter
+      self.tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
   # ------------------------------------------------------------------ set-up
   @property
@@ -103,10 +114,36 @@ class Trainer:
       return f'initialised, parameters warm-started from {self.cfg.checkpoint.init_from} (step {step})'
     return f'initialised from seed {self.cfg.train.seed}'
 
+  def compile(self) -> list[str]:
+    """Compiles the train step ahead of time; returns the start-up lines about what it costs
+    (compiled memory per device beside the planner's estimate, FLOPs, bytes per mesh axis)."""
+    if self._train_step is not None:
+      return []
+    from jax3d import costmodel, inspect as inspect_lib
+    t0 = time.time()
+    abstract_state, abstract_batch = step_lib.abstract_inputs(self.setup)
+    self._train_step = step_lib.make_train_step(self.setup).lower(abstract_state, abstract_batch).compile()
+    self._eval_step = step_lib.make_eval_step(self.setup)
+    lines = [f'compiled the train step in {time.time() - t0:.1f} s']
+    info = self.compiled_info = inspect_lib.inspect_compiled(self._train_step, self.setup, abstract_state)
+    lines += inspect_lib.summary_lines(info)
+    est = costmodel.estimate(self.cfg, self.plan)
+    m = info['memory_bytes']
+    compiled = m['argument'] + m['temp'] + m['output'] - m['alias']
+    lines.append(f'memory per device: compiled {metrics_lib.fmt_bytes(compiled)}, planner estimate '
+                 f'{metrics_lib.fmt_bytes(est.total_bytes)} ({est.total_bytes / max(compiled, 1) - 1:+.0%})')
+    limit = _device_memory_limit(self.devices[0])
+    if limit and max(compiled, est.total_bytes if self.devices[0].platform == 'gpu' else 0) > limit:
+      from jax3d import plan as plan_lib
+      ladder = plan_lib.oom_ladder(self.cfg, self.plan, limit)
+      raise config_lib.ConfigError(
+          f'this layout needs {compiled / 1e9:.1f} GB per device, the device has {limit / 1e9:.1f} GB; '
+          'what would fit, in the order to try: ' + ' | '.join(l.strip() for l in ladder))
+    return lines
+
   def _compile(self):
-    if self._train_step is None:
-      self._train_step = step_lib.make_train_step(self.setup)
-      self._eval_step = step_lib.make_eval_step(self.setup)
+    for line in self.compile():
+      self.log('  ' + line)
 
   @property
   def step(self) -> int:
@@ -168,7 +205,10 @@ class Trainer:
                                    plan.seq_len, step_lib.batch_sharding(self.setup), cfg.data.prefetch)
     bad, t_last, steps_since, t_compile = 0, time.time(), 0, None
     try:
+      prof = cfg.profile
       for i in range(start, stop):
+        if prof.start >= 0 and i == prof.start and self.workdir:
+          jax.profiler.start_trace(os.path.join(self.workdir, 'profile'))
         batch = prefetch.next(i)
         t0 = time.time()
         self.state, m = self._train_step(self.state, batch)
@@ -180,6 +220,10 @@ class Trainer:
         else:
           steps_since += 1
         step = i + 1
+        if prof.start >= 0 and step == prof.start + prof.steps and self.workdir:
+          jax.profiler.stop_trace()
+          self.log(f'  profile of steps {prof.start}..{step - 1} written to {self.workdir}/profile '
+                   '(open with TensorBoard or https://ui.perfetto.dev)')
         if not m['finite']:
           bad += 1
           msg = (f'step {step}: non-finite loss {float(m["loss"])} / grad norm {float(m["grad_norm"])}; '
@@ -197,11 +241,21 @@ class Trainer:
           now = time.time()
           dt = (now - t_last) / max(steps_since, 1)
           tok_s = plan.tokens_per_step / dt if steps_since else 0.0
-          self.writer.write({'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']),
-                             'grad_norm': float(m['grad_norm']), 'tokens_per_sec': tok_s,
-                             'step_time_s': dt, 'tokens': step * plan.tokens_per_step})
+          mem = memory_lib.sample(self.devices)
+          mfu = self.mfu_meter(tok_s) if steps_since else None
+          record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']),
+                    'grad_norm': float(m['grad_norm']), 'tokens_per_sec': tok_s, 'step_time_s': dt,
+                    'tokens': step * plan.tokens_per_step, 'mfu': mfu, 'memory': mem}
+          self.writer.write(record)
+          self._tensorboard(step, record)
+          leak = self.leak.update(step, mem['bytes_in_use'])
+          if leak:
+            self.writer.write(leak)
+            self.console.warn(leak['message'])
+          mfu_txt = f'  MFU {mfu:.1%}' if mfu is not None else ''
           self.log(f'step {step:>6}/{stop}  loss {float(m["loss"]):.4f}  lr {float(m["lr"]):.2e}  '
-                   f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step  '
+                   f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step{mfu_txt}  '
+                   f'mem {metrics_lib.fmt_bytes(max(mem["bytes_in_use"]))}/dev  '
                    f'ETA {metrics_lib.fmt_duration((stop - step) * dt)}')
           t_last, steps_since = now, 0
         self.console.progress(step, start, float(m['loss']), plan.tokens_per_step / max(time.time() - t0, 1e-9),
@@ -223,14 +277,26 @@ class Trainer:
         self.save(force=True)
         self.checkpointer.wait()
     finally:
+      self.console.stop()
       prefetch.close()
       if prev_handler is not None:
         signal.signal(signal.SIGTERM, prev_handler)
     return self.writer.records[n_first:]
 
+  def _tensorboard(self, step: int, record: dict) -> None:
+    if self.tb is None:
+      return
+    for k, v in record.items():
+      if isinstance(v, (int, float)) and k != 'step' and v is not None:
+        self.tb.add_scalar(k, v, step)
+    if 'memory' in record:
+      self.tb.add_scalar('memory_max_bytes', max(record['memory']['bytes_in_use']), step)
+    self.tb.flush()
+
   def _eval_and_log(self, step: int) -> float:
     loss = self.evaluate()
     self.writer.write({'step': step, 'eval_loss': loss})
+    self._tensorboard(step, {'eval_loss': loss})
     self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits)')
     return loss
 
@@ -238,6 +304,17 @@ class Trainer:
     if self.checkpointer:
       self.checkpointer.close()
     self.writer.close()
+    if self.tb is not None:
+      self.tb.close()
+
+
+def _device_memory_limit(device) -> int | None:
+  """Bytes the device can hold (GPU/TPU allocators report it; CPU does not)."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:
+    return None
+  return stats.get('bytes_limit')
 
 
 def _main_thread() -> bool:

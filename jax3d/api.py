@@ -1,0 +1,284 @@
+"""The public Python API: what a notebook or a script needs, in a few functions.
+
+  import jax3d
+  jax3d.use_fake_cpu_devices(8)                  # before anything touches a device
+  cfg = jax3d.load_config('tiny', model__d_model=64, train__steps=5)
+  t = jax3d.build(cfg)                           # mesh + sharded state, ready to train
+  jax3d.sharding_table(t)                        # where every parameter lives
+  t.train(); t.evaluate(); jax3d.sample(t, 'def ')
+
+Why a separate module: the modules behind it (trainer, step, plan, ...) are free to change their
+internals; these names and signatures are the contract the notebook and users rely on.
+
+Nothing here imports jax at module import time, and nothing touches a device until a function
+that needs one is called: `use_fake_cpu_devices` only works before jax starts its backend, so
+`import jax3d` must not start it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Mapping
+
+__all__ = ['use_fake_cpu_devices', 'load_config', 'build', 'Trainer', 'placement', 'sharding_table',
+           'format_table', 'bubble', 'compiled_memory', 'plan_layouts', 'Plan', 'sample', 'losses']
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and configs
+# ---------------------------------------------------------------------------------------------
+def use_fake_cpu_devices(n: int = 8) -> int:
+  """Makes the host CPU look like `n` devices, so 3D layouts run on a laptop. Returns n.
+
+  XLA reads `--xla_force_host_platform_device_count` once, when jax starts its backend (the first
+  call that needs a device), so this must run before that; it raises if the backend is already up
+  with another count rather than silently training on one device. An XLA_FLAGS the user set is
+  kept (they chose their devices). On a GPU machine the GPUs stay the default devices.
+  """
+  from jax3d import mesh as mesh_lib
+  mesh_lib.use_fake_cpu_devices(n)
+  if 'jax' in sys.modules and _backend_started():
+    import jax
+    have = len(jax.devices('cpu'))
+    if have != n and f'device_count={n}' not in os.environ.get('XLA_FLAGS', ''):
+      raise RuntimeError(f'jax has already started with {have} CPU device(s); call '
+                         f'jax3d.use_fake_cpu_devices({n}) before anything uses jax devices '
+                         '(restart the kernel or interpreter)')
+  return n
+
+
+def _backend_started() -> bool:
+  try:
+    from jax._src import xla_bridge
+    return bool(xla_bridge.backends_are_initialized())
+  except Exception:  # a jax without this helper: assume not started, the flag is then in time
+    return False
+
+
+def load_config(name_or_path: str = 'tiny', overrides: Mapping[str, Any] | None = None, **kw):
+  """A config from `configs/NAME.py` (or a path), with overrides, validated keys, locked.
+
+  Overrides come as a dict with dotted keys (`{'mesh.tp': 4}`) and/or keywords with `__` for the
+  dot (`mesh__tp=4`), because keywords cannot hold dots. Unknown keys raise `ConfigError` listing
+  the valid ones, so a typo never silently trains the default.
+  """
+  from jax3d import config as config_lib
+  merged = dict(overrides or {})
+  merged.update({k.replace('__', '.'): v for k, v in kw.items()})
+  return config_lib.load_config(name_or_path, merged)
+
+
+def _with(cfg, **kw):
+  """A copy of cfg with `a__b=value` overrides (cfg itself is left as it is)."""
+  import copy
+  from jax3d import config as config_lib
+  cfg = copy.deepcopy(cfg)
+  for k, v in kw.items():
+    config_lib.set_key(cfg, k.replace('__', '.'), v)
+  return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a run
+# ---------------------------------------------------------------------------------------------
+def __getattr__(name):
+  # `Trainer` is imported on first use: importing it imports jax and flax.
+  if name == 'Trainer':
+    from jax3d.trainer import Trainer
+    return Trainer
+  raise AttributeError(f"module 'jax3d.api' has no attribute {name!r}")
+
+
+def build(cfg, workdir: str | None = None, devices=None, verbose: bool = False):
+  """A `Trainer` whose mesh is built and whose sharded state exists: restored from
+  `workdir/checkpoints` when there is a checkpoint (any layout), else initialised from the seed.
+
+  The state is created by a jitted init with output shardings, so every array is born on its
+  devices (no full copy on one device first). `verbose` prints the trainer's start-up lines and
+  what init did; the notebook keeps it off and prints the numbers it shows.
+  """
+  from jax3d.trainer import Trainer
+  t = Trainer(cfg, workdir=workdir, devices=devices, console=verbose)
+  what = t.init_state()
+  if verbose:
+    for line in t.summary():
+      t.log(line)
+    t.log(what)
+  return t
+
+
+def placement(trainer) -> list[str]:
+  """One line per device: its (dp, pp, tp) coordinate in the trainer's mesh and which device it
+  is. tp varies fastest (neighbouring devices, one NVLink domain), dp slowest (across hosts)."""
+  from jax3d import mesh as mesh_lib
+  return [line.strip() for line in mesh_lib.describe_placement(trainer.mesh)]
+
+
+def _path(path) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
+
+
+def sharding_table(trainer) -> list[dict]:
+  """Every parameter with its global shape, logical axes, PartitionSpec and per-device shape.
+
+  Rows are dicts: param ('layers/qkv/kernel'), shape, dtype, logical (the model's axis names),
+  spec (the PartitionSpec the logical rules give on this mesh), per_device (the shard one device
+  holds) and bytes_per_device. They are read from the shardings the train step is compiled with,
+  so the table is what runs, not a description of it. Works on a Trainer or its `setup`.
+  """
+  import jax
+  import numpy as np
+  from jax3d import model as model_lib, step as step_lib
+  s = getattr(trainer, 'setup', trainer)
+  shapes = jax.eval_shape(lambda: step_lib.init_state(jax.random.key(0), s)['params'])
+  logical = model_lib.param_logical_axes(s.dims)
+  shardings = step_lib.param_shardings(s)
+  rows = []
+  flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  flat_names = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+  flat_sh = jax.tree.leaves(shardings)
+  for (path, a), names, sh in zip(flat_shapes, flat_names, flat_sh):
+    local = tuple(sh.shard_shape(a.shape))
+    rows.append({'param': _path(path), 'shape': tuple(a.shape), 'dtype': str(a.dtype),
+                 'logical': tuple(names), 'spec': sh.spec, 'per_device': local,
+                 'bytes_per_device': int(np.prod(local)) * a.dtype.itemsize})
+  return rows
+
+
+def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
+  """Rows of dicts as a fixed-width text table (for `print`; no pandas needed)."""
+  if not rows:
+    return '(empty)'
+  columns = columns or list(rows[0])
+  fmt = lambda v: (f'{v:.4g}' if isinstance(v, float) else
+                   'x'.join(map(str, v)) if isinstance(v, tuple) and all(isinstance(i, int) for i in v)
+                   else str(v))
+  cells = [[fmt(r.get(c, '')) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+  line = lambda vals: '  '.join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()
+  return '\n'.join([line(columns), line(['-' * w for w in widths])] + [line(r) for r in cells])
+
+
+def losses(records: list[dict]) -> list[float]:
+  """The training losses in `Trainer.train()`'s records, in step order (evaluations and events
+  are other records). With `log.every=1` there is one per step."""
+  return [r['loss'] for r in records if 'loss' in r and 'event' not in r]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline bubble and memory
+# ---------------------------------------------------------------------------------------------
+def bubble(pp: int, microbatches: int, repeats: int = 1) -> float:
+  """Idle share of a pipeline step: (p-1)/(v*m+p-1).
+
+  The schedule runs v*m + p - 1 iterations (v layer chunks per stage, m micro-batches, p stages);
+  in p - 1 of them each stage waits for the pipe to fill or drain. More micro-batches (or
+  circular chunks) shrink it; it is the same number the trainer's RunPlan reports.
+  """
+  for name, v in (('pp', pp), ('microbatches', microbatches), ('repeats', repeats)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f'{name}={v!r}: must be a positive integer')
+  return (pp - 1) / (repeats * microbatches + pp - 1)
+
+
+def compiled_memory(cfg, devices=None, **overrides) -> dict:
+  """Bytes per device of the real train step, as XLA compiled it (nothing is allocated).
+
+  The step is lowered for abstract inputs and compiled; `memory_analysis()` gives the argument,
+  temporary, output and aliased (donated) bytes. total = argument + temp + output - alias is the
+  device's peak for the step. Overrides (`train__remat='full'`) make a variant to compare, e.g.
+  the memory recomputation saves.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax3d import config as config_lib, mesh as mesh_lib, step as step_lib
+  cfg = _with(cfg, **overrides) if overrides else cfg
+  devices = list(devices if devices is not None else jax.devices())
+  plan = config_lib.validate(cfg, len(devices))
+  mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
+  s = step_lib.Setup.create(cfg, plan, mesh)
+  batch = {k: jax.ShapeDtypeStruct((plan.global_batch, plan.seq_len), jnp.int32,
+                                   sharding=step_lib.batch_sharding(s)) for k in ('inputs', 'targets')}
+  ma = step_lib.make_train_step(s).lower(step_lib.abstract_state(s), batch).compile().memory_analysis()
+  out = {k: int(getattr(ma, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
+  out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Plan:
+  """The planner's answer for one model on one cluster: `layouts` (dicts, fitting ones first,
+  fastest first), `best` (the first fitting one, or None), `flags` (its --config overrides for
+  `python -m jax3d.train`) and `explanation` (why, in the tutorial's terms). `print()` it."""
+  name: str
+  hardware: Any
+  layouts: list
+  best: dict | None
+  flags: str
+  explanation: list
+  table: list
+
+  def __str__(self) -> str:
+    hw = self.hardware
+    head = (f'{self.name} on {hw.nodes} x {hw.gpus_per_node} GPUs of {hw.memory_gb:g} GB: '
+            f'{sum(r["fits"] for r in self.layouts)} of {len(self.layouts)} layouts fit')
+    return '\n'.join([head] + self.table + [''] + self.explanation + ([f'  flags: {self.flags}'] if self.flags else []))
+
+
+def plan_layouts(config, nodes: int = 1, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
+                 overrides: Mapping[str, Any] | None = None, top: int = 5, **hardware) -> Plan:
+  """Ranks every valid (dp, pp, tp, micro-batches, remat, ZeRO-1) layout of a model on a cluster
+  by estimated step time among those that fit in memory: the planner of `python -m jax3d.plan`.
+
+  `config` is a config name/path or a loaded config; `hardware` sets the other `costmodel.Hardware`
+  fields (peak_tflops, efficiency, intra_gbps, inter_gbps, overlap). Nothing is compiled and no
+  device is used: the estimate is arithmetic on the model's shapes.
+
+  (Not called `plan`: `jax3d.plan` is the planner's module, which other modules import by that
+  name; a package attribute of the same name would shadow it.)
+  """
+  from jax3d import costmodel, plan as plan_lib
+  cfg = load_config(config, overrides) if isinstance(config, str) else (_with(config, **{
+      k.replace('.', '__'): v for k, v in (overrides or {}).items()}) if overrides else config)
+  hw = costmodel.Hardware(nodes=nodes, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb, **hardware)
+  ranked = plan_lib.search(cfg, hw)
+  rows = [dict(c.row(), overrides=dict(c.overrides)) for c in ranked]
+  fit, shown = [], set()
+  for c in ranked:  # one row per layout: ZeRO-1 on/off ties once, as `python -m jax3d.plan`
+    key = tuple(v for k, v in c.overrides.items() if k != 'train.shard_optimizer')
+    if c.est.fits and key not in shown and len(fit) < top:
+      shown.add(key)
+      fit.append(c)
+  name = os.path.basename(str(config)).removesuffix('.py') if isinstance(config, str) else 'model'
+  if not fit:
+    return Plan(name, hw, rows, None, '', [f'no layout fits; the smallest needs '
+                                          f'{min(r["memory_gb"] for r in rows):.1f} GB per GPU'], [])
+  return Plan(name, hw, rows, dict(fit[0].row(), overrides=dict(fit[0].overrides)),
+              ' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()),
+              plan_lib.explain(cfg, fit[0], ranked, hw), plan_lib.table(fit))
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------------------------
+def sample(source, prompt: str = 'def ', n_tokens: int = 200, temperature: float = 0.8,
+           top_k: int = 40, seed: int = 0, greedy: bool = False, config: str | None = None,
+           overrides: Mapping[str, Any] | None = None) -> str:
+  """Text that follows `prompt`: the prompt itself, then `n_tokens` generated bytes.
+
+  `source` is a Trainer (its current parameters) or a run's workdir (its newest checkpoint, with
+  the config saved in it unless `config` is given, on this machine's devices in any layout set by
+  `overrides`, e.g. `{'mesh.tp': 8, 'mesh.pp': 1}`). Greedy (argmax) when `greedy` or
+  temperature 0; else temperature with top-k. Decoding uses a KV cache: one pass over the prompt,
+  then one token per step.
+  """
+  temperature = 0.0 if greedy else temperature
+  if isinstance(source, (str, os.PathLike)):
+    from jax3d import sample as sample_lib
+    return sample_lib.sample_workdir(os.fspath(source), prompt, n_tokens, temperature, top_k, seed,
+                                     config=config, overrides=overrides)
+  return source.sample(prompt, n_tokens, temperature, top_k, seed)
