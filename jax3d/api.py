@@ -182,17 +182,29 @@ def bubble(pp: int, microbatches: int, repeats: int = 1) -> float:
   return (pp - 1) / (repeats * microbatches + pp - 1)
 
 
-def compiled_memory(cfg, devices=None, **overrides) -> dict:
+def compiled_memory(source, devices=None, **overrides) -> dict:
   """Bytes per device of the real train step, as XLA compiled it (nothing is allocated).
 
   The step is lowered for abstract inputs and compiled; `memory_analysis()` gives the argument,
-  temporary, output and aliased (donated) bytes. total = argument + temp + output - alias is the
-  device's peak for the step. Overrides (`train__remat='full'`) make a variant to compare, e.g.
-  the memory recomputation saves.
+  temporary, output and aliased (donated) bytes; total = argument + temp + output - alias is the
+  device's peak for the step. `source` is a config or a Trainer (whose own compiled step is
+  read when it has one, saving a compile). Overrides (`train__remat='full'`) make a variant to
+  compare, e.g. the memory recomputation saves.
   """
   import jax
   import jax.numpy as jnp
   from jax3d import config as config_lib, mesh as mesh_lib, step as step_lib
+  cfg = getattr(source, 'cfg', source)
+  if cfg is not source and not overrides:  # a Trainer: its compiled step, if it reports one
+    if getattr(source, 'compiled_info', None) is None and hasattr(source, 'compile'):
+      source.compile()
+    info = getattr(source, 'compiled_info', None)
+    if info and 'memory_bytes' in info:
+      out = {k: int(info['memory_bytes'][k]) for k in ('argument', 'temp', 'output', 'alias')}
+      out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
+      return out
+  if devices is None and cfg is not source:
+    devices = list(source.mesh.devices.flat)
   cfg = _with(cfg, **overrides) if overrides else cfg
   devices = list(devices if devices is not None else jax.devices())
   plan = config_lib.validate(cfg, len(devices))
@@ -260,6 +272,9 @@ def plan_layouts(config, nodes: int = 1, gpus_per_node: int = 8, gpu_memory_gb: 
   return Plan(name, hw, rows, dict(fit[0].row(), overrides=dict(fit[0].overrides)),
               ' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()),
               plan_lib.explain(cfg, fit[0], ranked, hw), plan_lib.table(fit))
+
+
+plan = plan_layouts  # `from jax3d.api import plan`; at package level only `jax3d.plan_layouts`
 
 
 # ---------------------------------------------------------------------------------------------

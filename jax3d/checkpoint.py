@@ -122,8 +122,12 @@ def check_signature(meta: dict, abstract_state, path: str, only: str | None = No
       bad.append(f'{k}: checkpoint {tuple(saved[k][0])} {saved[k][1]}, config '
                  f'{tuple(want[k][0])} {want[k][1]}')
   if bad:
+    # Parameters first; the optimizer state mirrors them, so it is only counted.
+    first = [b for b in bad if b.startswith('params/')] or bad
+    rest = len(bad) - len(first[:30])
     raise CheckpointError(f'checkpoint {path} does not match the config ({len(bad)} mismatched '
-                          f'entries): ' + '; '.join(bad[:20]) + (' ...' if len(bad) > 20 else ''))
+                          f'entries): ' + '; '.join(first[:30]) +
+                          (f'; and {rest} more (optimizer state and others)' if rest else ''))
 
 
 def relayout(state, meta, layout, abstract_state):

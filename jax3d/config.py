@@ -70,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.param_dtype = 'float32'  # float32 | bfloat16 (master weights and optimizer state)
   c.train.grad_accum = 1  # sequential chunks of the global batch per optimizer step
   c.train.max_bad_steps = 5  # consecutive non-finite steps before the run stops
+  c.train.inject_nan_at = ''  # fault drill: comma-separated steps whose loss is made NaN
   c.train.shard_optimizer = False  # ZeRO-1: shard Adam moments over dp
   c.train.grad_reduce_dtype = 'float32'  # float32 | bfloat16 | int8 for the dp gradient reduction
   c.train.attention = 'auto'  # auto | xla | cudnn  (jax.nn.dot_product_attention implementation)
@@ -258,6 +259,10 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   if p_.schedule == 'gpipe' and p_.repeats != 1:
     _fail('pipeline.repeats', p_.repeats, "repeats > 1 is the circular schedule: set "
           "--config.pipeline.schedule=circular (or repeats=1 for GPipe)")
+  try:
+    [int(x) for x in str(t.inject_nan_at).split(',') if x.strip()]
+  except ValueError:
+    _fail('train.inject_nan_at', t.inject_nan_at, 'comma-separated step numbers, e.g. "3,4"')
   if cfg.log.every < 1:
     _fail('log.every', cfg.log.every, 'an integer >= 1')
   if m.d_model % m.n_heads:

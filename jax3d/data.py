@@ -116,7 +116,7 @@ def check_vocab(corpus: Corpus, vocab_size: int) -> None:
 
 
 def batch_rows(tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int,
-               rows: slice = slice(None)) -> dict[str, np.ndarray]:
+               rows=slice(None)) -> dict[str, np.ndarray]:
   """Rows `rows` of the batch of step `step`: windows of seq_len+1 tokens at (seed, step) offsets."""
   offsets = np.random.default_rng([seed, step]).integers(0, tokens.size - seq_len - 1, size=batch)
   windows = np.stack([np.asarray(tokens[o:o + seq_len + 1]) for o in offsets[rows]]).astype(np.int32)
@@ -128,12 +128,12 @@ def eval_batches(corpus: Corpus, seed: int, n: int, batch: int, seq_len: int):
   return [batch_rows(corpus.held_out, seed + 1_000_003, j, batch, seq_len) for j in range(n)]
 
 
-def local_rows(sharding, batch: int) -> slice:
-  """The rows of the global batch this process holds under `sharding` (contiguous over dp)."""
-  idx = sharding.addressable_devices_indices_map((batch, 1))
-  starts = sorted({(i[0].start or 0) for i in idx.values()})
-  stops = sorted({(i[0].stop if i[0].stop is not None else batch) for i in idx.values()})
-  return slice(starts[0], stops[-1])
+def local_rows(sharding, batch: int) -> np.ndarray:
+  """Indices of the global-batch rows this process holds, in global order (its row blocks
+  concatenated: what jax.make_array_from_process_local_data expects)."""
+  idx = sharding.addressable_devices_indices_map((batch,))
+  blocks = sorted({(s[0].start or 0, batch if s[0].stop is None else s[0].stop) for s in idx.values()})
+  return np.concatenate([np.arange(a, b) for a, b in blocks])
 
 
 def to_global(local: dict[str, np.ndarray], sharding, batch: int) -> dict[str, jax.Array]:

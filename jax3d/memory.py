@@ -44,8 +44,10 @@ def _live_array_bytes(devices: Sequence) -> list[int]:
 
 def sample(devices: Sequence) -> dict:
   """{'bytes_in_use': [...], 'peak_bytes': [... or None]}, one entry per device, in the order given
-  (pass `mesh.devices.flat` for mesh order). Uses the allocator's numbers where it has them."""
-  devices = list(devices)
+  (pass `mesh.devices.flat` for mesh order). Uses the allocator's numbers where it has them.
+  Devices of other processes are skipped: a process can only read its own."""
+  import jax
+  devices = [d for d in devices if d.process_index == jax.process_index()]
   stats = [d.memory_stats() if hasattr(d, 'memory_stats') else None for d in devices]
   if all(s and 'bytes_in_use' in s for s in stats):
     return {'bytes_in_use': [int(s['bytes_in_use']) for s in stats],

@@ -41,6 +41,7 @@ def build_mesh(plan: RunPlan, devices=None, allow_tp_across_hosts: bool = False)
         raise ConfigError(f'mesh.tp={plan.tp} would span hosts ({per_host} devices per host): tensor '
                           'parallelism needs the fast intra-host links; use tp <= devices per host, or '
                           'set --config.mesh.allow_tp_across_hosts=True to force it')
+      devices.sort(key=lambda d: (d.process_index, d.id))
       grid = np.array(devices).reshape(plan.dp, plan.pp, plan.tp)
     else:
       from jax.experimental import mesh_utils
@@ -51,19 +52,25 @@ def build_mesh(plan: RunPlan, devices=None, allow_tp_across_hosts: bool = False)
       if plan.dp % dp_in:
         raise ConfigError(f'mesh dp={plan.dp}, pp={plan.pp}, tp={plan.tp} cannot be placed on '
                           f'{n_hosts} hosts of {per_host} devices')
+      # process_is_granule: a host (process) is the unit of the slow network; CPU and most GPU
+      # platforms set no slice_index. Devices are sorted so every process lists them alike.
+      devices.sort(key=lambda d: (d.process_index, d.id))
       grid = mesh_utils.create_hybrid_device_mesh(
-          (dp_in, pp_in, plan.tp), (plan.dp // dp_in, plan.pp // pp_in, 1), devices=devices)
+          (dp_in, pp_in, plan.tp), (plan.dp // dp_in, plan.pp // pp_in, 1), devices=devices,
+          process_is_granule=True)
   else:
     devices.sort(key=lambda d: d.id)
     grid = np.array(devices).reshape(plan.dp, plan.pp, plan.tp)
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def describe_placement(mesh: Mesh) -> list[str]:
-  """One line per device: its (dp, pp, tp) coordinate, host and id."""
+def describe_placement(mesh: Mesh, hosts: list[str] | None = None) -> list[str]:
+  """One line per device: its (dp, pp, tp) coordinate, host (`hosts[process_index]` when given),
+  process and device id."""
   lines = []
   for idx in np.ndindex(mesh.devices.shape):
     d = mesh.devices[idx]
-    lines.append(f'  (dp={idx[0]}, pp={idx[1]}, tp={idx[2]}) -> process {d.process_index} '
+    host = f'host {hosts[d.process_index]} ' if hosts and d.process_index < len(hosts) else ''
+    lines.append(f'  (dp={idx[0]}, pp={idx[1]}, tp={idx[2]}) -> {host}process {d.process_index} '
                  f'device {d.id} ({d.device_kind})')
   return lines

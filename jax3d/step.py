@@ -162,6 +162,10 @@ def make_init(s: Setup):
 def train_step(state, batch, s: Setup):
   with sharding.use_rules(s.rules):
     loss, grads = loss_and_grads(state['params'], batch, s)
+  drill = [int(x) for x in str(s.cfg.train.inject_nan_at).split(',') if x.strip()]
+  if drill:  # fault drill (train.inject_nan_at): these steps see a NaN loss and NaN gradients
+    nan = jnp.where(jnp.isin(state['step'] + 1, jnp.asarray(drill)), jnp.nan, 1.0)
+    loss, grads = loss * nan, jax.tree.map(lambda g: g * nan, grads)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = s.tx.update(grads, state['opt_state'], state['params'])
   params = optax.apply_updates(state['params'], updates)

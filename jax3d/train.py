@@ -1,8 +1,16 @@
 """`python -m jax3d.train [--config=configs/tiny.py] [--workdir=runs/tiny] [--config.KEY=VALUE ...]`
 
-Exit status: 0 done (also after a SIGTERM that saved a checkpoint); 2 invalid configuration or
-input (one line on stderr, before anything compiles); 3 the run failed (non-finite steps, a
-checkpoint that does not match).
+Several processes (one per host, or per GPU group; see docs/multihost.md):
+  --coordinator=HOST:PORT --num_processes=N --process_id=I   (or JAX_COORDINATOR_ADDRESS,
+      JAX_NUM_PROCESSES, JAX_PROCESS_ID); detected automatically under SLURM, Open MPI, Kubernetes
+  --distributed=auto|on|off      force or forbid jax.distributed.initialize (default auto)
+  --init_timeout=S               give up joining the coordinator after S seconds (default 300)
+  --heartbeat_timeout=S          a peer silent for S seconds counts as lost (default 100)
+  --devices_per_process=N        fake CPU devices per process when XLA_FLAGS is unset (default 8)
+
+Exit status: 0 done (also after a SIGTERM that saved a checkpoint, on every process); 2 invalid
+configuration or input (one line on stderr, before anything compiles); 3 the run failed (non-finite
+steps, a checkpoint that does not match, a coordinator that cannot be reached, a lost peer process).
 """
 from __future__ import annotations
 
@@ -10,31 +18,70 @@ import os
 import sys
 
 from jax3d import cli
+from jax3d import distributed
 
 
 def main(argv=None) -> int:
-  args = cli.parse(sys.argv[1:] if argv is None else argv, extra={'workdir': None})
+  args = cli.parse(sys.argv[1:] if argv is None else argv,
+                   extra={'workdir': None, **distributed.FLAGS})
   if isinstance(args, int):
     return args
-  cli.prepare_devices()
+  try:
+    per_process = int(args.flags['devices_per_process'] or 8)
+  except ValueError:
+    return cli.fail(f'--devices_per_process={args.flags["devices_per_process"]!r} is invalid: an integer')
+  cli.prepare_devices(per_process)
+  try:
+    inf = distributed.initialize(args.flags)  # before anything touches a device
+  except ValueError as e:
+    return cli.fail(e)
+  except distributed.DistributedError as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    return 3
+  if not inf.multi:
+    return _run(args)
+  try:
+    return _run(args)
+  except BaseException as e:  # noqa: BLE001 - a failure on one process must not hang the others
+    if isinstance(e, SystemExit):
+      raise
+    import jax
+    first = (str(e).strip().splitlines() or [''])[0][:400]
+    print(f'error: process {jax.process_index()}/{jax.process_count()}: the run failed '
+          f'({type(e).__name__}: {first}); a peer process may have died or lost contact (heartbeat '
+          f'timeout {inf.heartbeat_timeout} s), see its output', file=sys.stderr, flush=True)
+    distributed.hard_exit(3)
+    return 3
+
+
+def _run(args) -> int:
+  import jax
   from jax3d import config as config_lib
   from jax3d import checkpoint as ckpt_lib
+  from jax3d import mesh as mesh_lib
   from jax3d.trainer import Trainer, TrainingError
+  multi = distributed.info().multi
   workdir = args.flags['workdir'] or os.path.join('runs', os.path.splitext(os.path.basename(args.config_path))[0])
   try:
     trainer = Trainer(args.cfg, workdir=workdir)
   except config_lib.ConfigError as e:
-    return cli.fail(e)
+    return cli.fail(e) if jax.process_index() == 0 or not multi else 2
   try:
     for line in trainer.summary():
       trainer.log(line)
+    if multi:
+      hosts = distributed.hostnames()
+      trainer.log(f'  processes: {distributed.describe()}')
+      trainer.log('  placement (dp, pp, tp) -> host, process, device:')
+      for line in mesh_lib.describe_placement(trainer.mesh, hosts):
+        trainer.log(line)
     trainer.log(f'  workdir: {os.path.abspath(workdir)}')
     trainer.log(trainer.init_state())
     trainer.train()
-    if trainer._stop_signal is None:
+    if trainer._stop_signal is None and not multi:
       trainer.log('sample: ' + repr(trainer.sample()))
   except (TrainingError, ckpt_lib.CheckpointError) as e:
-    print(f'error: {e}', file=sys.stderr)
+    print(f'error: {e}', file=sys.stderr, flush=True)  # the same on every process
     return 3
   finally:
     trainer.close()

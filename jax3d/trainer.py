@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 from jax3d import checkpoint as ckpt_lib
 from jax3d import config as config_lib
 from jax3d import data as data_lib
+from jax3d import distributed
 from jax3d import flops as flops_lib
 from jax3d import generate as gen_lib
 from jax3d import memory as memory_lib
@@ -181,7 +183,7 @@ class Trainer:
     prompt = s.prompt if prompt is None else prompt
     toks = gen_lib.generate(self.setup.dims, self.state['params'],
                             (self.cfg.model.n_layers, self.plan.pp, self.plan.repeats),
-                            list(prompt.encode()), n_tokens or s.tokens, self.cfg.model.max_seq_len,
+                            list(prompt.encode()), s.tokens if n_tokens is None else n_tokens, self.cfg.model.max_seq_len,
                             s.temperature if temperature is None else temperature,
                             s.top_k if top_k is None else top_k, seed)
     return prompt + gen_lib.decode_bytes(toks)
@@ -200,7 +202,11 @@ class Trainer:
     stop = cfg.train.steps if steps is None else start + steps
     n_first = len(self.writer.records)
     self.writer.write({'event': 'start', 'step': start, 'layout': self.layout, 'config': cfg.to_dict()})
-    prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
+    # Several processes: JAX's preemption service owns SIGTERM (a Python handler would replace its
+    # notifier) and makes every process stop at the same step; one process: a Python flag.
+    multi = jax.process_count() > 1
+    prev_handler = (signal.signal(signal.SIGTERM, self._on_sigterm)
+                    if _main_thread() and not multi else None)
     prefetch = data_lib.Prefetcher(self.corpus, cfg.train.seed, start, stop, plan.global_batch,
                                    plan.seq_len, step_lib.batch_sharding(self.setup), cfg.data.prefetch)
     bad, t_last, steps_since, t_compile = 0, time.time(), 0, None
@@ -241,6 +247,7 @@ class Trainer:
           now = time.time()
           dt = (now - t_last) / max(steps_since, 1)
           tok_s = plan.tokens_per_step / dt if steps_since else 0.0
+          # memory_stats() exists only for this process's devices; metrics come from process 0.
           mem = memory_lib.sample(self.devices)
           mfu = self.mfu_meter(tok_s) if steps_since else None
           record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']),
@@ -265,12 +272,16 @@ class Trainer:
           t_last = time.time()
         if self.checkpointer and cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != stop:
           self.save(force=True)
+        if multi and self._stop_signal is None and distributed.preemption_sync(step):
+          self._stop_signal = signal.SIGTERM
         if self._stop_signal is not None:
           path = self.save(force=True)
           if self.checkpointer:
             self.checkpointer.wait()
           self.writer.write({'step': step, 'event': 'preempted', 'checkpoint': path})
           self.log(f'SIGTERM: saved step {step} to {path}; run the same command again to resume')
+          if multi and jax.process_index() != 0:  # one line per process: all stopped at the same step
+            print(f'process {jax.process_index()}: preempted, saved step {step}', file=sys.stderr, flush=True)
           return self.writer.records[n_first:]
       self._eval_and_log(self.step)
       if self.checkpointer and stop > start:

@@ -1,0 +1,225 @@
+"""Multi-process start-up: `jax.distributed.initialize()` before anything touches a device.
+
+When is a run multi-process?
+  * explicit: `--coordinator=HOST:PORT --num_processes=N --process_id=I` on the command line, or the
+    environment variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (what
+    `scripts/launch_local.py` and the Kubernetes example set);
+  * automatic: under SLURM (SLURM_NTASKS > 1), Open MPI (OMPI_COMM_WORLD_SIZE > 1) or a Kubernetes
+    job JAX can introspect, `jax.distributed.initialize()` detects the rest itself;
+  * `--distributed=off` (or JAX3D_DISTRIBUTED=off) forces one process, `--distributed=on` forces
+    the call (JAX's cluster detection then has to find everything).
+
+The call is bounded: a process that cannot reach the coordinator gives up after `--init_timeout`
+seconds (JAX3D_INIT_TIMEOUT, default 300) with a message naming the address; a peer that stops
+sending heartbeats for `--heartbeat_timeout` seconds (JAX3D_HEARTBEAT_TIMEOUT, default 100) makes
+the others stop with an error. On CPU, cross-process collectives use gloo.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import time
+
+FLAGS = {'coordinator': None, 'num_processes': None, 'process_id': None, 'distributed': 'auto',
+         'init_timeout': None, 'heartbeat_timeout': None, 'devices_per_process': None}
+
+DEFAULT_INIT_TIMEOUT = 300
+DEFAULT_HEARTBEAT_TIMEOUT = 100
+DEFAULT_SHUTDOWN_TIMEOUT = 60
+
+
+class DistributedError(RuntimeError):
+  """The processes could not be joined (unreachable coordinator, ...)."""
+
+
+@dataclasses.dataclass
+class Info:
+  multi: bool  # jax.distributed.initialize was called
+  process_id: int = 0
+  num_processes: int = 1
+  coordinator: str | None = None
+  how: str = 'single process'
+  init_timeout: int = DEFAULT_INIT_TIMEOUT
+  heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT
+
+
+_INFO = Info(multi=False)
+
+
+def info() -> Info:
+  return _INFO
+
+
+def _int(value, name: str) -> int | None:
+  if value in (None, ''):
+    return None
+  try:
+    return int(value)
+  except (TypeError, ValueError):
+    raise ValueError(f'{name}={value!r} is invalid: an integer') from None
+
+
+def _detected_cluster() -> str | None:
+  """The name of a multi-process launcher JAX can read the layout from, or None."""
+  env = os.environ
+  if int(env.get('SLURM_NTASKS', env.get('SLURM_NPROCS', '1')) or 1) > 1 and 'SLURM_PROCID' in env:
+    return 'SLURM'
+  if int(env.get('OMPI_COMM_WORLD_SIZE', '1') or 1) > 1:
+    return 'Open MPI'
+  if 'KUBERNETES_SERVICE_HOST' in env and 'JOB_COMPLETION_INDEX' in env:
+    import importlib.util
+    if importlib.util.find_spec('kubernetes') is not None:  # JAX's detector needs `pip install jax[k8s]`
+      return 'Kubernetes'
+  return None
+
+
+def resolve(flags: dict) -> Info:
+  """What to do, from flags and environment, without touching jax. Raises ValueError on bad input."""
+  env = os.environ
+  mode = str(flags.get('distributed') or env.get('JAX3D_DISTRIBUTED') or 'auto').lower()
+  if mode not in ('auto', 'on', 'off'):
+    raise ValueError(f'--distributed={mode!r} is invalid: auto, on or off')
+  coord = flags.get('coordinator') or env.get('JAX_COORDINATOR_ADDRESS') or None
+  n = _int(flags.get('num_processes') or env.get('JAX_NUM_PROCESSES'), '--num_processes')
+  pid = _int(flags.get('process_id') if flags.get('process_id') not in (None, '') else env.get('JAX_PROCESS_ID'),
+             '--process_id')
+  init_t = _int(flags.get('init_timeout') or env.get('JAX3D_INIT_TIMEOUT'), '--init_timeout') or DEFAULT_INIT_TIMEOUT
+  hb_t = (_int(flags.get('heartbeat_timeout') or env.get('JAX3D_HEARTBEAT_TIMEOUT'), '--heartbeat_timeout')
+          or DEFAULT_HEARTBEAT_TIMEOUT)
+  if init_t < 1 or hb_t < 1:
+    raise ValueError('--init_timeout and --heartbeat_timeout must be positive (seconds)')
+  base = dict(init_timeout=init_t, heartbeat_timeout=hb_t)
+  if mode == 'off':
+    return Info(multi=False, **base)
+  explicit = [k for k, v in (('--coordinator', coord), ('--num_processes', n), ('--process_id', pid))
+              if v is not None]
+  if n is not None and n < 1:
+    raise ValueError(f'--num_processes={n} is invalid: a positive integer')
+  if explicit and not (n == 1 and mode == 'auto'):
+    if len(explicit) < 3 and _detected_cluster() is None:
+      missing = [k for k in ('--coordinator', '--num_processes', '--process_id') if k not in explicit]
+      raise ValueError(f'{", ".join(explicit)} given without {", ".join(missing)} (or the matching '
+                       'JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)')
+    if coord is not None and (':' not in coord or not coord.rsplit(':', 1)[1].isdigit()):
+      raise ValueError(f'--coordinator={coord!r} is invalid: HOST:PORT of process 0')
+    if pid is not None and n is not None and not 0 <= pid < n:
+      raise ValueError(f'--process_id={pid} is invalid: 0 <= process_id < num_processes={n}')
+    return Info(multi=True, process_id=pid or 0, num_processes=n or 0, coordinator=coord,
+                how='explicit', **base)
+  cluster = _detected_cluster()
+  if mode == 'on' or cluster:
+    return Info(multi=True, coordinator=coord, how=cluster or 'cluster auto-detection', **base)
+  return Info(multi=False, **base)
+
+
+def initialize(flags: dict) -> Info:
+  """Joins the other processes when the run is multi-process. Call before jax touches a device.
+
+  Raises ValueError (bad flags, exit status 2) or DistributedError (coordinator unreachable)."""
+  global _INFO
+  inf = resolve(flags)
+  _INFO = inf
+  if not inf.multi:
+    return inf
+  import jax
+  # Only the host (CPU) client reads this: cross-process collectives on fake CPU devices use gloo.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  kwargs = dict(initialization_timeout=inf.init_timeout, heartbeat_timeout_seconds=inf.heartbeat_timeout,
+                shutdown_timeout_seconds=min(DEFAULT_SHUTDOWN_TIMEOUT, max(inf.heartbeat_timeout, 10)))
+  if inf.how == 'explicit':
+    kwargs.update(coordinator_address=inf.coordinator, num_processes=inf.num_processes or None,
+                  process_id=inf.process_id)
+  where = inf.coordinator or os.environ.get('JAX_COORDINATOR_ADDRESS') or '(auto-detected address)'
+  if inf.coordinator:
+    # jaxlib aborts the whole process (no Python exception) when it cannot register with the
+    # coordinator, so the address is checked here first, within the same bound.
+    left = wait_for_coordinator(inf.coordinator, inf.init_timeout, connect=inf.process_id != 0,
+                                hint=how_hint(inf), who=inf.process_id)
+    kwargs['initialization_timeout'] = max(int(left), 5)
+  try:
+    jax.distributed.initialize(**kwargs)
+  except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error types
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    raise DistributedError(
+        f'process {inf.process_id if inf.how == "explicit" else "?"} could not join the run: the '
+        f'coordinator at {where} did not answer within --init_timeout={inf.init_timeout} s ({how_hint(inf)}); '
+        f'check that process 0 is running and HOST:PORT is reachable from this host [{type(e).__name__}: {first}]'
+    ) from None
+  inf.process_id, inf.num_processes = jax.process_index(), jax.process_count()
+  inf.coordinator = getattr(jax._src.distributed.global_state, 'coordinator_address', None) or where
+  return inf
+
+
+def wait_for_coordinator(address: str, timeout: float, connect: bool, hint: str, who) -> float:
+  """Resolves HOST (all processes) and, unless this is process 0 (which starts the coordinator),
+  waits until HOST:PORT accepts a TCP connection. Returns the seconds left of `timeout`.
+  Raises DistributedError naming the address."""
+  t0 = time.time()
+  host, _, port = address.rpartition(':')
+  host = host.strip('[]')
+  try:
+    socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+  except (socket.gaierror, OSError) as e:
+    raise DistributedError(f'process {who}: the coordinator address {address} ({hint}) does not resolve: '
+                           f'{e}') from None
+  if not connect:
+    return timeout
+  last = None
+  while time.time() - t0 < timeout:
+    try:
+      with socket.create_connection((host, int(port)), timeout=min(2.0, timeout)):
+        return timeout - (time.time() - t0)
+    except OSError as e:
+      last = e
+      time.sleep(0.25)
+  raise DistributedError(
+      f'process {who} could not reach the coordinator at {address} ({hint}) within --init_timeout='
+      f'{timeout:g} s: {last}; check that process 0 is running there and the port is open')
+
+
+def how_hint(inf: Info) -> str:
+  return ('from --coordinator / JAX_COORDINATOR_ADDRESS' if inf.how == 'explicit'
+          else f'detected by {inf.how}')
+
+
+def hostnames() -> list[str]:
+  """The host name of every process, by process index (one key-value exchange)."""
+  import jax
+  if not _INFO.multi or jax.process_count() == 1:
+    return [socket.gethostname()]
+  client = jax._src.distributed.global_state.client
+  me = jax.process_index()
+  client.key_value_set(f'jax3d/hostname/{me}', socket.gethostname())
+  timeout_ms = 1000 * max(_INFO.heartbeat_timeout, 30)
+  return [client.blocking_key_value_get(f'jax3d/hostname/{i}', timeout_ms) for i in range(jax.process_count())]
+
+
+def preemption_sync(step: int) -> bool:
+  """True on every process at the same step once any of them got SIGTERM (JAX's preemption
+  service). Only meaningful when multi-process; False otherwise."""
+  import jax
+  if jax.process_count() == 1:  # also covers a caller that ran jax.distributed.initialize itself
+    return False
+  from jax.experimental import multihost_utils
+  try:
+    return bool(multihost_utils.reached_preemption_sync_point(step))
+  except RuntimeError:  # preemption service disabled
+    return False
+
+
+def describe() -> str:
+  import jax
+  inf = _INFO
+  if not inf.multi:
+    return 'single process'
+  return (f'{jax.process_count()} processes ({inf.how}), coordinator {inf.coordinator}, '
+          f'{jax.local_device_count()} devices per process, heartbeat timeout {inf.heartbeat_timeout} s')
+
+
+def hard_exit(code: int) -> None:
+  """Leaves now, without the shutdown barrier (which would wait for a lost peer)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
