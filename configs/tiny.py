@@ -16,12 +16,12 @@ def get_config():
   c.model.n_kv_heads = 2
   c.model.d_ff = 768
   c.model.vocab_size = 256
-  c.train.steps = 600
+  c.train.steps = 300
   c.train.global_batch_size = 16
   c.train.seq_len = 128
   c.train.lr = 3e-3
   c.train.warmup_steps = 30
   c.log.every = 10
   c.eval.every = 100
-  c.checkpoint.every = 200
+  c.checkpoint.every = 100
   return c

@@ -42,28 +42,27 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline.schedule = 'gpipe'  # 'gpipe' or 'circular'
 
   c.model = ml_collections.ConfigDict()
-  c.model.n_layers = 4
-  c.model.d_model = 256
-  c.model.n_heads = 4
-  c.model.n_kv_heads = 4
-  c.model.d_ff = 1024
-  c.model.vocab_size = 256
+  c.model.n_layers = 4  # decoder layers; divisible by mesh.pp * pipeline.repeats
+  c.model.d_model = 256  # hidden size; divisible by n_heads, head size even (rotary)
+  c.model.n_heads = 4  # query heads; divisible by mesh.tp
+  c.model.n_kv_heads = 4  # key/value heads (grouped-query attention); divides n_heads, divisible by mesh.tp
+  c.model.d_ff = 1024  # SwiGLU hidden size; divisible by mesh.tp
+  c.model.vocab_size = 256  # real vocabulary (256 for bytes); at least the data's
   c.model.vocab_multiple = 128  # the vocabulary is padded to a multiple of this (layout-independent)
-  c.model.max_seq_len = 2048
-  c.model.rope_theta = 10000.0
-  c.model.norm_eps = 1e-5
-
+  c.model.max_seq_len = 2048  # longest train.seq_len allowed
+  c.model.rope_theta = 10000.0  # rotary embedding base
+  c.model.norm_eps = 1e-5  # RMSNorm epsilon
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 1000
+  c.train.steps = 1000  # optimizer steps of the whole run (the schedule decays over them)
   c.train.global_batch_size = 32  # sequences per optimizer step (all devices, all accumulation chunks)
-  c.train.seq_len = 128
-  c.train.seed = 0
-  c.train.lr = 3e-3
+  c.train.seq_len = 128  # tokens per sequence
+  c.train.seed = 0  # initialisation and data order; the batch of step i depends only on (seed, i)
+  c.train.lr = 3e-3  # peak learning rate (AdamW)
   c.train.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio
-  c.train.warmup_steps = 50
-  c.train.weight_decay = 0.1
-  c.train.b1 = 0.9
-  c.train.b2 = 0.95
+  c.train.warmup_steps = 50  # linear warmup from 0, then cosine decay
+  c.train.weight_decay = 0.1  # AdamW decay of matrices (not norm scales)
+  c.train.b1 = 0.9  # Adam beta1
+  c.train.b2 = 0.95  # Adam beta2
   c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
   c.train.remat = 'none'  # none | full | dots | attn  (see jax3d/remat.py)
   c.train.compute_dtype = 'float32'  # float32 | bfloat16
@@ -81,34 +80,32 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.prefetch = 2  # batches prepared ahead on a background thread
 
   c.log = ml_collections.ConfigDict()
-  c.log.every = 10
-  c.log.tensorboard = False
+  c.log.every = 10  # steps between metric records and console lines
+  c.log.tensorboard = False  # also write TensorBoard event files to WORKDIR/tensorboard
   c.log.progress = True  # live progress line on a terminal
   c.log.leak_window = 20  # logged steps the memory-leak detector fits its slope over
   c.log.leak_mb_per_step = 1.0  # sustained growth above this (MB per step, any device) warns
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 100
-  c.eval.batches = 8
-
+  c.eval.every = 100  # steps between held-out evaluations (0 = only at the end)
+  c.eval.batches = 8  # held-out batches per evaluation (fixed, the same for every layout)
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 200
-  c.checkpoint.keep = 3
-  c.checkpoint.async_save = True
+  c.checkpoint.every = 200  # steps between checkpoints (also at the end and on SIGTERM)
+  c.checkpoint.keep = 3  # newest checkpoints kept
+  c.checkpoint.async_save = True  # write in the background while training continues
   c.checkpoint.init_from = ''  # warm start: load only the parameters of another run
 
   c.profile = ml_collections.ConfigDict()
   c.profile.start = -1  # first profiled step; -1 = no profile
-  c.profile.steps = 3
-
+  c.profile.steps = 3  # steps traced
   c.hardware = ml_collections.ConfigDict()
   c.hardware.peak_tflops = 0.0  # per device; 0 = look it up from the device kind (unknown on CPU)
 
   c.sample = ml_collections.ConfigDict()
-  c.sample.prompt = 'def '
-  c.sample.tokens = 200
-  c.sample.temperature = 0.8
-  c.sample.top_k = 40
+  c.sample.prompt = 'def '  # prompt of the text sample at the end of a run
+  c.sample.tokens = 200  # tokens generated
+  c.sample.temperature = 0.8  # 0 = greedy
+  c.sample.top_k = 40  # sample among the k likeliest tokens (0 = all)
   return c
 
 
@@ -155,10 +152,19 @@ def set_key(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
     raise ConfigError(f'unknown config key {dotted!r}; valid keys here: '
                       f'{", ".join(sorted(node.keys()))}')
   current = node[leaf]
-  if isinstance(current, bool) and isinstance(value, str):
-    value = value.lower() in ('1', 'true', 'yes')
-  elif isinstance(current, (int, float)) and not isinstance(current, bool) and isinstance(value, str):
-    value = type(current)(float(value)) if isinstance(current, int) and '.' not in value else type(current)(value)
+  if isinstance(value, str) and not isinstance(current, str):
+    try:
+      if isinstance(current, bool):
+        if value.lower() not in ('1', '0', 'true', 'false', 'yes', 'no'):
+          raise ValueError(value)
+        value = value.lower() in ('1', 'true', 'yes')
+      elif isinstance(current, int):
+        value = int(value)
+      elif isinstance(current, float):
+        value = float(value)
+    except ValueError:
+      raise ConfigError(f'{dotted}={value!r} is invalid: expected a {type(current).__name__} '
+                        f'(the default is {current!r})') from None
   with node.unlocked():
     node[leaf] = value
 

@@ -51,7 +51,7 @@ def run_layers(layer_fn, layers, x, policy: str):
 
 
 def pipeline(layer_fn, layers, x_mbtd, *, mesh, pp: int, repeats: int, policy: str,
-             batch_axis: str = 'dp', scatter: bool = False):
+             batch_axis: str = 'dp', scatter: bool = False, manual_outside: bool = False):
   """Runs every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`.
 
   `layers` is the stacked layer pytree in storage order (leading axis sharded over pp). The loop
@@ -60,6 +60,10 @@ def pipeline(layer_fn, layers, x_mbtd, *, mesh, pp: int, repeats: int, policy: s
   iteration. `tp` stays automatic inside. With `scatter`, x arrives and leaves with its rows split
   over (dp, pp) (where the embedding and head work): stages all-gather it over pp on the way in,
   and the outputs are reduce-scattered back on the way out.
+  With `manual_outside` the caller is already inside a shard_map manual over `batch_axis` and pp
+  (step.loss_and_grads_explicit, for the explicit dp gradient reduction): `layers` are this stage's,
+  already varying per dp rank (so their gradients come back un-reduced), x holds this device's rows
+  (with `scatter`, its pp slice of them), and the loop runs here without a shard_map of its own.
   Returns [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn.
   """
   m = x_mbtd.shape[0]
@@ -99,7 +103,7 @@ def pipeline(layer_fn, layers, x_mbtd, *, mesh, pp: int, repeats: int, policy: s
   # The activations cross the loop's boundary in fp32 (the sums over pp of their gradients too):
   # exact, a one-off m*b*t*d per step, and it avoids XLA:CPU's failing bf16 all-reduce promotion.
   x32_mbtd = x_mbtd.astype(jnp.float32)
-  if not manual:
+  if not manual or manual_outside:
     return stage_loop(layers, x32_mbtd).astype(dtype)
   return jax.shard_map(stage_loop, mesh=mesh, in_specs=(stages, rows), out_specs=rows,
                        axis_names=manual, check_vma=True)(layers, x32_mbtd).astype(dtype)

@@ -5,6 +5,11 @@ Data flow of one step (`loss_fn`):
   -> pipeline over pp (tp and dp inside each stage) -> head (batch over dp*pp, vocab over tp)
   -> vocab-parallel cross-entropy. Gradients of parameters replicated over dp are reduced over dp
   by the compiler. `train.grad_accum` chunks run sequentially in a scan, gradients summed.
+
+Communication options (gradcomm.py, docs/performance.md): `train.grad_reduce_dtype` bfloat16 or
+int8 computes the gradients per dp rank inside a `shard_map` manual over dp and reduces them by
+hand (16- or 8-bit on the wire); `train.shard_optimizer` (ZeRO-1) shards Adam's moments over dp,
+updates on the shard and all-gathers the parameters. The float32, unsharded default is unchanged.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import model as model_lib
-from jax3d import optim, pipeline, sharding
+from jax3d import gradcomm, optim, pipeline, sharding
 from jax3d.config import RunPlan
 
 
@@ -55,23 +60,35 @@ def from_microbatches(x_m):
   return x_m.swapaxes(0, 1).reshape(x_m.shape[0] * x_m.shape[1], *x_m.shape[2:])
 
 
-def loss_sum_fn(params, tokens_bt, targets_bt, s: Setup):
-  """Sum of token losses of one accumulation chunk."""
+def loss_sum_fn(params, tokens_bt, targets_bt, s: Setup, manual: bool = False):
+  """Sum of token losses of one accumulation chunk. `manual`: traced inside the shard_map of
+  `loss_and_grads_explicit` (manual over dp and pp): rows are this dp rank's, the layers this
+  stage's, and the sum is this device's share (summed over dp and pp by the caller)."""
   dims, plan = s.dims, s.plan
+  scatter = s.rules['batch_all'] == ('dp', 'pp')
+  rules = rules_without(s.rules, ('dp', 'pp')) if manual else s.rules
   x_btd = model_lib.embed_apply(dims, params, tokens_bt)
-  x_mbtd = sharding.constrain(to_microbatches(x_btd, plan.microbatches),
-                              ('micro', 'batch_all', 'seq', 'embed'))
-  inner = sharding.stage_rules(s.rules)
+  x_mbtd = to_microbatches(x_btd, plan.microbatches)
+  if manual and scatter and plan.pp > 1:  # this pp rank's slice of every micro-batch's rows
+    b = x_mbtd.shape[1] // plan.pp
+    x_mbtd = jax.lax.dynamic_slice_in_dim(x_mbtd, jax.lax.axis_index('pp') * b, b, axis=1)
+  x_mbtd = sharding.constrain(x_mbtd, ('micro', 'batch_all', 'seq', 'embed'))
+  inner = sharding.stage_rules(rules)
 
   def layer_fn(p, h):
     with sharding.use_rules(inner):
       return model_lib.block_apply(dims, p, h)
 
   y_mbtd = pipeline.pipeline(layer_fn, params['layers'], x_mbtd, mesh=s.mesh, pp=plan.pp,
-                             repeats=plan.repeats, policy=s.cfg.train.remat,
-                             scatter=s.rules['batch_all'] == ('dp', 'pp'))
+                             repeats=plan.repeats, policy=s.cfg.train.remat, scatter=scatter,
+                             manual_outside=manual)
   y_btd = sharding.constrain(from_microbatches(y_mbtd), ('batch_all', 'seq', 'embed'))
   logits_btv = model_lib.head_apply(dims, params, y_btd)
+  if manual and scatter and plan.pp > 1:
+    targets_bt = to_microbatches(targets_bt, plan.microbatches)
+    b = targets_bt.shape[1] // plan.pp
+    targets_bt = from_microbatches(jax.lax.dynamic_slice_in_dim(
+        targets_bt, jax.lax.axis_index('pp') * b, b, axis=1))
   return model_lib.cross_entropy_sum(logits_btv, targets_bt)
 
 
@@ -97,12 +114,97 @@ def loss_and_grads(params, batch, s: Setup):
   return jax.lax.scan(body, zeros, xs)[0]
 
 
+def rules_without(rules: dict, axes) -> dict:
+  """The logical rules inside a shard_map manual over `axes`: those axes are named nowhere."""
+  def strip(v):
+    if isinstance(v, tuple):
+      rest = tuple(a for a in v if a not in axes)
+      return rest[0] if len(rest) == 1 else (rest or None)
+    return None if v in axes else v
+  return {k: strip(v) for k, v in rules.items()}
+
+
+def explicit_reduction(s: Setup) -> bool:
+  """Whether the dp gradient sum is done by hand (gradcomm) rather than by the compiler: for a
+  16-/8-bit wire format, and under ZeRO-1 (XLA:CPU keeps an all-reduce followed by a slice, where
+  an explicit reduce-scatter moves half the bytes)."""
+  return s.plan.dp > 1 and (s.cfg.train.grad_reduce_dtype != 'float32' or zero1(s))
+
+
+def zero1(s: Setup) -> bool:
+  return bool(s.cfg.train.shard_optimizer) and s.plan.dp > 1
+
+
+def has_residual(s: Setup) -> bool:
+  return s.plan.dp > 1 and s.cfg.train.grad_reduce_dtype == 'int8'
+
+
+def _manual_spec(spec: P, ndim: int, manual) -> P:
+  """A PartitionSpec restricted to the `manual` mesh axes (shard_map specs name no others)."""
+  out = []
+  for e in tuple(spec) + (None,) * (ndim - len(tuple(spec))):
+    names = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in manual)
+    out.append(names[0] if len(names) == 1 else (names or None))
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
+def loss_and_grads_explicit(params, batch, residual, s: Setup):
+  """`loss_and_grads` with the dp reduction done by hand. The loss and gradients are computed per
+  device inside one shard_map manual over dp and pp (tp stays automatic): the parameters are made
+  varying over dp before differentiation, so no automatic dp sum is inserted; the pipeline runs
+  without a shard_map of its own; the grad_accum chunks are summed locally. `gradcomm.reduce` then
+  sums the gradients over dp once per step in train.grad_reduce_dtype (sums over pp, for the
+  embedding and head, stay automatic and fp32). Under ZeRO-1 the gradients come back
+  reduce-scattered (each dp rank its zero_dim slice). Returns (loss, grads, new residual or None).
+  """
+  dp, a, shard = s.plan.dp, s.plan.grad_accum, zero1(s)
+  dtype = s.cfg.train.grad_reduce_dtype
+  manual = {ax for ax in ('dp', 'pp') if s.mesh.shape[ax] > 1}
+  params_sh = param_shardings(s)
+  dims = gradcomm.dims_tree(params, params_sh, dp)
+  spec_of = lambda x, sh: _manual_spec(sh.spec, x.ndim, manual)
+  p_specs = jax.tree.map(spec_of, params, params_sh)
+  out_sh = zero_shardings(s) if shard else params_sh
+  g_specs = jax.tree.map(spec_of, params, out_sh)
+  r_specs = (None if residual is None else
+             jax.tree.map(spec_of, residual, gradcomm.residual_shardings(params_sh, s.mesh)))
+  n_tokens = batch['inputs'].size  # global
+  rules = rules_without(s.rules, ('dp', 'pp'))
+  vary = lambda x: jax.lax.pcast(x, ('dp',), to='varying')
+
+  def local(params, batch, residual):
+    params = jax.tree.map(vary, params)
+    grad_fn = jax.value_and_grad(lambda p, x, y: loss_sum_fn(p, x, y, s, manual=True) / n_tokens)
+    with sharding.use_rules(rules):
+      if a == 1:
+        loss, grads = grad_fn(params, batch['inputs'], batch['targets'])
+      else:
+        def body(acc, xy):
+          return jax.tree.map(lambda u, v: u + v, acc, grad_fn(params, *xy)), None
+        zeros = (vary(jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, params))
+        xs = (chunked(batch['inputs'], a), chunked(batch['targets'], a))
+        loss, grads = jax.lax.scan(body, zeros, xs)[0]
+    loss = jax.lax.psum(loss, tuple(ax for ax in ('dp', 'pp') if ax in manual and ax in
+                                    jax.typeof(loss).manual_axis_type.varying))
+    grads, residual = gradcomm.reduce(grads, residual, dims, dtype, dp, shard)
+    return loss, grads, residual
+
+  fn = jax.shard_map(local, mesh=s.mesh, in_specs=(p_specs, P('dp'), r_specs),
+                     out_specs=(P(), g_specs, r_specs), axis_names=manual, check_vma=True)
+  return fn(params, batch, residual)
+
+
 # ---------------------------------------------------------------------------------------------
 # State, shardings, jitted functions
 # ---------------------------------------------------------------------------------------------
 def init_state(key, s: Setup):
   params = model_lib.init_params(key, s.dims, s.layer_order)
-  return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': s.tx.init(params)}
+  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': s.tx.init(params)}
+  if has_residual(s):  # int8 error feedback: one residual per dp rank (gradcomm.py)
+    state['grad_residual'] = gradcomm.init_residual(params, s.plan.dp)
+  return state
 
 
 def param_shardings(s: Setup):
@@ -113,9 +215,21 @@ def state_shardings(s: Setup):
   params_sh = param_shardings(s)
   replicated = NamedSharding(s.mesh, P())
   abstract = jax.eval_shape(lambda k: init_state(k, s), jax.random.key(0))
-  opt_sh = optax.tree_map_params(s.tx, lambda _, sh: sh, abstract['opt_state'], params_sh,
+  # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
+  moments_sh = (gradcomm.zero_shardings(abstract['params'], params_sh, s.mesh, s.plan.dp)
+                if zero1(s) else params_sh)
+  opt_sh = optax.tree_map_params(s.tx, lambda _, sh: sh, abstract['opt_state'], moments_sh,
                                  transform_non_params=lambda _: replicated)
-  return {'step': replicated, 'params': params_sh, 'opt_state': opt_sh}
+  out = {'step': replicated, 'params': params_sh, 'opt_state': opt_sh}
+  if has_residual(s):
+    out['grad_residual'] = gradcomm.residual_shardings(params_sh, s.mesh)
+  return out
+
+
+def zero_shardings(s: Setup):
+  """The ZeRO-1 layout of parameter-shaped trees (moments, reduced gradients, the update)."""
+  abstract = jax.eval_shape(lambda k: model_lib.init_params(k, s.dims, s.layer_order), jax.random.key(0))
+  return gradcomm.zero_shardings(abstract, param_shardings(s), s.mesh, s.plan.dp)
 
 
 def batch_sharding(s: Setup):
@@ -160,21 +274,38 @@ def make_init(s: Setup):
 
 
 def train_step(state, batch, s: Setup):
+  residual = state.get('grad_residual')
   with sharding.use_rules(s.rules):
-    loss, grads = loss_and_grads(state['params'], batch, s)
+    if explicit_reduction(s):
+      loss, grads, residual = loss_and_grads_explicit(state['params'], batch, residual, s)
+    else:
+      loss, grads = loss_and_grads(state['params'], batch, s)
+  params = state['params']
+  if zero1(s):
+    # ZeRO-1: gradients in the moments' layout (the dp all-reduce becomes a reduce-scatter, or the
+    # explicit path already delivered the slices), the update on each rank's slice only.
+    zsh = zero_shardings(s)
+    grads = jax.lax.with_sharding_constraint(grads, zsh)
+    params = jax.lax.with_sharding_constraint(params, zsh)
   drill = [int(x) for x in str(s.cfg.train.inject_nan_at).split(',') if x.strip()]
   if drill:  # fault drill (train.inject_nan_at): these steps see a NaN loss and NaN gradients
     nan = jnp.where(jnp.isin(state['step'] + 1, jnp.asarray(drill)), jnp.nan, 1.0)
     loss, grads = loss * nan, jax.tree.map(lambda g: g * nan, grads)
   grad_norm = optax.tree.norm(grads)
-  updates, opt_state = s.tx.update(grads, state['opt_state'], state['params'])
-  params = optax.apply_updates(state['params'], updates)
+  updates, opt_state = s.tx.update(grads, state['opt_state'], params)
+  new_params = optax.apply_updates(params, updates)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   # apply_if_finite already skipped a non-finite gradient; a non-finite loss with finite
   # gradients (impossible in exact arithmetic, possible in overflowed bf16) is skipped here too.
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-  new_state = {'step': state['step'] + 1, 'params': keep(params, state['params']),
+  if zero1(s):  # all-gather the updated slices back to the parameters' own layout (then select:
+    # selecting first would make XLA gather the old parameters as well)
+    new_params = jax.lax.with_sharding_constraint(new_params, param_shardings(s))
+  new_params = keep(new_params, state['params'])
+  new_state = {'step': state['step'] + 1, 'params': new_params,
                'opt_state': keep(opt_state, state['opt_state'])}
+  if residual is not None:
+    new_state['grad_residual'] = keep(residual, state['grad_residual'])
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': optim.schedule(s.cfg)(state['step']),
              'finite': ok}
   return new_state, metrics

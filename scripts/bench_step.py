@@ -74,11 +74,13 @@ def main():
   ap.add_argument('--dtype', default='float32,bfloat16')
   ap.add_argument('--layouts', default='1x1x1,8x1x1,4x1x2,2x1x4,2x2x2,1x2x4,2x4x1m8')
   ap.add_argument('--layer-sweep', action='store_true', help='compile time against 4, 16, 64 layers')
+  ap.add_argument('--remat-sweep', action='store_true',
+                  help='each remat policy at (2,2,2), seq 1024: compiled temp memory and step time')
   args = ap.parse_args()
   rows = []
   print(f'{"layout":>12} {"dtype":>9} {"compile s":>9} {"step s":>8} {"ratio":>6} {"ideal":>6} '
         f'{"temp MiB":>9} {"args MiB":>9}')
-  for dtype in args.dtype.split(','):
+  for dtype in (args.dtype.split(',') if args.layouts else []):
     base = None
     for lay in args.layouts.split(','):
       dp, pp, tp, m = parse_layout(lay)
@@ -92,6 +94,17 @@ def main():
       print(f'{lay:>12} {dtype:>9} {r["compile_s"]:>9.2f} {r["step_s"]:>8.3f} {ratio:>6} '
             f'{r["bubble_ratio"]:>6.2f} {r["temp_bytes"] / 2**20:>9.1f} {r["argument_bytes"] / 2**20:>9.1f}',
             flush=True)
+  remat = []
+  if args.remat_sweep:
+    print(f'{"remat":>6} {"temp MiB":>9} {"vs none":>8} {"step s":>8} {"vs none":>8}')
+    for policy in ('none', 'full', 'dots', 'attn'):
+      ov = dict(SHAPE, **{'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.microbatches': 2,
+                          'train.seq_len': 1024, 'train.remat': policy})
+      r = measure(ov, 8)
+      r.update(remat=policy)
+      remat.append(r)
+      print(f'{policy:>6} {r["temp_bytes"] / 2**20:>9.1f} {r["temp_bytes"] / remat[0]["temp_bytes"]:>8.2f} '
+            f'{r["step_s"]:>8.3f} {r["step_s"] / remat[0]["step_s"]:>8.2f}', flush=True)
   sweep = []
   if args.layer_sweep:
     for L in (4, 16, 64):
@@ -102,7 +115,7 @@ def main():
       print(f'compile time, {L:>2} layers (2x2x2): {r["compile_s"]:.2f} s')
     print(f'ratio 64 layers / 4 layers: {sweep[-1]["compile_s"] / sweep[0]["compile_s"]:.2f}')
   with open(args.json, 'w') as f:
-    json.dump({'rows': rows, 'layer_sweep': sweep, 'jax': jax.__version__}, f, indent=1)
+    json.dump({'rows': rows, 'layer_sweep': sweep, 'remat_sweep': remat, 'jax': jax.__version__}, f, indent=1)
   print(f'wrote {args.json}')
 
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import optax
 
 from jax3d import config as config_lib, mesh as mesh_lib, pipeline, step as step_lib
 
 SMALL = {'model.n_layers': 8, 'model.d_model': 64, 'model.n_heads': 8, 'model.n_kv_heads': 8,
          'model.d_ff': 128, 'model.vocab_size': 256, 'train.seq_len': 16,
          'train.global_batch_size': 32, 'train.warmup_steps': 1, 'train.lr': 1e-2,
-         'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 1, 'pipeline.microbatches': 1}
+         'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 1, 'pipeline.microbatches': 1, 'train.grad_clip': 0.0}
 
 
 def small_cfg(**over):
@@ -42,20 +43,23 @@ def canonical(s, params):
 
 
 def run_steps(cfg, n_steps=3):
-  """Losses of the first n steps and the step-1 gradients (canonical order) under cfg's layout."""
+  """Losses of the first n steps, the step-1 gradients (canonical order) and the initial params.
+
+  The gradients are read from Adam's first moment after step 1, mu = (1 - b1) * g (clipping is
+  off in these configs), so one compiled train step gives both losses and gradients.
+  """
   s = setup_for(cfg)
+  assert cfg.train.grad_clip == 0, 'gradients are read from Adam mu: clipping must be off'
   state = step_lib.make_init(s)(cfg.train.seed)
   sh = step_lib.batch_sharding(s)
   batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in fixed_batches(cfg, n_steps)]
-  grad_fn = step_lib.MeshJit(lambda p, b: step_lib.loss_and_grads(p, b, s)[1], s.mesh)
-  with_rules = lambda p, b: grad_fn(p, b)
-  from jax3d import sharding
-  with sharding.use_rules(s.rules):
-    grads = canonical(s, with_rules(state['params'], batches[0]))
   init_params = canonical(s, state['params'])
   train = step_lib.make_train_step(s)
-  losses = []
+  losses, grads = [], None
   for b in batches:
     state, m = train(state, b)
     losses.append(float(m['loss']))
+    if grads is None:
+      mu = optax.tree.get(state['opt_state'], 'mu')
+      grads = jax.tree.map(lambda x: x / (1 - cfg.train.b1), canonical(s, mu))
   return np.array(losses), grads, init_params

@@ -115,9 +115,13 @@ def test_misfit_reason_and_oom_ladder():
   r = cli('--config=configs/llama3_70b.py', '--nodes=1', '--gpus-per-node=8', '--gpu-memory-gb=80')
   assert r.returncode == 2
   assert re.search(r'needs \d+\.\d GB per GPU, has 80', r.stdout)
-  for rung in ('1. recomputation', '3. smaller micro-batch', '4. more pp or tp', '5. bf16',
-               'Smallest cluster that fits: 4 node(s)'):
+  for rung in ('1. recomputation', '3. smaller micro-batch', '4. more pp or tp', '5. bf16'):
     assert rung in r.stdout
+  m = re.search(r'Smallest cluster that fits: (\d+) node\(s\) x 8 GPUs of 80 GB \(dp=(\d+), pp=(\d+), '
+                r'tp=(\d+), remat=\w+: ([\d.]+) GB per GPU\)', r.stdout)
+  assert m, r.stdout
+  nodes, dp, pp, tp, gb = int(m[1]), int(m[2]), int(m[3]), int(m[4]), float(m[5])
+  assert nodes > 1 and dp * pp * tp == nodes * 8 and tp <= 8 and gb <= 80
   assert r.stderr.startswith('error: no layout of llama3_70b fits 1 x 8 GPUs of 80 GB')
 
 

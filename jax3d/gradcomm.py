@@ -1,0 +1,200 @@
+"""The data-parallel gradient reduction done by hand: ZeRO-1 layouts and 16-/8-bit wire formats.
+
+Two settings meet here (see docs/performance.md):
+
+  train.shard_optimizer=True   ZeRO-1. Adam's moments are sharded over dp on the first dimension of
+                               each parameter that is replicated and divisible by dp (`zero_dim`);
+                               the gradients arrive reduce-scattered to that layout, the update runs
+                               on the shard, and the updated parameters are all-gathered.
+  train.grad_reduce_dtype      float32 (default: the compiler's all-reduce, unchanged), bfloat16 or
+                               int8: the per-dp-rank gradients are reduced here, explicitly, in a
+                               `shard_map` manual over dp, so the bytes on the wire are 16 or 8 bits.
+
+The reduction of one gradient leaf g (varying over dp, n = dp ranks, k its `zero_dim`):
+
+  bfloat16  all-to-all of the bf16 chunks along k (each rank receives the n copies of its 1/n),
+            a local sum in fp32, and (unless ZeRO-1 keeps the shard) an all-gather of the bf16
+            sum. The same wire bytes as a bf16 ring all-reduce (2(n-1)/n * P * 2 bytes), but the
+            n terms are added in fp32, not in bf16 along the ring.
+  int8      h = g + residual (error feedback). h is quantised to int8 with one fp32 scale per
+            block (up to 256 consecutive elements of one axis, absmax / 127) - each rank its own
+            scales, sent beside the int8 values (1/64 of them or less). All-to-all of the int8
+            chunks and scales; each rank dequantises the n chunks it received and adds them in
+            fp32, so the sum can never overflow (the alternative - a shared scale from a pmax and
+            an int32 sum - costs one more collective and the worse of n scales for every rank).
+            Unless ZeRO-1 keeps the shard, the summed shard is quantised again (its own scales)
+            and all-gathered as int8. The new residual is h - dequant(q) on every rank, plus, on
+            the rank that owns a shard, that shard's second rounding error: what was not delivered
+            this step is delivered later, so nothing is lost over a run.
+  float32   psum (or psum_scatter under ZeRO-1) on the explicit path.
+
+Leaves with no dimension divisible by dp (none in practice: every weight has a replicated d_model
+axis) fall back to a plain psum (f32/bf16) or an int8 all-gather and a local fp32 sum.
+
+The int8 residual is train state: `state['grad_residual']`, a tree like the parameters with a
+trailing axis of size dp sharded over 'dp' (trailing, so that the layer axis stays first and a
+checkpoint's pipeline relayout still finds it). It is per-rank by nature: a run resumed with a
+different dp cannot reuse it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+AXIS = 'dp'
+BLOCK = 256  # int8 block length (elements of one axis sharing a scale)
+
+
+def _spec_tuple(spec: P, ndim: int) -> tuple:
+  return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+
+
+def zero_dim(shape, spec: P, dp: int) -> int | None:
+  """The dimension ZeRO-1 shards over dp: the first one replicated and divisible by dp."""
+  for i, (n, ax) in enumerate(zip(shape, _spec_tuple(spec, len(shape)))):
+    if ax is None and n % dp == 0 and n >= dp:
+      return i
+  return None
+
+
+def zero_spec(shape, spec: P, dp: int) -> P:
+  k = zero_dim(shape, spec, dp)
+  t = list(_spec_tuple(spec, len(shape)))
+  if k is not None:
+    t[k] = AXIS
+  return P(*t)
+
+
+def zero_shardings(abstract_params, params_sh, mesh, dp: int):
+  """Parameter shardings with dp added on each leaf's `zero_dim` (the ZeRO-1 layout)."""
+  return jax.tree.map(lambda a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp)),
+                      abstract_params, params_sh)
+
+
+def residual_shardings(params_sh, mesh):
+  return jax.tree.map(lambda sh: NamedSharding(mesh, P(*sh.spec, AXIS)), params_sh)
+
+
+def init_residual(params, dp: int):
+  return jax.tree.map(lambda a: jnp.zeros((*a.shape, dp), jnp.float32), params)
+
+
+# --- inside a shard_map manual over dp ----------------------------------------------------------
+def _block_axis(ndim: int, k: int | None) -> int:
+  """The axis the int8 blocks run along: the last one, unless that is the scatter axis k."""
+  return ndim - 1 if k != ndim - 1 else ndim - 2
+
+
+def quantize(h, k: int | None):
+  """int8 values and fp32 per-block scales of h (ndim >= 2); blocks along `_block_axis`.
+  Returns (q, scale, k_blocked, restore) with q and scale in a blocked shape (axis a split into
+  [n_blocks, block]) and `restore` mapping a blocked array back to h's shape."""
+  a = _block_axis(h.ndim, k)
+  n_a = h.shape[a]
+  blk = BLOCK if n_a > BLOCK and n_a % BLOCK == 0 else n_a
+  shape_b = h.shape[:a] + (n_a // blk, blk) + h.shape[a + 1:]
+  hb = h.reshape(shape_b)
+  amax = jnp.max(jnp.abs(hb), axis=a + 1, keepdims=True)
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+  q = jnp.clip(jnp.round(hb / scale), -127, 127).astype(jnp.int8)
+  kb = None if k is None else (k + 1 if k > a else k)
+  return q, scale, kb, (lambda x: x.reshape(x.shape[:a] + (x.shape[a] * x.shape[a + 1],) + x.shape[a + 2:]))
+
+
+def _all_to_all_sum(x, k: int, n: int, fn=None):
+  """Sends chunk i (along k) to rank i; returns the n received chunks [.., n, S_k/n, ..] at k."""
+  xr = x.reshape(x.shape[:k] + (n, x.shape[k] // n) + x.shape[k + 1:])
+  return jax.lax.all_to_all(xr, AXIS, split_axis=k, concat_axis=k, tiled=True)
+
+
+def _reduce_leaf(g, r, dtype: str, k: int | None, n: int, shard: bool):
+  """Sum over dp of one varying gradient leaf. Returns (reduced, new_residual or None)."""
+  if dtype == 'float32':
+    if shard and k is not None:
+      return jax.lax.psum_scatter(g, AXIS, scatter_dimension=k, tiled=True), None
+    return jax.lax.psum(g, AXIS), None
+
+  if dtype == 'bfloat16':
+    gb = g.astype(jnp.bfloat16)
+    if k is None:
+      parts = jax.lax.all_gather(gb, AXIS, to='invarying')  # tiny leaves only
+      return jnp.sum(parts.astype(jnp.float32), axis=0), None
+    recv = _all_to_all_sum(gb, k, n)  # [.., n, S_k/n, ..]
+    mine = jnp.sum(recv.astype(jnp.float32), axis=k)
+    if shard:
+      return mine, None
+    full = jax.lax.all_gather(mine.astype(jnp.bfloat16), AXIS, axis=k, tiled=True, to='invarying')
+    return full.astype(jnp.float32), None
+
+  # int8 with error feedback
+  orig_shape, k_orig = g.shape, k
+  if g.ndim == 1:  # one axis: view it as [n, S/n] (or [1, S]) so that blocks and chunks differ
+    g = g.reshape((n, -1) if k == 0 else (1, -1))
+    r = r.reshape(g.shape)
+    k = 0 if k == 0 else None
+  h = g + r
+  q, scale, kb, restore = quantize(h, k)
+  new_r = h - restore(q.astype(jnp.float32) * scale)
+  if k is None:
+    qs, ss = (jax.lax.all_gather(x, AXIS, to='invarying') for x in (q, scale))
+    total = restore(jnp.sum(qs.astype(jnp.float32) * ss, axis=0))
+    return total.reshape(orig_shape), new_r.reshape(orig_shape)
+  recv_q, recv_s = _all_to_all_sum(q, kb, n), _all_to_all_sum(scale, kb, n)
+  mine_b = jnp.sum(recv_q.astype(jnp.float32) * recv_s, axis=kb)
+  mine = restore(mine_b)  # this rank's 1/n of the sum along k
+  if shard:
+    return mine.reshape(_shard_shape(orig_shape, k_orig, n)), new_r.reshape(orig_shape)
+  q2, s2, kb2, restore2 = quantize(mine, k)
+  sent = restore2(q2.astype(jnp.float32) * s2)
+  delta = mine - sent  # the second rounding's error, owned by this rank
+  idx = jax.lax.axis_index(AXIS) * mine.shape[k]
+  own = jax.lax.dynamic_slice_in_dim(new_r, idx, mine.shape[k], axis=k)
+  new_r = jax.lax.dynamic_update_slice_in_dim(new_r, own + delta, idx, axis=k)
+  full_q = jax.lax.all_gather(q2, AXIS, axis=kb2, tiled=True, to='invarying')
+  full_s = jax.lax.all_gather(s2, AXIS, axis=kb2, tiled=True, to='invarying')
+  full = restore2(full_q.astype(jnp.float32) * full_s)
+  return full.reshape(orig_shape), new_r.reshape(orig_shape)
+
+
+def _shard_shape(shape, k, n):
+  return tuple(d // n if i == k else d for i, d in enumerate(shape))
+
+
+def reduce(grads, residual, dims, dtype: str, n: int, shard: bool):
+  """The dp sum of every gradient leaf (inside a shard_map manual over dp).
+
+  grads: varying per-rank gradients; residual: the int8 error-feedback tree (local [..., 1]) or
+  None; dims: a tree of `zero_dim`s (None for none). Returns (reduced grads, new residual or None):
+  full arrays, or under `shard` the rank's slice along its zero_dim (the ZeRO-1 layout)."""
+  leaves, tdef = jax.tree.flatten(grads)
+  dim_leaves = tdef.flatten_up_to(dims)
+  res_leaves = (tdef.flatten_up_to(residual) if residual is not None else [None] * len(leaves))
+  out, new_res = [], []
+  for g, k, r in zip(leaves, dim_leaves, res_leaves):
+    k = None if k < 0 else k
+    r_local = None if r is None else r[..., 0]
+    red, nr = _reduce_leaf(g.astype(jnp.float32), r_local, dtype, k, n, shard)
+    out.append(red)
+    new_res.append(None if nr is None else nr[..., None])
+  reduced = tdef.unflatten(out)
+  return reduced, (tdef.unflatten(new_res) if residual is not None else None)
+
+
+def out_specs(abstract_params, params_sh, dp: int, shard: bool):
+  """shard_map out_specs (manual axis dp only) of the reduced gradients."""
+  def spec(a, sh):
+    k = zero_dim(a.shape, sh.spec, dp)
+    if not shard or k is None:
+      return P()
+    return P(*([None] * k), AXIS)
+  return jax.tree.map(spec, abstract_params, params_sh)
+
+
+def dims_tree(abstract_params, params_sh, dp: int):
+  """Each leaf's `zero_dim`, -1 for none (a None would not be a pytree leaf)."""
+  def k(a, sh):
+    d = zero_dim(a.shape, sh.spec, dp)
+    return -1 if d is None else d
+  return jax.tree.map(k, abstract_params, params_sh)
