@@ -60,6 +60,9 @@ def _typed(overrides: dict) -> dict:
 
 
 def prepare_devices(n: int = 8) -> None:
-  """On a machine without an accelerator, expose n fake CPU devices unless XLA_FLAGS is set."""
+  """On a machine without an accelerator, expose n fake CPU devices unless XLA_FLAGS is set; on a
+  GPU machine, add the communication-overlap XLA flags (jax3d/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
   from jax3d.mesh import use_fake_cpu_devices
+  from jax3d import gpu
   use_fake_cpu_devices(n)
+  gpu.apply_gpu_flags()

@@ -88,19 +88,22 @@ def _block_axis(ndim: int, k: int | None) -> int:
 
 
 def quantize(h, k: int | None):
-  """int8 values and fp32 per-block scales of h (ndim >= 2); blocks along `_block_axis`.
-  Returns (q, scale, k_blocked, restore) with q and scale in a blocked shape (axis a split into
-  [n_blocks, block]) and `restore` mapping a blocked array back to h's shape."""
+  """int8 values and fp32 per-block scales of h (ndim >= 2); blocks along `_block_axis` (BLOCK
+  elements, or the whole axis when BLOCK does not divide it). Returns (q, scale, k_blocked,
+  restore): q and scale in a blocked shape (axis a split into [n_blocks, block] when there are
+  several blocks), `restore` maps a blocked array back to h's shape."""
   a = _block_axis(h.ndim, k)
   n_a = h.shape[a]
-  blk = BLOCK if n_a > BLOCK and n_a % BLOCK == 0 else n_a
-  shape_b = h.shape[:a] + (n_a // blk, blk) + h.shape[a + 1:]
-  hb = h.reshape(shape_b)
-  amax = jnp.max(jnp.abs(hb), axis=a + 1, keepdims=True)
+  if n_a > BLOCK and n_a % BLOCK == 0:
+    hb = h.reshape(h.shape[:a] + (n_a // BLOCK, BLOCK) + h.shape[a + 1:])
+    red, kb = a + 1, (None if k is None else (k + 1 if k > a else k))
+    restore = lambda x: x.reshape(x.shape[:a] + (x.shape[a] * x.shape[a + 1],) + x.shape[a + 2:])
+  else:  # one block spans the axis (no size-1 axis is created: XLA:CPU's all-to-all crashes on
+    hb, red, kb, restore = h, a, k, (lambda x: x)  # some shapes with them)
+  amax = jnp.max(jnp.abs(hb), axis=red, keepdims=True)
   scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
   q = jnp.clip(jnp.round(hb / scale), -127, 127).astype(jnp.int8)
-  kb = None if k is None else (k + 1 if k > a else k)
-  return q, scale, kb, (lambda x: x.reshape(x.shape[:a] + (x.shape[a] * x.shape[a + 1],) + x.shape[a + 2:]))
+  return q, scale, kb, restore
 
 
 def _all_to_all_sum(x, k: int, n: int, fn=None):

@@ -210,6 +210,8 @@ class Trainer:
     prefetch = data_lib.Prefetcher(self.corpus, cfg.train.seed, start, stop, plan.global_batch,
                                    plan.seq_len, step_lib.batch_sharding(self.setup), cfg.data.prefetch)
     bad, t_last, steps_since, t_compile = 0, time.time(), 0, None
+    if start == 0 and cfg.eval.every and stop > 0:
+      self._eval_and_log(0)  # where held-out loss starts (ln(vocab) for an untrained model)
     try:
       prof = cfg.profile
       for i in range(start, stop):

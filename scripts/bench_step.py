@@ -72,7 +72,7 @@ def main():
   ap.add_argument('--steps', type=int, default=20)
   ap.add_argument('--json', default='bench_step.json')
   ap.add_argument('--dtype', default='float32,bfloat16')
-  ap.add_argument('--layouts', default='1x1x1,8x1x1,4x1x2,2x1x4,2x2x2,1x2x4,2x4x1m8')
+  ap.add_argument('--layouts', default='1x1x1,8x1x1,4x1x2,2x2x2,1x2x4,2x4x1m4')
   ap.add_argument('--layer-sweep', action='store_true', help='compile time against 4, 16, 64 layers')
   ap.add_argument('--remat-sweep', action='store_true',
                   help='each remat policy at (2,2,2), seq 1024: compiled temp memory and step time')

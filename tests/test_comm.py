@@ -1,0 +1,147 @@
+"""Communication and memory options (issue 8): ZeRO-1, 16-/8-bit dp gradient reduction, GPU flags.
+
+Bytes and memory come from the compiled train step (jax3d.inspect: the optimised HLO's
+collectives and compiled.memory_analysis()), never from a formula.
+"""
+import functools
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from helpers import canonical, fixed_batches, setup_for, small_cfg
+from jax3d import gpu, step as step_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUT_222 = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}
+
+
+def train_steps(cfg, n_steps=3):
+  """Losses of n steps and the parameters after them (canonical layer order, on the host)."""
+  s = setup_for(cfg)
+  state = step_lib.make_init(s)(cfg.train.seed)
+  sh = step_lib.batch_sharding(s)
+  train = step_lib.make_train_step(s)
+  losses = []
+  for b in fixed_batches(cfg, n_steps):
+    state, m = train(state, {k: jax.device_put(v, sh) for k, v in b.items()})
+    losses.append(float(m['loss']))
+  return np.array(losses), canonical(s, state['params'])
+
+
+@functools.lru_cache(maxsize=None)
+def inspected(**over):
+  from jax3d import inspect as inspect_lib
+  return inspect_lib.inspect_step(small_cfg(**over))
+
+
+def dp_wire_bytes(r) -> float:
+  """Wire bytes per device per step of every collective whose group spans dp."""
+  return sum(c['wire_bytes'] for c in r['collectives'] if 'dp' in c['axes'].split('+'))
+
+
+# --- ZeRO-1 ----------------------------------------------------------------------------------
+@pytest.mark.parametrize('layout', [LAYOUT_222, {'mesh__dp': 8}], ids=['2-2-2', '8-1-1'])
+def test_zero1_equals_plain_run(layout):
+  plain_losses, plain_params = train_steps(small_cfg(**layout))
+  zero_losses, zero_params = train_steps(small_cfg(**layout, train__shard_optimizer=True))
+  np.testing.assert_allclose(zero_losses, plain_losses, rtol=1e-5)
+  chex.assert_trees_all_close(zero_params, plain_params, rtol=1e-5, atol=1e-6)
+
+
+def test_zero1_moments_are_sharded_over_dp():
+  s = setup_for(small_cfg(mesh__dp=8, train__shard_optimizer=True))
+  sh = step_lib.state_shardings(s)
+  mu = sh['opt_state'].inner_state[1][0].mu  # clip, then adamw's scale_by_adam
+  assert 'dp' in mu['layers']['qkv']['kernel'].spec
+  assert 'dp' not in sh['params']['layers']['qkv']['kernel'].spec  # the parameters stay whole
+
+
+def test_zero1_optimizer_memory_falls_by_dp():
+  """dp=8: the compiled argument bytes minus the parameters (= the optimizer state) ~ 1/8."""
+  plain, zero = inspected(mesh__dp=8), inspected(mesh__dp=8, train__shard_optimizer=True)
+  s = setup_for(small_cfg(mesh__dp=8))
+  state, _ = step_lib.abstract_inputs(s)
+  params = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+               for a in jax.tree.leaves(state['params']))
+  opt_plain = plain['memory_bytes']['argument'] - params
+  opt_zero = zero['memory_bytes']['argument'] - params
+  assert opt_plain > 1.9 * params  # Adam: two moments the size of the parameters
+  assert opt_zero / opt_plain == pytest.approx(1 / 8, rel=0.05)
+  # and the dp traffic: reduce-scatter + all-gather move what the all-reduce moved
+  assert dp_wire_bytes(zero) == pytest.approx(dp_wire_bytes(plain), rel=0.02)
+  kinds = {c['kind'] for c in zero['collectives'] if c['axes'] == 'dp' and c['wire_bytes'] > 1000}
+  assert kinds == {'reduce-scatter', 'all-gather'}
+
+
+# --- compressed dp reduction ---------------------------------------------------------------------
+@pytest.mark.parametrize('dtype', ['bfloat16', 'int8'])
+def test_compressed_reduction_trains_like_float32(dtype):
+  """3 steps under 2-2-2: the same losses within the rounding of the wire format."""
+  ref, _ = train_steps(small_cfg(**LAYOUT_222))
+  losses, _ = train_steps(small_cfg(**LAYOUT_222, train__grad_reduce_dtype=dtype))
+  np.testing.assert_allclose(losses, ref, rtol=1e-3 if dtype == 'int8' else 1e-4)
+  assert losses[2] < losses[0]
+
+
+@pytest.mark.parametrize('dtype,limit', [('bfloat16', 0.55), ('int8', 0.3)])
+def test_dp_reduction_bytes(dtype, limit):
+  """Bytes of the dp gradient reduction in the compiled HLO, against the float32 all-reduce."""
+  f32 = dp_wire_bytes(inspected(mesh__dp=8))
+  r = inspected(mesh__dp=8, train__grad_reduce_dtype=dtype)
+  ratio = dp_wire_bytes(r) / f32
+  assert ratio <= limit, ratio
+  big = [c for c in r['collectives'] if c['axes'] == 'dp' and c['wire_bytes'] > 1000]
+  assert big and all(c['kind'] in ('all-to-all', 'all-gather', 'reduce-scatter') for c in big)
+
+
+def test_int8_with_zero1_runs():
+  losses, _ = train_steps(small_cfg(mesh__dp=4, mesh__tp=2, train__grad_reduce_dtype='int8',
+                                    train__shard_optimizer=True))
+  assert np.all(np.isfinite(losses)) and losses[2] < losses[0]
+
+
+@pytest.mark.slow
+def test_int8_error_feedback_matches_float32_held_out_loss():
+  """200 steps of the tiny config (smaller batch): int8 within 3% of float32's held-out loss."""
+  from jax3d import config as config_lib
+  from jax3d.trainer import Trainer
+  losses = {}
+  for dtype in ('float32', 'int8'):
+    cfg = config_lib.load_config('tiny', {'train.steps': 200, 'train.global_batch_size': 8,
+                                          'pipeline.microbatches': 2, 'train.grad_reduce_dtype': dtype,
+                                          'eval.every': 0, 'log.progress': False})
+    t = Trainer(cfg, workdir=None, console=False)
+    t.train()
+    losses[dtype] = t.evaluate()
+    t.close()
+  assert abs(losses['int8'] / losses['float32'] - 1) < 0.03, losses
+
+
+# --- GPU flags -----------------------------------------------------------------------------------
+def test_gpu_flags_not_set_on_cpu():
+  """The train CLI's device preparation on this (CPU) machine leaves XLA_FLAGS to the CPU count."""
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS', 'JAX3D_NO_GPU_FLAGS')}
+  code = ('import os; from jax3d import cli; cli.prepare_devices(8); '
+          'print(os.environ["XLA_FLAGS"])')
+  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == '--xla_force_host_platform_device_count=8'
+  assert not gpu.gpu_present(env)
+
+
+def test_gpu_flags_precedence(monkeypatch):
+  monkeypatch.setattr(gpu, 'gpu_present', lambda env=None: True)
+  env = {'XLA_FLAGS': '--xla_gpu_enable_latency_hiding_scheduler=false'}
+  added = gpu.apply_gpu_flags(env)
+  assert '--xla_gpu_enable_latency_hiding_scheduler=false' in env['XLA_FLAGS']  # the user's wins
+  assert 'xla_gpu_enable_latency_hiding_scheduler=true' not in env['XLA_FLAGS']
+  assert added and all(f in env['XLA_FLAGS'] for f in added)
+  off = {'JAX3D_NO_GPU_FLAGS': '1'}
+  assert gpu.apply_gpu_flags(off) == [] and 'XLA_FLAGS' not in off
+  assert not gpu.gpu_present({'JAX_PLATFORMS': 'cpu'})
