@@ -106,7 +106,7 @@ def quantize(h, k: int | None):
   return q, scale, kb, restore
 
 
-def _all_to_all_sum(x, k: int, n: int, fn=None):
+def _all_to_all_sum(x, k: int, n: int):
   """Sends chunk i (along k) to rank i; returns the n received chunks [.., n, S_k/n, ..] at k."""
   xr = x.reshape(x.shape[:k] + (n, x.shape[k] // n) + x.shape[k + 1:])
   return jax.lax.all_to_all(xr, AXIS, split_axis=k, concat_axis=k, tiled=True)
@@ -120,16 +120,18 @@ def _reduce_leaf(g, r, dtype: str, k: int | None, n: int, shard: bool):
     return jax.lax.psum(g, AXIS), None
 
   if dtype == 'bfloat16':
-    gb = g.astype(jnp.bfloat16)
+    # The bf16 bits travel as uint16: XLA would otherwise move the fp32 conversion across the
+    # (type-agnostic) all-to-all / all-gather and send fp32 (XLA:CPU does).
+    gb = _to_u16(g)
     if k is None:
       parts = jax.lax.all_gather(gb, AXIS, to='invarying')  # tiny leaves only
-      return jnp.sum(parts.astype(jnp.float32), axis=0), None
+      return jnp.sum(_from_u16(parts), axis=0), None
     recv = _all_to_all_sum(gb, k, n)  # [.., n, S_k/n, ..]
-    mine = jnp.sum(recv.astype(jnp.float32), axis=k)
+    mine = jnp.sum(_from_u16(recv), axis=k)
     if shard:
       return mine, None
-    full = jax.lax.all_gather(mine.astype(jnp.bfloat16), AXIS, axis=k, tiled=True, to='invarying')
-    return full.astype(jnp.float32), None
+    full = jax.lax.all_gather(_to_u16(mine), AXIS, axis=k, tiled=True, to='invarying')
+    return _from_u16(full), None
 
   # int8 with error feedback
   orig_shape, k_orig = g.shape, k
@@ -159,6 +161,14 @@ def _reduce_leaf(g, r, dtype: str, k: int | None, n: int, shard: bool):
   full_s = jax.lax.all_gather(s2, AXIS, axis=kb2, tiled=True, to='invarying')
   full = restore2(full_q.astype(jnp.float32) * full_s)
   return full.reshape(orig_shape), new_r.reshape(orig_shape)
+
+
+def _to_u16(x):
+  return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+
+
+def _from_u16(x):
+  return jax.lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32)
 
 
 def _shard_shape(shape, k, n):

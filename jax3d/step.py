@@ -67,12 +67,11 @@ def loss_sum_fn(params, tokens_bt, targets_bt, s: Setup, manual: bool = False):
   dims, plan = s.dims, s.plan
   scatter = s.rules['batch_all'] == ('dp', 'pp')
   rules = rules_without(s.rules, ('dp', 'pp')) if manual else s.rules
-  x_btd = model_lib.embed_apply(dims, params, tokens_bt)
-  x_mbtd = to_microbatches(x_btd, plan.microbatches)
   if manual and scatter and plan.pp > 1:  # this pp rank's slice of every micro-batch's rows
-    b = x_mbtd.shape[1] // plan.pp
-    x_mbtd = jax.lax.dynamic_slice_in_dim(x_mbtd, jax.lax.axis_index('pp') * b, b, axis=1)
-  x_mbtd = sharding.constrain(x_mbtd, ('micro', 'batch_all', 'seq', 'embed'))
+    tokens_bt, targets_bt = _pp_rows(tokens_bt, plan), _pp_rows(targets_bt, plan)
+  x_btd = model_lib.embed_apply(dims, params, tokens_bt)
+  x_mbtd = sharding.constrain(to_microbatches(x_btd, plan.microbatches),
+                              ('micro', 'batch_all', 'seq', 'embed'))
   inner = sharding.stage_rules(rules)
 
   def layer_fn(p, h):
@@ -84,12 +83,15 @@ def loss_sum_fn(params, tokens_bt, targets_bt, s: Setup, manual: bool = False):
                              manual_outside=manual)
   y_btd = sharding.constrain(from_microbatches(y_mbtd), ('batch_all', 'seq', 'embed'))
   logits_btv = model_lib.head_apply(dims, params, y_btd)
-  if manual and scatter and plan.pp > 1:
-    targets_bt = to_microbatches(targets_bt, plan.microbatches)
-    b = targets_bt.shape[1] // plan.pp
-    targets_bt = from_microbatches(jax.lax.dynamic_slice_in_dim(
-        targets_bt, jax.lax.axis_index('pp') * b, b, axis=1))
   return model_lib.cross_entropy_sum(logits_btv, targets_bt)
+
+
+def _pp_rows(x_b, plan):
+  """Inside the dp- and pp-manual shard_map: this pp rank's slice of each micro-batch's rows (the
+  rows the automatic layout gives it, batch_all = (dp, pp)), in the same [B, ...] row order."""
+  x_m = to_microbatches(x_b, plan.microbatches)
+  b = x_m.shape[1] // plan.pp
+  return from_microbatches(jax.lax.dynamic_slice_in_dim(x_m, jax.lax.axis_index('pp') * b, b, axis=1))
 
 
 def chunked(x_b, a):
