@@ -48,15 +48,10 @@ def parse(argv: list[str], extra: dict | None = None):
       return fail(f'unknown flag --{key}; valid: --config, --config.KEY=VALUE'
                   + ''.join(f', --{k}' for k in flags))
   try:
-    cfg = config_lib.load_config(config_path, _typed(overrides))
+    cfg = config_lib.load_config(config_path, overrides)  # set_key converts to each default's type
   except config_lib.ConfigError as e:
     return fail(e)
   return Args(cfg, config_path or config_lib.default_config_path(), flags, positional)
-
-
-def _typed(overrides: dict) -> dict:
-  """Strings from the command line; set_key converts them to the type of the default."""
-  return overrides
 
 
 def prepare_devices(n: int = 8) -> None:
