@@ -190,8 +190,22 @@ def loss_and_grads_explicit(params, batch, residual, s: Setup):
         loss, grads = jax.lax.scan(body, zeros, xs)[0]
     loss = jax.lax.psum(loss, tuple(ax for ax in ('dp', 'pp') if ax in manual and ax in
                                     jax.typeof(loss).manual_axis_type.varying))
-    grads, residual = gradcomm.reduce(grads, residual, dims, dtype, dp, shard)
-    return loss, grads, residual
+    return (loss, *reduce_keep_tp(grads, residual))
+
+  def reduce_keep_tp(grads, residual):
+    """gradcomm.reduce on each device's own tp block: in a shard_map nested over tp, so the
+    partitioner cannot gather tp-sharded gradients before the dp collectives (it did: the dp
+    wire carried full-tp arrays, and tp all-gathers were added)."""
+    fn = lambda g, r: gradcomm.reduce(g, r, dims, dtype, dp, shard)
+    if s.mesh.shape['tp'] == 1:
+      return fn(grads, residual)
+    tspec = lambda x, sh: _manual_spec(sh.spec, x.ndim, {'tp'})
+    r_tp = (None if residual is None else
+            jax.tree.map(tspec, residual, gradcomm.residual_shardings(params_sh, s.mesh)))
+    nested = jax.shard_map(fn, in_specs=(jax.tree.map(tspec, params, params_sh), r_tp),
+                           out_specs=(jax.tree.map(tspec, params, out_sh), r_tp),
+                           axis_names={'tp'}, check_vma=True)
+    return nested(grads, residual)
 
   fn = jax.shard_map(local, mesh=s.mesh, in_specs=(p_specs, P('dp'), r_specs),
                      out_specs=(P(), g_specs, r_specs), axis_names=manual, check_vma=True)

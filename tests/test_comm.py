@@ -90,15 +90,32 @@ def test_compressed_reduction_trains_like_float32(dtype):
   assert losses[2] < losses[0]
 
 
+def axis_wire_bytes(r, axes: str) -> float:
+  return sum(c['wire_bytes'] for c in r['collectives'] if c['axes'] == axes)
+
+
+LAYOUTS = {'8-1-1': {'mesh__dp': 8}, '2-2-2': LAYOUT_222}
+
+
+@pytest.mark.parametrize('layout', LAYOUTS)
 @pytest.mark.parametrize('dtype,limit', [('bfloat16', 0.55), ('int8', 0.3)])
-def test_dp_reduction_bytes(dtype, limit):
-  """Bytes of the dp gradient reduction in the compiled HLO, against the float32 all-reduce."""
-  f32 = dp_wire_bytes(inspected(mesh__dp=8))
-  r = inspected(mesh__dp=8, train__grad_reduce_dtype=dtype)
-  ratio = dp_wire_bytes(r) / f32
+def test_dp_reduction_bytes(dtype, limit, layout):
+  """Bytes of the dp gradient reduction in the compiled HLO, against the float32 all-reduce; under
+  tp > 1 the gradients stay tp-sharded through it (no tp bytes added, none gathered over tp)."""
+  plain = inspected(**LAYOUTS[layout])
+  r = inspected(**LAYOUTS[layout], train__grad_reduce_dtype=dtype)
+  ratio = dp_wire_bytes(r) / dp_wire_bytes(plain)
   assert ratio <= limit, ratio
   big = [c for c in r['collectives'] if c['axes'] == 'dp' and c['wire_bytes'] > 1000]
   assert big and all(c['kind'] in ('all-to-all', 'all-gather', 'reduce-scatter') for c in big)
+  assert axis_wire_bytes(r, 'tp') == pytest.approx(axis_wire_bytes(plain, 'tp'), rel=1e-6)
+
+
+def test_zero1_under_tp_moves_no_more_bytes():
+  """2-2-2: ZeRO-1's reduce-scatter + all-gather move what the all-reduce moved, over dp and tp."""
+  plain, zero = inspected(**LAYOUT_222), inspected(**LAYOUT_222, train__shard_optimizer=True)
+  assert dp_wire_bytes(zero) <= 1.01 * dp_wire_bytes(plain)
+  assert axis_wire_bytes(zero, 'tp') == pytest.approx(axis_wire_bytes(plain, 'tp'), rel=1e-6)
 
 
 def test_int8_with_zero1_runs():
