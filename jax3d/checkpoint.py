@@ -24,6 +24,9 @@ import orbax.checkpoint as ocp
 from jax3d import pipeline
 
 
+SOFT = 'grad_residual'  # train-state entry restored when it matches, else restarted at zero
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used (message lists what is wrong)."""
 
@@ -88,27 +91,73 @@ class Checkpointer:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
   def restore_latest(self, abstract_state, layout: dict, warn=print):
-    """(state, meta) of the newest step that restores cleanly, or (None, None) if there is none."""
+    """(state, meta) of the newest step that restores cleanly, or (None, None) if there is none.
+
+    The int8 error-feedback residual (`grad_residual`, one per dp rank) is soft state: when the
+    checkpoint has none, or one for another dp or model, or this run has none (another
+    train.grad_reduce_dtype), the rest is restored and the residual starts at zero (a warning says
+    so); every other mismatch is refused."""
     for step in reversed(self.steps()):
       path = os.path.join(self.directory, str(step))
       try:
         meta = self.read_meta(step)
-        check_signature(meta, abstract_state, path)
-        state = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))['state']
+        target = abstract_state
+        try:
+          check_signature(meta, abstract_state, path)
+        except CheckpointError:
+          if SOFT not in abstract_state and not _has(meta, SOFT):
+            raise
+          target = {k: v for k, v in abstract_state.items() if k != SOFT}
+          check_signature(meta, target, path, exclude=SOFT + '/')
+        if target is abstract_state:
+          state = self.manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract_state)))['state']
+        else:
+          state = _partial_restore(self.directory, step, target)
       except CheckpointError:
         raise
       except Exception as e:  # damaged or incomplete: fall back to the previous step
         warn(f'checkpoint {path} is damaged or incomplete ({type(e).__name__}: '
              f'{str(e).splitlines()[0][:200] if str(e) else ""}); trying the previous one')
         continue
-      return relayout(state, meta, layout, abstract_state), meta
+      state = relayout(state, meta, layout, target)
+      if target is not abstract_state and SOFT in abstract_state:
+        res = abstract_state[SOFT]
+        state[SOFT] = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), res),
+                              out_shardings=jax.tree.map(lambda a: a.sharding, res))()
+        why = ('has none' if not _has(meta, SOFT) else
+               f'has one for dp={meta["layout"]["dp"]}' if meta['layout']['dp'] != layout.get('dp') else
+               'has one of other shapes')
+        warn(f'checkpoint {path} {why}: the int8 gradient residual (error feedback) starts at zero')
+      return state, meta
     return None, None
 
 
-def check_signature(meta: dict, abstract_state, path: str, only: str | None = None) -> None:
-  """Refuses a checkpoint whose array shapes or dtypes differ from the config's, listing them."""
+def _partial_restore(directory: str, step: int, item):
+  """The entries of `item` from a step that may hold more (through a manager of its own: this
+  one's 'state' item stays bound to the standard handler it saves with)."""
+  mgr = ocp.CheckpointManager(directory, item_names=('state', 'meta'),
+                              options=ocp.CheckpointManagerOptions(read_only=True))
+  try:
+    return mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, partial_restore=True,
+        restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), item))))['state']
+  finally:
+    mgr.close()
+
+
+def _has(meta: dict, key: str) -> bool:
+  return any(k.startswith(key + '/') for k in meta.get('arrays', {}))
+
+
+def check_signature(meta: dict, abstract_state, path: str, only: str | None = None,
+                    exclude: str | None = None) -> None:
+  """Refuses a checkpoint whose array shapes or dtypes differ from the config's, listing them
+  (only the entries under `only`, none under `exclude`, when given)."""
   saved, want = meta.get('arrays', {}), array_signature(abstract_state)
+  if exclude:
+    saved = {k: v for k, v in saved.items() if not k.startswith(exclude)}
+    want = {k: v for k, v in want.items() if not k.startswith(exclude)}
   if only:
     saved = {k: v for k, v in saved.items() if k.startswith(only)}
     want = {k: v for k, v in want.items() if k.startswith(only)}

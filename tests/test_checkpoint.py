@@ -162,6 +162,48 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
   other.close()
 
 
+def test_int8_residual_resumes_exactly(tmp_path):
+  """The int8 error-feedback residual is train state: a resumed run continues bit-identically."""
+  straight = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8'), workdir=str(tmp_path / 'a'),
+                     console=False)
+  straight.train(steps=4)
+  straight.close()
+  first = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8', checkpoint__every=2),
+                  workdir=str(tmp_path / 'b'), console=False)
+  first.train(steps=2)
+  residual = jax.device_get(first.state['grad_residual'])
+  first.close()
+  second = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8'), workdir=str(tmp_path / 'b'),
+                   console=False)
+  assert 'resumed' in second.init_state()
+  assert max(float(np.abs(x).max()) for x in jax.tree.leaves(residual)) > 0
+  chex.assert_trees_all_equal(jax.device_get(second.state['grad_residual']), residual)
+  second.train(steps=2)
+  second.close()
+  a, b = losses(str(tmp_path / 'a')), losses(str(tmp_path / 'b'))
+  assert [a[i] for i in (3, 4)] == [b[i] for i in (3, 4)]
+
+
+def test_residual_is_restarted_when_the_reduction_or_dp_changes(tmp_path, capsys):
+  """float32 -> int8 (no residual saved), int8 at dp=2 -> dp=4, int8 -> float32: each resumes the
+  parameters and optimizer state; the residual starts at zero with a warning where it is needed."""
+  Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False).train(steps=1)
+  t = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8', checkpoint__every=1),
+              workdir=str(tmp_path), console=False)
+  assert 'next step 1' in t.init_state()
+  assert 'has none: the int8 gradient residual (error feedback) starts at zero' in capsys.readouterr().err
+  t.train(steps=1)
+  t.close()
+  t = Trainer(cfg_for(4, 1, 2, train__grad_reduce_dtype='int8'), workdir=str(tmp_path), console=False)
+  assert 'next step 2' in t.init_state()
+  assert 'has one for dp=2' in capsys.readouterr().err
+  assert all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(jax.device_get(t.state['grad_residual'])))
+  t.close()
+  t = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
+  assert 'next step 2' in t.init_state() and 'grad_residual' not in t.state
+  t.close()
+
+
 def test_nan_steps_are_skipped_logged_and_stop_the_run(tmp_path):
   t = Trainer(cfg_for(2, 2, 2, m=2, train__inject_nan_at='3', checkpoint__every=2), workdir=str(tmp_path),
               console=False)
