@@ -94,7 +94,8 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
   assert ma['data_step'] == mb['data_step'] == 10
 
 
-@pytest.mark.parametrize('target', [(8, 1, 1, 1), (1, 8, 1, 8), (1, 2, 4, 2), (2, 2, 2, 'circular')])
+@pytest.mark.parametrize('target', [pytest.param((8, 1, 1, 1), marks=pytest.mark.slow), (1, 8, 1, 8),
+                                    pytest.param((1, 2, 4, 2), marks=pytest.mark.slow), (2, 2, 2, 'circular')])
 def test_resume_onto_another_layout(tmp_path, target):
   src = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
   src.train(steps=3)
@@ -162,6 +163,7 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
   other.close()
 
 
+@pytest.mark.slow
 def test_int8_residual_resumes_exactly(tmp_path):
   """The int8 error-feedback residual is train state: a resumed run continues bit-identically."""
   straight = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8'), workdir=str(tmp_path / 'a'),
@@ -184,6 +186,7 @@ def test_int8_residual_resumes_exactly(tmp_path):
   assert [a[i] for i in (3, 4)] == [b[i] for i in (3, 4)]
 
 
+@pytest.mark.slow
 def test_residual_is_restarted_when_the_reduction_or_dp_changes(tmp_path, capsys):
   """float32 -> int8 (no residual saved), int8 at dp=2 -> dp=4, int8 -> float32: each resumes the
   parameters and optimizer state; the residual starts at zero with a warning where it is needed."""
