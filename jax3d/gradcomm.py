@@ -8,7 +8,8 @@ Two settings meet here (see docs/performance.md):
                                on the shard, and the updated parameters are all-gathered.
   train.grad_reduce_dtype      float32 (default: the compiler's all-reduce, unchanged), bfloat16 or
                                int8: the per-dp-rank gradients are reduced here, explicitly, in a
-                               `shard_map` manual over dp, so the bytes on the wire are 16 or 8 bits.
+                               `shard_map` manual over dp (and nested over tp, so each device
+                               reduces its own tp block), so the bytes on the wire are 16 or 8 bits.
 
 The reduction of one gradient leaf g (varying over dp, n = dp ranks, k its `zero_dim`):
 

@@ -157,8 +157,9 @@ def loss_and_grads_explicit(params, batch, residual, s: Setup):
   device inside one shard_map manual over dp and pp (tp stays automatic): the parameters are made
   varying over dp before differentiation, so no automatic dp sum is inserted; the pipeline runs
   without a shard_map of its own; the grad_accum chunks are summed locally. `gradcomm.reduce` then
-  sums the gradients over dp once per step in train.grad_reduce_dtype (sums over pp, for the
-  embedding and head, stay automatic and fp32). Under ZeRO-1 the gradients come back
+  sums the gradients over dp once per step in train.grad_reduce_dtype, in a shard_map nested over
+  tp so each device reduces its own tp block (sums over pp, for the embedding and head, stay
+  automatic and fp32). Under ZeRO-1 the gradients come back
   reduce-scattered (each dp rank its zero_dim slice). Returns (loss, grads, new residual or None).
   """
   dp, a, shard = s.plan.dp, s.plan.grad_accum, zero1(s)
