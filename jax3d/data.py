@@ -175,4 +175,7 @@ class Prefetcher:
     return b
 
   def close(self):
+    """Stops the thread and waits for it: a daemon thread still inside jax when the interpreter
+    exits can abort the process ('FATAL: exception not rethrown')."""
     self._stop.set()
+    self.thread.join(timeout=30)

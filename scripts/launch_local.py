@@ -13,7 +13,8 @@ the lost peer through JAX's heartbeat), then kills them. SIGINT/SIGTERM to the l
 to every process as SIGTERM (the trainer saves a checkpoint and exits 0).
 
 Exit status: 0 when every process exited 0; else the status of the first process that failed
-(128 + signal number when it was killed by a signal).
+(128 + signal number when it was killed by a signal; of processes seen ending together, one killed
+by a signal counts as first).
 """
 from __future__ import annotations
 
@@ -118,10 +119,11 @@ def main(argv=None) -> int:
 
   first_fail, deadline, reported = None, None, set()
   while True:
-    for i, p in enumerate(procs):
-      rc = p.poll()
-      if rc is None or i in reported:
-        continue
+    # Processes that ended since the last look; of several, one killed by a signal goes first: it is
+    # the likelier cause (its peers then fail on the lost connection within the same 0.1 s).
+    ended = [(i, p, p.poll()) for i, p in enumerate(procs) if i not in reported]
+    ended = sorted([e for e in ended if e[2] is not None], key=lambda e: (e[2] >= 0, e[0]))
+    for i, p, rc in ended:
       reported.add(i)
       if rc == 0:
         say(f'process {i} (pid {p.pid}) finished (status 0)')
