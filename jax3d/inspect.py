@@ -253,8 +253,11 @@ def expected_comm(s, abstract_state) -> dict:
              iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m).
              dp is the same either way: the pipeline loop is manual over dp, so the weight
              gradients are summed over dp once per step, after the loop.
-  dp: 2(d-1)/d * P_local * bytes, P_local = parameters this device holds after tp/pp sharding."""
+  dp: 2(d-1)/d * P_local * bytes, P_local = parameters this device holds after tp/pp sharding;
+      with train.grad_reduce_dtype bfloat16/int8 the reduce half moves 2/1 bytes per element (int8
+      scales not counted), and under ZeRO-1 the all-gather half moves the parameters' bytes."""
   import jax
+  from jax3d import step as step_lib
   plan, dims, a = s.plan, s.dims, s.plan.grad_accum
   p, v, m, t, d = plan.pp, plan.repeats, plan.microbatches, plan.tp, plan.dp
   act = np.dtype(dims.dtype).itemsize
@@ -266,13 +269,20 @@ def expected_comm(s, abstract_state) -> dict:
   p_local = sum(local(x) for x in jax.tree.leaves(params))
   layers_local = sum(local(x) for x in jax.tree.leaves(params['layers']))
   ring = 2 * (d - 1) / d
+  n_local = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(params))
+  pb = p_local // n_local  # one param_dtype for every parameter
+  explicit = step_lib.explicit_reduction(s)
+  reduce_b = {'float32': 4, 'bfloat16': 2, 'int8': 1}[s.cfg.train.grad_reduce_dtype] if explicit else pb
+  gather_b = pb if step_lib.zero1(s) else reduce_b
+  grads = n_local * reduce_b  # the gradient bytes that enter the dp reduction
+  dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
   return {
       'tp': {'formula': per_layer_mb * dims.n_layers // p * m * a,
              'spmd': per_layer_mb * layers_per_chunk * iters * a},
       'pp': {'formula': 2 * v * m * bsh * a if p > 1 else 0.0,
              'spmd': 2 * iters * bsh * a if p > 1 else 0.0},
-      'dp': {'formula': ring * p_local, 'spmd': ring * p_local},
-      'p_local_bytes': p_local, 'layer_bytes_local': layers_local, 'bsh_bytes': bsh,
+      'dp': {'formula': dp_wire, 'spmd': dp_wire},
+      'p_local_bytes': p_local, 'dp_grad_bytes': grads, 'layer_bytes_local': layers_local, 'bsh_bytes': bsh,
   }
 
 
@@ -297,8 +307,8 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   dp   gradient bytes all-reduced over any group that includes dp, against P_local."""
   total = lambda pred, key='wire_bytes': sum(c[key] for c in colls if pred(c))
   tp_layers = lambda c: c['axes'] == 'tp' and c['in_layers']
-  dp_grads = lambda c: 'dp' in c['axes'].split('+') and c['pass'] == 'backward' and c['kind'] in (
-      'all-reduce', 'reduce-scatter')
+  dp_grads = lambda c: 'dp' in c['axes'].split('+') and c['kind'] in (  # (all-to-all: gradcomm.py)
+      'all-reduce', 'reduce-scatter', 'all-to-all')
   out = [
       {'axis': 'tp', 'what': 'tp all-reduces in the layers (fwd+bwd)', 'measured': total(tp_layers),
        'formula': e['tp']['formula'], 'spmd': e['tp']['spmd']},
@@ -312,8 +322,8 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
        'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] != 'collective-permute'),
        'formula': 0.0, 'spmd': 0.0},
       {'axis': 'dp', 'what': 'gradient bytes reduced over dp (buffer vs P_local)',
-       'measured': total(dp_grads, 'buffer_bytes'), 'formula': e['p_local_bytes'],
-       'spmd': e['p_local_bytes']},
+       'measured': total(dp_grads, 'buffer_bytes'), 'formula': e['dp_grad_bytes'],
+       'spmd': e['dp_grad_bytes']},
       {'axis': 'dp', 'what': 'wire bytes over groups with dp (2(d-1)/d P_local)',
        'measured': total(lambda c: 'dp' in c['axes'].split('+')), 'formula': e['dp']['formula'],
        'spmd': e['dp']['spmd']},
