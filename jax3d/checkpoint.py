@@ -201,15 +201,11 @@ def load_params(path: str, abstract_params, layout: dict, warn=print):
     meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
     check_signature(meta, {'params': abstract_params}, os.path.join(directory, str(step)), only='params/')
     try:
-      item = {'params': abstract_params}
-      restored = mgr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeRestore(item=item, partial_restore=True,
-                                       restore_args=jax.tree.map(
-                                           lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), item))))
+      restored = _partial_restore(directory, step, {'params': abstract_params})
     except Exception as e:
       warn(f'checkpoint {directory}/{step} is damaged ({type(e).__name__}); trying the previous one')
       continue
-    params = relayout(restored['state'], meta, layout, {'params': abstract_params})['params']
+    params = relayout(restored, meta, layout, {'params': abstract_params})['params']
     mgr.close()
     return params, step
   raise CheckpointError(f'checkpoint.init_from={path!r}: no usable checkpoint in {directory}')

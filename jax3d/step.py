@@ -341,6 +341,27 @@ def make_train_step(s: Setup):
                  out_shardings=(st_sh, rep), donate_argnums=(0,))
 
 
+def benchmark(s: Setup, steps: int, seed: int = 0) -> dict:
+  """For the benchmark scripts: compiles the train step for a fresh state and a random batch and
+  times `steps` calls (each waits for its loss). Returns the compiled step, compile seconds, the
+  per-step seconds and the last metrics."""
+  import time
+  state = make_init(s)(seed)
+  toks = np.random.default_rng(seed).integers(
+      0, s.dims.vocab_size, (s.plan.global_batch, s.plan.seq_len + 1)).astype(np.int32)
+  sh = batch_sharding(s)
+  batch = {'inputs': jax.device_put(toks[:, :-1], sh), 'targets': jax.device_put(toks[:, 1:], sh)}
+  t0 = time.perf_counter()
+  compiled = make_train_step(s).lower(state, batch).compile()  # donates the state
+  compile_s, times = time.perf_counter() - t0, []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics['loss'])
+    times.append(time.perf_counter() - t0)
+  return {'compiled': compiled, 'compile_s': compile_s, 'step_times': times, 'metrics': metrics}
+
+
 def make_eval_step(s: Setup):
   b_sh = {'inputs': batch_sharding(s), 'targets': batch_sharding(s)}
   return MeshJit(lambda p, b: eval_step(p, b, s), s.mesh,

@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,7 +45,6 @@ def main(argv=None) -> int:
     added = []
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   import jax
-  import numpy as np
   from jax3d import config as config_lib, flops, mesh as mesh_lib, step as step_lib
 
   shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
@@ -60,27 +58,15 @@ def main(argv=None) -> int:
   device = jax.devices()[0]
   mesh = mesh_lib.build_mesh(plan, [device])
   s = step_lib.Setup.create(cfg, plan, mesh)
-  state = step_lib.make_init(s)(0)
-  rng = np.random.default_rng(0)
-  toks = rng.integers(0, cfg.model.vocab_size, (batch, seq + 1)).astype(np.int32)
-  sh = step_lib.batch_sharding(s)
-  b = {'inputs': jax.device_put(toks[:, :-1], sh), 'targets': jax.device_put(toks[:, 1:], sh)}
-  t0 = time.perf_counter()
-  compiled = step_lib.make_train_step(s).lower(state, b).compile()  # donates the state
-  compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, m = compiled(state, b)
-    jax.block_until_ready(m['loss'])
-    times.append(time.perf_counter() - t0)
+  r = step_lib.benchmark(s, steps)
+  compile_s, times, m = r['compile_s'], r['step_times'], r['metrics']
   warm = times[3:] if len(times) > 3 else times
   step_s = statistics.median(warm)
   tok_s = batch * seq / step_s
   per_token = flops.flops_per_token(s.dims, seq)
   peak = flops.peak_flops(device, args.peak_tflops)
   mfu = flops.mfu(tok_s, per_token, peak, 1) if peak else None
-  mem = compiled.memory_analysis()
+  mem = r['compiled'].memory_analysis()
   out = {'device': device.device_kind, 'platform': device.platform, 'smoke': args.smoke,
          'params': s.dims.param_count(), 'batch': batch, 'seq_len': seq, 'remat': args.remat,
          'compute_dtype': args.compute_dtype, 'attention': cfg.train.attention,

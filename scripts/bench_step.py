@@ -16,14 +16,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax3d.mesh import use_fake_cpu_devices  # noqa: E402
 
 use_fake_cpu_devices(8)
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jax3d import config as config_lib, mesh as mesh_lib, step as step_lib  # noqa: E402
 
@@ -46,22 +44,8 @@ def measure(overrides: dict, steps: int) -> dict:
   plan = config_lib.validate(cfg, n)
   mesh = mesh_lib.build_mesh(plan, jax.devices()[:n])
   s = step_lib.Setup.create(cfg, plan, mesh)
-  state = step_lib.make_init(s)(0)
-  rng = np.random.default_rng(0)
-  toks = rng.integers(0, cfg.model.vocab_size, (plan.global_batch, plan.seq_len + 1)).astype(np.int32)
-  sh = step_lib.batch_sharding(s)
-  batch = {'inputs': jax.device_put(toks[:, :-1], sh), 'targets': jax.device_put(toks[:, 1:], sh)}
-  fn = step_lib.make_train_step(s)
-  t0 = time.perf_counter()
-  compiled = fn.lower(state, batch).compile()
-  compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, m = compiled(state, batch)
-    jax.block_until_ready(m['loss'])
-    times.append(time.perf_counter() - t0)
+  r = step_lib.benchmark(s, steps)
+  compile_s, times, m, mem = r['compile_s'], r['step_times'], r['metrics'], r['compiled'].memory_analysis()
   return {'compile_s': compile_s, 'step_s': statistics.median(times[5:]), 'loss': float(m['loss']),
           'temp_bytes': mem.temp_size_in_bytes, 'argument_bytes': mem.argument_size_in_bytes,
           'bubble_ratio': plan.iterations / (plan.repeats * plan.microbatches)}
