@@ -36,7 +36,7 @@ def use_fake_cpu_devices(n: int = 8) -> int:
   with another count rather than silently training on one device. An XLA_FLAGS the user set is
   kept (they chose their devices). On a GPU machine the GPUs stay the default devices.
   """
-  from jax3d import mesh as mesh_lib
+  from jax3d.parallel import mesh as mesh_lib
   mesh_lib.use_fake_cpu_devices(n)
   if 'jax' in sys.modules and _backend_started():
     import jax
@@ -85,7 +85,7 @@ def _with(cfg, **kw):
 def __getattr__(name):
   # `Trainer` is imported on first use: importing it imports jax and flax.
   if name == 'Trainer':
-    from jax3d.trainer import Trainer
+    from jax3d.training.trainer import Trainer
     return Trainer
   raise AttributeError(f"module 'jax3d.api' has no attribute {name!r}")
 
@@ -98,7 +98,7 @@ def build(cfg, workdir: str | None = None, devices=None, verbose: bool = False):
   devices (no full copy on one device first). `verbose` prints the trainer's start-up lines and
   what init did; the notebook keeps it off and prints the numbers it shows.
   """
-  from jax3d.trainer import Trainer
+  from jax3d.training.trainer import Trainer
   t = Trainer(cfg, workdir=workdir, devices=devices, console=verbose)
   what = t.init_state()
   if verbose:
@@ -111,7 +111,7 @@ def build(cfg, workdir: str | None = None, devices=None, verbose: bool = False):
 def placement(trainer) -> list[str]:
   """One line per device: its (dp, pp, tp) coordinate in the trainer's mesh and which device it
   is. tp varies fastest (neighbouring devices, one NVLink domain), dp slowest (across hosts)."""
-  from jax3d import mesh as mesh_lib
+  from jax3d.parallel import mesh as mesh_lib
   return [line.strip() for line in mesh_lib.describe_placement(trainer.mesh)]
 
 
@@ -129,7 +129,8 @@ def sharding_table(trainer) -> list[dict]:
   """
   import jax
   import numpy as np
-  from jax3d import model as model_lib, step as step_lib
+  from jax3d.model import llama as model_lib
+  from jax3d.training import step as step_lib
   s = getattr(trainer, 'setup', trainer)
   shapes = jax.eval_shape(lambda: step_lib.init_state(jax.random.key(0), s)['params'])
   logical = model_lib.param_logical_axes(s.dims)
@@ -193,7 +194,9 @@ def compiled_memory(source, devices=None, **overrides) -> dict:
   """
   import jax
   import jax.numpy as jnp
-  from jax3d import config as config_lib, mesh as mesh_lib, step as step_lib
+  from jax3d import config as config_lib
+  from jax3d.parallel import mesh as mesh_lib
+  from jax3d.training import step as step_lib
   cfg = getattr(source, 'cfg', source)
   if cfg is not source and not overrides:  # a Trainer: its compiled step, if it reports one
     if getattr(source, 'compiled_info', None) is None and hasattr(source, 'compile'):
@@ -253,7 +256,8 @@ def plan_layouts(config, nodes: int = 1, gpus_per_node: int = 8, gpu_memory_gb: 
   (Not called `plan`: `jax3d.plan` is the planner's module, which other modules import by that
   name; a package attribute of the same name would shadow it.)
   """
-  from jax3d import costmodel, plan as plan_lib
+  from jax3d.tools import planner as plan_lib
+  from jax3d.tools import costmodel
   cfg = load_config(config, overrides) if isinstance(config, str) else (_with(config, **{
       k.replace('.', '__'): v for k, v in (overrides or {}).items()}) if overrides else config)
   hw = costmodel.Hardware(nodes=nodes, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb, **hardware)
@@ -293,7 +297,7 @@ def sample(source, prompt: str = 'def ', n_tokens: int = 200, temperature: float
   """
   temperature = 0.0 if greedy else temperature
   if isinstance(source, (str, os.PathLike)):
-    from jax3d import sample as sample_lib
-    return sample_lib.sample_workdir(os.fspath(source), prompt, n_tokens, temperature, top_k, seed,
+    from jax3d.tools import sampling
+    return sampling.sample_workdir(os.fspath(source), prompt, n_tokens, temperature, top_k, seed,
                                      config=config, overrides=overrides)
   return source.sample(prompt, n_tokens, temperature, top_k, seed)

@@ -3,7 +3,6 @@ overrides (unknown keys rejected), other `--flag=value` options, and exit status
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 
@@ -57,7 +56,7 @@ def parse(argv: list[str], extra: dict | None = None):
 def prepare_devices(n: int = 8) -> None:
   """On a machine without an accelerator, expose n fake CPU devices unless XLA_FLAGS is set; on a
   GPU machine, add the communication-overlap XLA flags (jax3d/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
-  from jax3d.mesh import use_fake_cpu_devices
-  from jax3d import gpu
+  from jax3d.parallel.mesh import use_fake_cpu_devices
+  from jax3d.training import gpu
   use_fake_cpu_devices(n)
   gpu.apply_gpu_flags()

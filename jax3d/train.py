@@ -18,7 +18,7 @@ import os
 import sys
 
 from jax3d import cli
-from jax3d import distributed
+from jax3d.training import distributed
 
 
 def main(argv=None) -> int:
@@ -57,9 +57,9 @@ def main(argv=None) -> int:
 def _run(args) -> int:
   import jax
   from jax3d import config as config_lib
-  from jax3d import checkpoint as ckpt_lib
-  from jax3d import mesh as mesh_lib
-  from jax3d.trainer import Trainer, TrainingError
+  from jax3d.training import checkpoint as ckpt_lib
+  from jax3d.parallel import mesh as mesh_lib
+  from jax3d.training.trainer import Trainer, TrainingError
   multi = distributed.info().multi
   workdir = args.flags['workdir'] or os.path.join('runs', os.path.splitext(os.path.basename(args.config_path))[0])
   try:

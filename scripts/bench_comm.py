@@ -15,7 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax3d.mesh import use_fake_cpu_devices  # noqa: E402
+from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
 
 use_fake_cpu_devices(8)
 
@@ -31,7 +31,10 @@ OPTIONS = {
 def measure(path, overrides):
   import jax
   import numpy as np
-  from jax3d import config as config_lib, inspect as inspect_lib, mesh as mesh_lib, step as step_lib
+  from jax3d import config as config_lib
+  from jax3d.tools import inspection as inspect_lib
+  from jax3d.parallel import mesh as mesh_lib
+  from jax3d.training import step as step_lib
   cfg = config_lib.load_config(path, overrides)
   plan = config_lib.validate(cfg, jax.device_count())
   mesh = mesh_lib.build_mesh(plan)

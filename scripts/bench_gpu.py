@@ -38,14 +38,17 @@ def main(argv=None) -> int:
   ap.add_argument('--smoke', action='store_true', help='tiny model, 3 steps, runs on CPU')
   args = ap.parse_args(argv)
 
-  from jax3d import gpu
+  from jax3d.training import gpu
   if not args.smoke:
     added = gpu.apply_gpu_flags()  # before jax starts its backend
   else:
     added = []
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   import jax
-  from jax3d import config as config_lib, flops, mesh as mesh_lib, step as step_lib
+  from jax3d import config as config_lib
+  from jax3d.model import formulas as flops
+  from jax3d.parallel import mesh as mesh_lib
+  from jax3d.training import step as step_lib
 
   shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
   steps, batch, seq = (4, 2, 32) if args.smoke else (args.steps, args.batch, args.seq)

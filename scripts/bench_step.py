@@ -18,12 +18,14 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax3d.mesh import use_fake_cpu_devices  # noqa: E402
+from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
 
 use_fake_cpu_devices(8)
 import jax  # noqa: E402
 
-from jax3d import config as config_lib, mesh as mesh_lib, step as step_lib  # noqa: E402
+from jax3d import config as config_lib
+from jax3d.parallel import mesh as mesh_lib
+from jax3d.training import step as step_lib  # noqa: E402
 
 SHAPE = {'model.n_layers': 4, 'model.d_model': 256, 'model.n_heads': 4, 'model.n_kv_heads': 4,
          'model.d_ff': 1024, 'model.vocab_size': 1024, 'train.seq_len': 128,

@@ -5,7 +5,10 @@ import jax
 import numpy as np
 import optax
 
-from jax3d import config as config_lib, mesh as mesh_lib, pipeline, step as step_lib
+from jax3d import config as config_lib
+from jax3d.parallel import mesh as mesh_lib
+from jax3d.parallel import pipeline
+from jax3d.training import step as step_lib
 
 SMALL = {'model.n_layers': 8, 'model.d_model': 64, 'model.n_heads': 8, 'model.n_kv_heads': 8,
          'model.d_ff': 128, 'model.vocab_size': 256, 'train.seq_len': 16,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import jax3d
-from jax3d import config as config_lib, step as step_lib
+from jax3d import config as config_lib
+from jax3d.training import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {'model.d_model': 64, 'model.d_ff': 128, 'train.seq_len': 32, 'train.global_batch_size': 16,
@@ -49,7 +50,7 @@ def test_import_is_cheap_and_fake_devices_work():
 
 
 def test_trainer_is_reexported():
-  from jax3d.trainer import Trainer
+  from jax3d.training.trainer import Trainer
   assert jax3d.Trainer is Trainer and 'Trainer' in dir(jax3d)
 
 

@@ -12,8 +12,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jax3d import checkpoint as ckpt_lib, config as config_lib, pipeline, step as step_lib
-from jax3d.trainer import Trainer, TrainingError
+from jax3d import config as config_lib
+from jax3d.training import checkpoint as ckpt_lib
+from jax3d.parallel import pipeline
+from jax3d.training import step as step_lib
+from jax3d.training.trainer import Trainer, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {'model.n_layers': 8, 'model.d_model': 64, 'model.n_heads': 4, 'model.n_kv_heads': 4,
@@ -60,7 +63,7 @@ def cli(workdir, *args, timeout=300, **kw):
 RESUME_SCRIPT = """
 import sys
 from jax3d import config as c
-from jax3d.trainer import Trainer
+from jax3d.training.trainer import Trainer
 cfg = c.load_config('tiny', {overrides!r})
 t = Trainer(cfg, workdir={workdir!r}, console=False)
 print(t.init_state())

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from helpers import canonical, fixed_batches, setup_for, small_cfg
-from jax3d import gpu, step as step_lib
+from jax3d.training import gpu
+from jax3d.training import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT_222 = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}
@@ -35,7 +36,7 @@ def train_steps(cfg, n_steps=3):
 
 @functools.lru_cache(maxsize=None)
 def inspected(**over):
-  from jax3d import inspect as inspect_lib
+  from jax3d.tools import inspection as inspect_lib
   return inspect_lib.inspect_step(small_cfg(**over))
 
 
@@ -136,7 +137,7 @@ def test_int8_with_zero1_runs():
 def test_int8_error_feedback_matches_float32_held_out_loss():
   """200 steps of the tiny config (smaller batch): int8 within 3% of float32's held-out loss."""
   from jax3d import config as config_lib
-  from jax3d.trainer import Trainer
+  from jax3d.training.trainer import Trainer
   losses = {}
   for dtype in ('float32', 'int8'):
     cfg = config_lib.load_config('tiny', {'train.steps': 200, 'train.global_batch_size': 8,

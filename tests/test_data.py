@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import config as config_lib, data as data_lib, mesh as mesh_lib, step as step_lib
+from jax3d import config as config_lib
+from jax3d.training import data as data_lib
+from jax3d.parallel import mesh as mesh_lib
+from jax3d.training import step as step_lib
 
 
 @pytest.fixture(scope='module')

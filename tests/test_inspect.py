@@ -14,7 +14,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-from jax3d import config, inspect as insp  # noqa: E402
+from jax3d import config  # noqa: E402
+from jax3d.tools import hlo, inspection  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = (2, 2, 2)  # (dp, pp, tp); device id = 4*dp + 2*pp + tp
@@ -33,14 +34,14 @@ MESH = (2, 2, 2)  # (dp, pp, tp); device id = 4*dp + 2*pp + tp
     ('source_target_pairs={{0,2},{2,0},{1,3},{3,1}}, x', [[0, 2], [2, 0], [1, 3], [3, 1]], 'pp'),
 ])
 def test_replica_groups(attrs, groups, axes):
-  got = insp.replica_groups(attrs, 8)
+  got = hlo.replica_groups(attrs, 8)
   assert got == groups
-  assert insp.group_axes(got, MESH) == axes
+  assert hlo.group_axes(got, MESH) == axes
 
 
 def test_shape_bytes():
-  assert insp.shape_bytes('f32[2,128,256]{2,1,0}') == 2 * 128 * 256 * 4
-  assert insp.shape_bytes('(f32[], bf16[4,4]{1,0}, /*index=2*/pred[3])') == 4 + 32 + 3
+  assert hlo.shape_bytes('f32[2,128,256]{2,1,0}') == 2 * 128 * 256 * 4
+  assert hlo.shape_bytes('(f32[], bf16[4,4]{1,0}, /*index=2*/pred[3])') == 4 + 32 + 3
 
 
 def test_loop_trip_counts_multiply_collectives():
@@ -54,7 +55,7 @@ def test_loop_trip_counts_multiply_collectives():
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('dp', 'pp'), out_specs=P('dp', 'pp')))
   text = f.lower(jnp.ones((2 * 64, 2 * 32), jnp.float32)).compile().as_text()
-  colls = [c for c in insp.collectives(insp.parse_hlo(text), MESH) if c['kind'] == 'all-reduce']
+  colls = [c for c in hlo.collectives(hlo.parse_hlo(text), MESH) if c['kind'] == 'all-reduce']
   assert sum(c['count'] for c in colls) == 6 and {c['axes'] for c in colls} == {'tp'}
   assert sum(c['buffer_bytes'] for c in colls) == 6 * 64 * 32 * 4
   assert sum(c['wire_bytes'] for c in colls) == 6 * 64 * 32 * 4 * 2 * (2 - 1) / 2
@@ -64,7 +65,7 @@ def test_loop_trip_counts_multiply_collectives():
 @pytest.fixture(scope='module')
 def tiny():
   cfg = config.load_config('tiny')
-  return insp.inspect_step(cfg, config.validate(cfg, 8))
+  return inspection.inspect_step(cfg, config.validate(cfg, 8))
 
 
 def _check(result, what):
@@ -129,7 +130,7 @@ def test_tiny_memory_and_flops(tiny):
   # executed matmul FLOPs include the bubble (5/4 on the layers), never less than the model's
   assert 1.0 < tiny['flops'] / tiny['model_flops'] < 5 / 4 + 0.05
   assert tiny['flops_xla_cost_analysis'] < tiny['flops']  # XLA counts loop bodies once
-  lines = insp.summary_lines(tiny)
+  lines = inspection.summary_lines(tiny)
   assert lines and 'per device' in lines[0]
 
 

@@ -9,7 +9,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax3d import flops, memory  # noqa: E402
+from jax3d.model import formulas as flops
+from jax3d.training import memory  # noqa: E402
 
 MB = 2**20
 
@@ -76,7 +77,7 @@ def test_single_jump_is_not_a_leak():
 
 
 def test_mfu_against_a_hand_count():
-  from jax3d.model import Dims
+  from jax3d.model.llama import Dims
   dims = Dims(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=100, vocab_padded=128)
   # per layer: 2 norms 2*64, q,o 2*64*64, k,v 2*64*32 (2 kv heads of 16), mlp 3*64*128
   per_layer = 128 + 8192 + 4096 + 24576

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jax3d import pipeline
+from jax3d.parallel import pipeline
 
 D, B, T = 8, 4, 4  # model width, micro-batch rows, sequence
 

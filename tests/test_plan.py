@@ -14,7 +14,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jax3d import config, costmodel, plan  # noqa: E402
+from jax3d import config
+from jax3d.tools import planner as plan
+from jax3d.tools import costmodel  # noqa: E402
 
 CPU = costmodel.Hardware(flash_attention=False)
 

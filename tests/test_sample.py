@@ -17,7 +17,11 @@ import numpy as np
 import pytest
 
 import jax3d
-from jax3d import generate as gen_lib, model as model_lib, pipeline, sample as sample_lib
+from jax3d import sample as sample_lib
+from jax3d.tools import sampling
+from jax3d.model import generate as gen_lib
+from jax3d.model import llama as model_lib
+from jax3d.parallel import pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {'model.d_model': 64, 'model.d_ff': 128, 'model.max_seq_len': 64, 'train.seq_len': 32,
@@ -128,7 +132,7 @@ def test_sampling_config_fixes_the_batch_for_a_new_layout():
   """dp 2 -> 8 on a batch of 16 with 4 micro-batches does not split; generation does not care,
   so the batch keys are adjusted, and the layout asked for is kept."""
   cfg = jax3d.load_config('tiny', SMALL)
-  new = sample_lib.sampling_config(cfg, 8, {'mesh.dp': 8, 'mesh.pp': 1, 'mesh.tp': 1})
+  new = sampling.sampling_config(cfg, 8, {'mesh.dp': 8, 'mesh.pp': 1, 'mesh.tp': 1})
   assert (new.mesh.dp, new.mesh.pp, new.mesh.tp) == (8, 1, 1)
   assert new.pipeline.microbatches == 1 and new.train.global_batch_size == 8
   assert cfg.mesh.dp == 2 and cfg.train.global_batch_size == 16  # the original is untouched

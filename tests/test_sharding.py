@@ -6,7 +6,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import config as config_lib, mesh as mesh_lib, model as model_lib, sharding, step as step_lib
+from jax3d import config as config_lib
+from jax3d.parallel import mesh as mesh_lib
+from jax3d.model import llama as model_lib
+from jax3d.parallel import sharding
+from jax3d.training import step as step_lib
 
 EXPECTED = {  # tiny model under (dp, pp, tp) = (2, 2, 2)
     'embed/embedding': P('tp', None),                       # vocabulary-parallel

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax3d import remat
+from jax3d.model import remat
 
 
 def layer_order(n_layers: int, pp: int, repeats: int) -> np.ndarray:

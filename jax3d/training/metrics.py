@@ -13,7 +13,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import jax
 import numpy as np

@@ -22,8 +22,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import model as model_lib
-from jax3d import gradcomm, optim, pipeline, sharding
+from jax3d.model import llama as model_lib
+from jax3d.parallel import data_parallel as gradcomm
+from jax3d.training import optim
+from jax3d.parallel import pipeline
+from jax3d.parallel import sharding
 from jax3d.config import RunPlan
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jax3d.sharding import constrain
+from jax3d.parallel.sharding import constrain
 
 
 @dataclasses.dataclass(frozen=True)

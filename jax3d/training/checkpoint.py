@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jax3d import pipeline
+from jax3d.parallel import pipeline
 
 
 SOFT = 'grad_residual'  # train-state entry restored when it matches, else restarted at zero

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax3d import model as model_lib
-from jax3d import pipeline
+from jax3d.model import llama as model_lib
+from jax3d.parallel import pipeline
 
 
 def _attend(q_bqnh, k_bskh, v_bskh, pos_q, length):

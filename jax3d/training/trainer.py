@@ -19,16 +19,16 @@ import time
 import jax
 import numpy as np
 
-from jax3d import checkpoint as ckpt_lib
+from jax3d.training import checkpoint as ckpt_lib
 from jax3d import config as config_lib
-from jax3d import data as data_lib
-from jax3d import distributed
-from jax3d import flops as flops_lib
-from jax3d import generate as gen_lib
-from jax3d import memory as memory_lib
-from jax3d import mesh as mesh_lib
-from jax3d import metrics as metrics_lib
-from jax3d import step as step_lib
+from jax3d.training import data as data_lib
+from jax3d.training import distributed
+from jax3d.model import formulas as flops_lib
+from jax3d.model import generate as gen_lib
+from jax3d.training import memory as memory_lib
+from jax3d.parallel import mesh as mesh_lib
+from jax3d.training import metrics as metrics_lib
+from jax3d.training import step as step_lib
 
 
 class TrainingError(RuntimeError):
@@ -121,7 +121,8 @@ class Trainer:
     (compiled memory per device beside the planner's estimate, FLOPs, bytes per mesh axis)."""
     if self._train_step is not None:
       return []
-    from jax3d import costmodel, inspect as inspect_lib
+    from jax3d.tools import inspection as inspect_lib
+    from jax3d.tools import costmodel
     t0 = time.time()
     abstract_state, abstract_batch = step_lib.abstract_inputs(self.setup)
     self._train_step = step_lib.make_train_step(self.setup).lower(abstract_state, abstract_batch).compile()
@@ -136,7 +137,7 @@ class Trainer:
                  f'{metrics_lib.fmt_bytes(est.total_bytes)} ({est.total_bytes / max(compiled, 1) - 1:+.0%})')
     limit = _device_memory_limit(self.devices[0])
     if limit and max(compiled, est.total_bytes if self.devices[0].platform == 'gpu' else 0) > limit:
-      from jax3d import plan as plan_lib
+      from jax3d.tools import planner as plan_lib
       ladder = plan_lib.oom_ladder(self.cfg, self.plan, limit)
       raise config_lib.ConfigError(
           f'this layout needs {compiled / 1e9:.1f} GB per device, the device has {limit / 1e9:.1f} GB; '

@@ -115,7 +115,8 @@ def _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compu
   import flax.linen as nn
   import jax
   from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals lists
-  from jax3d import model as model_lib, remat
+  from jax3d.model import llama as model_lib
+  from jax3d.model import remat
 
   @dataclasses.dataclass(frozen=True)
   class ShardDims(model_lib.Dims):  # one tp shard: n/tp heads of the full head size

@@ -1,0 +1,201 @@
+"""What a compiled train step costs, per device per step, against the formulas: memory (XLA's
+`memory_analysis`), FLOPs (the HLO's matmuls times their loops' trip counts) and the collectives of
+each mesh axis (tools/hlo.py), compared with shared/docs/formulas.md (`expected_comm`, `checks`).
+
+Bytes, as in tools/hlo.py: buffer bytes are the HLO shape one device holds; wire bytes what a
+device sends with a ring algorithm (the formulas are wire bytes).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jax3d.tools.hlo import collectives, matmul_flops, multiplicities, parse_hlo
+
+
+def expected_comm(s, abstract_state) -> dict:
+  """Wire bytes per device per step from the formulas, two ways where they differ:
+  'formula'  the papers' count of useful work (m micro-batches through L/p layers per stage);
+  'spmd'     what this SPMD pipeline executes: every stage runs and sends in all v*m+p-1
+             iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m).
+             dp is the same either way: the pipeline loop is manual over dp, so the weight
+             gradients are summed over dp once per step, after the loop.
+  dp: 2(d-1)/d * P_local * bytes, P_local = parameters this device holds after tp/pp sharding;
+      with train.grad_reduce_dtype bfloat16/int8 the reduce half moves 2/1 bytes per element (int8
+      scales not counted), and under ZeRO-1 the all-gather half moves the parameters' bytes."""
+  import jax
+  from jax3d.training import step as step_lib
+  plan, dims, a = s.plan, s.dims, s.plan.grad_accum
+  p, v, m, t, d = plan.pp, plan.repeats, plan.microbatches, plan.tp, plan.dp
+  act = np.dtype(dims.dtype).itemsize
+  bsh = plan.micro_batch // d * plan.seq_len * dims.d_model * act  # one micro-batch on one dp shard
+  iters, layers_per_chunk = v * m + p - 1, dims.n_layers // (p * v)
+  per_layer_mb = 4 * 2 * (t - 1) / t * bsh
+  local = lambda leaf: int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+  params = abstract_state['params']
+  p_local = sum(local(x) for x in jax.tree.leaves(params))
+  layers_local = sum(local(x) for x in jax.tree.leaves(params['layers']))
+  ring = 2 * (d - 1) / d
+  n_local = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(params))
+  pb = p_local // n_local  # one param_dtype for every parameter
+  explicit = step_lib.explicit_reduction(s)
+  reduce_b = {'float32': 4, 'bfloat16': 2, 'int8': 1}[s.cfg.train.grad_reduce_dtype] if explicit else pb
+  gather_b = pb if step_lib.zero1(s) else reduce_b
+  grads = n_local * reduce_b  # the gradient bytes that enter the dp reduction
+  dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
+  return {
+      'tp': {'formula': per_layer_mb * dims.n_layers // p * m * a,
+             'spmd': per_layer_mb * layers_per_chunk * iters * a},
+      'pp': {'formula': 2 * v * m * bsh * a if p > 1 else 0.0,
+             'spmd': 2 * iters * bsh * a if p > 1 else 0.0},
+      'dp': {'formula': dp_wire, 'spmd': dp_wire},
+      'p_local_bytes': p_local, 'dp_grad_bytes': grads, 'layer_bytes_local': layers_local, 'bsh_bytes': bsh,
+  }
+
+
+def summarize(colls: list[dict]) -> dict:
+  """Collectives grouped by the mesh axes they run over, with totals and a per-kind split."""
+  by_axis = {}
+  for c in colls:
+    g = by_axis.setdefault(c['axes'], {'wire_bytes': 0.0, 'buffer_bytes': 0.0, 'ops': 0, 'kinds': {}})
+    g['wire_bytes'] += c['wire_bytes']
+    g['buffer_bytes'] += c['buffer_bytes']
+    g['ops'] += c['count']
+    k = g['kinds'].setdefault(f"{c['kind']} ({c['pass']})", {'wire_bytes': 0.0, 'ops': 0})
+    k['wire_bytes'] += c['wire_bytes']
+    k['ops'] += c['count']
+  return by_axis
+
+
+def checks(colls: list[dict], e: dict) -> list[dict]:
+  """Measured against expected, like for like (wire bytes per device per step):
+  tp   the tp collectives of the layers (flax `Block`; embedding, head and loss are outside);
+  pp   the pipeline ring's collective-permutes (entering and leaving the pipeline is extra);
+  dp   gradient bytes all-reduced over any group that includes dp, against P_local."""
+  total = lambda pred, key='wire_bytes': sum(c[key] for c in colls if pred(c))
+  tp_layers = lambda c: c['axes'] == 'tp' and c['in_layers']
+  dp_grads = lambda c: 'dp' in c['axes'].split('+') and c['kind'] in (  # (all-to-all: gradcomm.py)
+      'all-reduce', 'reduce-scatter', 'all-to-all')
+  out = [
+      {'axis': 'tp', 'what': 'tp all-reduces in the layers (fwd+bwd)', 'measured': total(tp_layers),
+       'formula': e['tp']['formula'], 'spmd': e['tp']['spmd']},
+      {'axis': 'tp', 'what': 'tp all-reduces in the layers (forward)',
+       'measured': total(lambda c: tp_layers(c) and c['pass'] == 'forward'),
+       'formula': e['tp']['formula'] / 2, 'spmd': e['tp']['spmd'] / 2},
+      {'axis': 'pp', 'what': 'pipeline ring (collective-permute, fwd+bwd)',
+       'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] == 'collective-permute'),
+       'formula': e['pp']['formula'], 'spmd': e['pp']['spmd']},
+      {'axis': 'pp', 'what': 'pp collectives besides the ring (pipeline entry/exit)',
+       'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] != 'collective-permute'),
+       'formula': 0.0, 'spmd': 0.0},
+      {'axis': 'dp', 'what': 'gradient bytes reduced over dp (buffer vs P_local)',
+       'measured': total(dp_grads, 'buffer_bytes'), 'formula': e['dp_grad_bytes'],
+       'spmd': e['dp_grad_bytes']},
+      {'axis': 'dp', 'what': 'wire bytes over groups with dp (2(d-1)/d P_local)',
+       'measured': total(lambda c: 'dp' in c['axes'].split('+')), 'formula': e['dp']['formula'],
+       'spmd': e['dp']['spmd']},
+  ]
+  for c in out:
+    c['ratio'] = c['measured'] / c['formula'] if c['formula'] else None
+  return out
+
+
+# Compile and inspect --------------------------------------------------------------------------
+def inspect_step(cfg, plan=None, mesh=None) -> dict:
+  """Compiles the real train step for abstract inputs and returns memory, FLOPs and collectives
+  per device per step (see the module docstring for what 'bytes' means)."""
+  import jax
+  from jax3d import config as config_lib
+  from jax3d.parallel import mesh as mesh_lib
+  from jax3d.training import step
+  plan = plan or config_lib.validate(cfg, jax.device_count())
+  mesh = mesh if mesh is not None else mesh_lib.build_mesh(plan, allow_tp_across_hosts=cfg.mesh.allow_tp_across_hosts)
+  s = step.Setup.create(cfg, plan, mesh)
+  state, batch = step.abstract_inputs(s)
+  return inspect_compiled(step.make_train_step(s).lower(state, batch).compile(), s, state)
+
+
+def inspect_compiled(compiled, s, state) -> dict:
+  """The same figures for an already compiled train step (the trainer passes its own)."""
+  from jax3d.model import formulas as flops_lib
+  cfg, plan, mesh = s.cfg, s.plan, s.mesh
+  mem = compiled.memory_analysis()
+  memory = {k: int(getattr(mem, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
+  memory['peak_estimate'] = memory['argument'] + memory['output'] - memory['alias'] + memory['temp']
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+  hlo = parse_hlo(compiled.as_text())
+  _, unknown_loops = multiplicities(hlo)
+  colls = collectives(hlo, tuple(mesh.devices.shape), tuple(mesh.axis_names))
+  by_axis = summarize(colls)
+  expected = expected_comm(s, state)
+  model_flops = flops_lib.flops_per_token(s.dims, plan.seq_len) * plan.tokens_per_step / plan.n_devices
+  return {
+      'layout': {'dp': plan.dp, 'pp': plan.pp, 'tp': plan.tp, 'microbatches': plan.microbatches,
+                 'repeats': plan.repeats, 'grad_accum': plan.grad_accum, 'iterations': plan.iterations,
+                 'micro_batch_per_dp_shard': plan.micro_batch // plan.dp, 'seq_len': plan.seq_len,
+                 'remat': cfg.train.remat, 'compute_dtype': cfg.train.compute_dtype},
+      'device_kind': mesh.devices.flat[0].device_kind,
+      'memory_bytes': memory,
+      'flops': matmul_flops(hlo),
+      'flops_xla_cost_analysis': float(cost.get('flops', 0.0)),
+      'model_flops': model_flops,
+      'comm_bytes': {axis: by_axis.get(axis, {}).get('wire_bytes', 0.0) for axis in ('dp', 'pp', 'tp')}
+                    | {k: v['wire_bytes'] for k, v in by_axis.items() if k not in ('dp', 'pp', 'tp')},
+      'comm_by_axis': by_axis,
+      'expected': expected,
+      'checks': checks(colls, expected),
+      'collectives': colls,
+      'unknown_trip_counts': unknown_loops,
+  }
+
+
+def _mb(x: float) -> str:
+  return f'{x / 2**20:.2f} MiB'
+
+
+def summary_lines(r: dict) -> list[str]:
+  """A few lines for train.py's start-up banner."""
+  m, c = r['memory_bytes'], r['comm_bytes']
+  lines = [f"per device: args {_mb(m['argument'])}, temp {_mb(m['temp'])}, out {_mb(m['output'])} "
+           f"(aliased {_mb(m['alias'])}), peak ~{_mb(m['peak_estimate'])}",
+           f"per device per step: {r['flops'] / 1e9:.2f} GFLOP executed (matmuls), "
+           f"{r['model_flops'] / 1e9:.2f} GFLOP model",
+           'comm per device per step (ring wire bytes): ' + ', '.join(
+               f'{axis} {_mb(v)}' for axis, v in c.items() if v)]
+  for ch in r['checks']:
+    if ch['formula'] and ch['spmd'] and abs(ch['measured'] / ch['spmd'] - 1) > 0.05:
+      lines.append(f"  note: {ch['what']}: {ch['measured'] / ch['spmd']:.2f}x the SPMD-executed formula "
+                   '(python -m jax3d.inspect for the breakdown)')
+  return lines
+
+
+def render(r: dict) -> str:
+  """The human-readable report of `python -m jax3d.inspect`."""
+  lay, m = r['layout'], r['memory_bytes']
+  out = [f"layout dp={lay['dp']} pp={lay['pp']} tp={lay['tp']}  m={lay['microbatches']} v={lay['repeats']} "
+         f"accum={lay['grad_accum']}  b={lay['micro_batch_per_dp_shard']} s={lay['seq_len']}  "
+         f"remat={lay['remat']} {lay['compute_dtype']}  on {r['device_kind']}",
+         '', 'memory per device (compiled.memory_analysis):']
+  for k in ('argument', 'output', 'alias', 'temp', 'peak_estimate'):
+    out.append(f'  {k:14s}{_mb(m[k]):>14s}')
+  out += ['', 'FLOPs per device per step:',
+          f"  executed matmuls (HLO dots x loop trips) {r['flops'] / 1e9:10.3f} G",
+          f"  model 6P+12Lhs (useful work)            {r['model_flops'] / 1e9:10.3f} G",
+          f"  XLA cost_analysis (loop bodies once)     {r['flops_xla_cost_analysis'] / 1e9:10.3f} G",
+          '', 'collectives per device per step (wire = ring bytes sent; buffer = HLO shape bytes):']
+  for axis, g in sorted(r['comm_by_axis'].items(), key=lambda kv: -kv[1]['wire_bytes']):
+    out.append(f"  {axis:6s} wire {_mb(g['wire_bytes']):>12s}  buffer {_mb(g['buffer_bytes']):>12s}  "
+               f"{g['ops']} ops")
+    for kind, k in sorted(g['kinds'].items(), key=lambda kv: -kv[1]['wire_bytes']):
+      out.append(f"           {kind:34s}{_mb(k['wire_bytes']):>12s}  x{k['ops']}")
+  out += ['', 'measured vs formulas.md (formula = useful work; spmd = as this SPMD pipeline executes it):',
+          f"  {'':56s}{'measured':>12s}{'formula':>12s}{'spmd':>12s}  ratio to formula / spmd"]
+  for ch in r['checks']:
+    ratios = ' / '.join(f'{ch["measured"] / v:.2f}' if v else '-' for v in (ch['formula'], ch['spmd']))
+    out.append(f"  {ch['axis']} {ch['what']:53s}{_mb(ch['measured']):>12s}{_mb(ch['formula']):>12s}"
+               f"{_mb(ch['spmd']):>12s}  {ratios}")
+  if r['unknown_trip_counts']:
+    out.append(f"  warning: loops with unknown trip count counted once: {r['unknown_trip_counts']}")
+  return '\n'.join(out)
+
+

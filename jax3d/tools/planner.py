@@ -1,0 +1,241 @@
+"""The planner: every valid (dp, pp, tp, micro-batches, remat, ZeRO-1) layout of a config on a GPU
+cluster, priced by the cost model, ranked, explained in the tutorial's terms; the out-of-memory
+ladder; and an ahead-of-time compile of the winner (`verify`).
+
+The search follows the tutorial's rules (seed digest rows 13-14): tp at most the GPUs of one node
+(tensor parallelism stays on NVLink), pp a divisor of what remains, dp fills the rest; every
+candidate is priced with `costmodel.estimate`, so "few layers -> more tp" falls out of the bubble.
+`python -m jax3d.plan` prints what this module computes.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+from jax3d.config import ConfigError, set_key, validate
+from jax3d.tools import costmodel
+from jax3d.tools.costmodel import GB, Hardware, estimate
+
+POLICIES = ('none', 'dots', 'attn', 'full')
+LAYOUT_KEYS = ('mesh.dp', 'mesh.pp', 'mesh.tp', 'pipeline.microbatches', 'pipeline.repeats',
+               'pipeline.schedule', 'train.remat', 'train.shard_optimizer', 'train.grad_accum')
+
+
+@dataclasses.dataclass
+class Candidate:
+  overrides: dict  # the LAYOUT_KEYS values of this layout
+  est: costmodel.Estimate
+
+  @property
+  def plan(self):
+    return self.est.plan
+
+  def row(self) -> dict:
+    e, p = self.est, self.est.plan
+    return {'dp': p.dp, 'pp': p.pp, 'tp': p.tp, 'microbatches': p.microbatches, 'repeats': p.repeats,
+            'grad_accum': p.grad_accum,
+            'remat': e.remat, 'shard_optimizer': e.shard_optimizer,
+            'memory_gb': round(e.total_bytes / GB, 3),
+            'memory_breakdown_gb': {k: round(v / GB, 3) for k, v in e.breakdown.items()},
+            'step_time_s': float(f'{e.step_time_s:.4g}'), 'bubble': round(p.bubble, 4),
+            'tokens_per_s': round(e.tokens_per_s), 'mfu': round(e.mfu, 4), 'fits': e.fits,
+            'reason': e.reason}
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cfg, hw: Hardware, policies=POLICIES, zero1=(False, True)):
+  """Every layout the rules allow that config.validate accepts: (overrides, plan) pairs."""
+  n, m = hw.n_devices, cfg.model
+  work = copy.deepcopy(cfg)
+  for tp in [t for t in _divisors(hw.gpus_per_node) if n % t == 0]:  # rule: tp <= GPUs per node
+    for pp in [p for p in _divisors(n // tp) if m.n_layers % p == 0]:  # rule: pp divides the rest
+      dp = n // (tp * pp)  # rule: dp fills the rest
+      batch = cfg.train.global_batch_size
+      for ga, mb in [(ga, mb) for ga in (1, 2, 4, 8, 16, 32, 64) if batch % (ga * dp) == 0
+                     for mb in ([1] if pp == 1 else _divisors(batch // (ga * dp))) if mb <= 64]:
+        reps = [1] + ([r for r in _divisors(m.n_layers // pp) if 1 < r <= 8] if mb >= pp > 1 else [])
+        for v in reps:
+          for remat in policies:
+            for z in (zero1 if dp > 1 else (False,)):
+              o = dict(zip(LAYOUT_KEYS, (dp, pp, tp, mb, v, 'circular' if v > 1 else 'gpipe', remat, z,
+                                         ga)))
+              for k, val in o.items():
+                set_key(work, k, val)
+              try:
+                yield o, validate(work, n), work
+              except ConfigError:
+                continue
+
+
+def search(cfg, hw: Hardware, **kw) -> list[Candidate]:
+  """All valid layouts, priced; fitting ones first, fastest first (ties: more tp, less pp)."""
+  out = [Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)) for o, plan, c in layouts(cfg, hw, **kw)]
+  if not out:
+    m = cfg.model
+    raise ConfigError(f'{hw.nodes} x {hw.gpus_per_node} GPUs: no layout is valid for n_layers='
+                      f'{m.n_layers}, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, global_batch_size='
+                      f'{cfg.train.global_batch_size} (tp must divide the heads and pp the layers, '
+                      f'dp the batch); use fewer GPUs or divisible sizes')
+  out.sort(key=lambda c: (not c.est.fits, c.est.step_time_s if c.est.fits else c.est.total_bytes,
+                          -c.plan.tp, c.plan.pp, c.est.total_bytes))
+  return out
+
+
+def apply(cfg, overrides: dict):
+  cfg = copy.deepcopy(cfg)
+  for k, v in overrides.items():
+    set_key(cfg, k, v)
+  return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Explanations
+# ---------------------------------------------------------------------------------------------
+def explain(cfg, best: Candidate, ranked: list[Candidate], hw: Hardware) -> list[str]:
+  """The winner in the tutorial's terms: tp first, then pp, then dp = N/(tp*pp)."""
+  p, e, m, n = best.plan, best.est, cfg.model, hw.n_devices
+  where = 'on NVLink inside one node' if p.tp <= hw.gpus_per_node else 'ACROSS nodes'
+  weights = costmodel.param_count(cfg) * costmodel.BYTES[cfg.train.param_dtype] * 4
+  lines = [f'Why dp={p.dp}, pp={p.pp}, tp={p.tp} (the tutorial: fill a node with tp, give the rest to '
+           f'pp, fill with dp):',
+           f'  tp = {p.tp}: at most the {hw.gpus_per_node} GPUs per node, so its 4 all-reduces per layer '
+           f'stay {where}; each GPU holds 1/{p.tp} of every layer\'s width '
+           f'({m.n_heads // p.tp} of {m.n_heads} heads, {m.d_ff // p.tp} of {m.d_ff} ffw units).',
+           f'  pp = {p.pp}: a divisor of the {n}/{p.tp} = {n // p.tp} GPUs that remain'
+           f'{" (across nodes)" if p.tp * p.pp > hw.gpus_per_node else ""}; {m.n_layers} layers -> '
+           f'{m.n_layers // p.pp} per stage; bubble (p-1)/(v*m+p-1) = {p.pp - 1}/({p.repeats}*'
+           f'{p.microbatches}+{p.pp - 1}) = {p.bubble:.1%}.',
+           f'  dp = {n}/(tp*pp) = {n}/({p.tp}*{p.pp}) = {p.dp} fills the rest: each replica takes '
+           f'{p.global_batch // p.dp} of the {p.global_batch} sequences per step.',
+           f'  Memory: weights, gradients and Adam state ({weights / GB:.0f} GB in all) over tp*pp = '
+           f'{p.tp * p.pp} shards{" and the optimizer over dp" if e.shard_optimizer else ""}, '
+           f'activations with remat={e.remat}: {e.total_bytes / GB:.1f} of {hw.memory_gb:g} GB.']
+  # "Few layers -> more tp": the best layout with less tp (hence more pp or dp) for comparison.
+  alt = next((c for c in ranked if c.est.fits and c.plan.tp < p.tp), None)
+  if alt is not None:
+    a = alt.plan
+    lines.append(f'  Less tp costs more: the best with tp={a.tp} (dp={a.dp}, pp={a.pp}, bubble '
+                 f'{a.bubble:.1%}) runs {alt.est.step_time_s / e.step_time_s - 1:.0%} slower; with '
+                 f'{m.n_layers} layers, depth bought with pp pays a bubble, width bought with tp does not.')
+  return lines
+
+
+def oom_ladder(cfg, plan, device_memory_bytes: float, hw: Hardware | None = None) -> list[str]:
+  """The tutorial's out-of-memory ladder, each rung priced for this config and layout."""
+  hw = hw or Hardware(nodes=max(plan.n_devices // 8, 1), gpus_per_node=min(plan.n_devices, 8),
+                      memory_gb=device_memory_bytes / GB)
+  base = estimate(cfg, plan, device_memory_bytes, hw)
+  gb = lambda e: f'{e.total_bytes / GB:.1f} GB'
+  lines = [f'Out of memory: {base.reason} ({base.describe()}). In the tutorial\'s order:']
+
+  def rung(label, overrides, what=''):
+    try:
+      c = apply(cfg, overrides)
+      e = estimate(c, validate(c, plan.n_devices), device_memory_bytes, hw)
+    except ConfigError as err:
+      return f'{label}: not possible here ({err})'
+    flags_ = ' '.join(f'--config.{k}={v}' for k, v in overrides.items())
+    return (f'{label} ({flags_}): {gb(base)} -> {gb(e)} per GPU{what(e) if what else ""}'
+            f'{"  FITS" if e.fits else ""}')
+
+  acts = lambda e: (f' (activations {base.breakdown["activations"] / GB:.1f} -> '
+                    f'{e.breakdown["activations"] / GB:.1f} GB, saves '
+                    f'{1 - e.breakdown["activations"] / base.breakdown["activations"]:.0%})')
+  if cfg.train.remat != 'full':
+    lines.append(rung('1. recompute activations', {'train.remat': 'full'}, acts))
+  else:
+    lines.append(f'1. recomputation is already on (train.remat=full): activations '
+                 f'{base.breakdown["activations"] / GB:.1f} GB')
+  lines.append('2. drop needless copies: the step keeps none (state donated, logs read scalars only)')
+  lines.append(rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, acts))
+  deeper = [c for c in search(cfg, hw, policies=(cfg.train.remat,), zero1=(cfg.train.shard_optimizer,))
+            if c.plan.pp * c.plan.tp > plan.pp * plan.tp]
+  if deeper:
+    c = min(deeper, key=lambda c: (not c.est.fits, c.est.step_time_s if c.est.fits else c.est.total_bytes))
+    lines.append(rung('4. more pp or tp', {k: v for k, v in c.overrides.items() if k != 'train.remat'}))
+  else:
+    lines.append(f'4. more pp or tp: pp*tp = {plan.pp}*{plan.tp} is already the most these '
+                 f'{plan.n_devices} GPUs and this model allow')
+  if cfg.train.param_dtype != 'bfloat16':
+    lines.append(rung('5. bf16 weights and optimizer state',
+                      {'train.param_dtype': 'bfloat16', 'train.compute_dtype': 'bfloat16'}))
+  else:
+    lines.append('5. bf16: weights, gradients and Adam state are already bf16')
+  if plan.dp > 1 and not cfg.train.shard_optimizer:
+    lines.append(rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
+  lines.append(smallest_cluster(cfg, hw))
+  return lines
+
+
+def smallest_cluster(cfg, hw: Hardware) -> str:
+  """The fewest nodes (doubling) of this kind on which some layout fits."""
+  nodes = 1
+  while nodes <= 4096:
+    h = dataclasses.replace(hw, nodes=nodes)
+    try:
+      fits = [c for c in search(cfg, h, policies=('full',)) if c.est.fits]
+    except ConfigError:
+      fits = []
+    if fits:
+      p = fits[0].plan
+      return (f'Smallest cluster that fits: {nodes} node(s) x {hw.gpus_per_node} GPUs of '
+              f'{hw.memory_gb:g} GB (dp={p.dp}, pp={p.pp}, tp={p.tp}, remat=full: '
+              f'{fits[0].est.total_bytes / GB:.1f} GB per GPU)')
+    nodes *= 2
+  return f'No cluster of up to 4096 nodes of {hw.gpus_per_node} x {hw.memory_gb:g} GB fits this config'
+
+
+
+
+def verify(cfg, plan) -> list[str]:
+  """Ahead-of-time compile of the real train step on n CPU devices; nothing is allocated.
+
+  XLA's CPU compiler aborts on this step in bfloat16 (AllReducePromotion: "Invalid binary
+  instruction opcode copy"), so a bf16 config is checked with float32 compute, said so.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax3d.parallel import mesh as mesh_lib
+  from jax3d.training import step
+  devices = jax.devices('cpu')
+  if len(devices) < plan.n_devices:
+    raise ConfigError(f'--verify needs {plan.n_devices} CPU devices, {len(devices)} are visible '
+                      f'(XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r} was set before the run)')
+  est = estimate(cfg, plan, hw=Hardware(flash_attention=False))  # CPU: XLA's own attention
+  mesh = mesh_lib.build_mesh(plan, devices[:plan.n_devices])
+  s = step.Setup.create(cfg, plan, mesh)
+  batch = {k: jax.ShapeDtypeStruct((plan.global_batch, plan.seq_len), jnp.int32,
+                                   sharding=step.batch_sharding(s)) for k in ('inputs', 'targets')}
+  ma = step.make_train_step(s).lower(step.abstract_state(s), batch).compile().memory_analysis()
+  total = compiled_bytes(ma)
+  note = (['(XLA:CPU computes bf16 matmuls in float32, converting around each dot: with bf16 compute '
+           'its temporaries exceed a GPU\'s, and the GPU-minded estimate comes out below them)']
+          if cfg.train.compute_dtype == 'bfloat16' else [])
+  return note + [f'XLA (compiled on {plan.n_devices} CPU devices): {total / GB:.4f} GB per device = arguments '
+          f'{ma.argument_size_in_bytes / GB:.4f} + temporaries {ma.temp_size_in_bytes / GB:.4f} + '
+          f'outputs {ma.output_size_in_bytes / GB:.4f} - aliased {ma.alias_size_in_bytes / GB:.4f}',
+          f'estimate: {est.total_bytes / GB:.4f} GB per device ({est.total_bytes / total - 1:+.1%})']
+
+
+def compiled_bytes(ma) -> int:
+  """Peak bytes per device of a compiled step: inputs, scratch, and outputs not donated in place."""
+  return (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
+          - ma.alias_size_in_bytes)
+
+
+def table(cands: list[Candidate]) -> list[str]:
+  head = (f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"ga":>3} {"remat":>5} {"zero1":>5} '
+          f'{"GB/GPU":>7} {"step s":>8} {"bubble":>6} {"tokens/s":>10} {"MFU":>5}')
+  lines = [head]
+  for i, c in enumerate(cands, 1):
+    r = c.row()
+    lines.append(f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["microbatches"]:>4} '
+                 f'{r["repeats"]:>2} {r["grad_accum"]:>3} {r["remat"]:>5} {"yes" if r["shard_optimizer"] else "no":>5} '
+                 f'{r["memory_gb"]:>7.1f} {r["step_time_s"]:>8.3g} {r["bubble"]:>6.1%} '
+                 f'{r["tokens_per_s"]:>10,} {r["mfu"]:>5.1%}')
+  return lines
+

@@ -1,0 +1,205 @@
+"""A run's report: figures and a short markdown page from WORKDIR/metrics.jsonl.
+
+  python -m jax3d.report runs/tiny        # writes runs/tiny/report/{report.md, *.png}
+
+metrics.jsonl holds one JSON object per line: training records (step, loss, lr, grad_norm,
+tokens_per_sec, step_time_s, tokens, mfu, memory), eval records (step, eval_loss) and events
+({'event': 'start' | 'memory_leak' | 'nonfinite', ...}). A resumed run appends to the same file
+from its checkpoint's step on, so a record superseded by a later run of the same step is dropped:
+at each 'start' event, what the earlier run logged after the resume point is forgotten, and for
+any step the last record wins.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+
+def load(path: str) -> dict:
+  """{'train': [...], 'eval': [...], 'events': [...], 'bad_lines': n}, train and eval sorted by
+  step with one record per step (the latest run's)."""
+  train, evals, events, bad = {}, {}, [], 0
+  cut = None  # after a 'start' event: drop earlier records from this step on
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if not line:
+        continue
+      try:
+        rec = json.loads(line)
+      except json.JSONDecodeError:
+        bad += 1  # e.g. the half-written last line of a killed run
+        continue
+      if 'event' in rec:
+        events.append(rec)
+        if rec['event'] == 'start':
+          cut = ('resume', rec.get('step'))
+        continue
+      if 'step' not in rec:
+        continue
+      if cut is not None:
+        first = cut[1] + 1 if cut[1] is not None else rec['step']
+        for table in (train, evals):
+          for s in [s for s in table if s >= first]:
+            del table[s]
+        cut = None
+      if 'eval_loss' in rec:
+        evals[rec['step']] = rec
+      if 'loss' in rec:
+        train[rec['step']] = rec
+  return {'train': [train[s] for s in sorted(train)], 'eval': [evals[s] for s in sorted(evals)],
+          'events': events, 'bad_lines': bad}
+
+
+def _col(records, key):
+  """(steps, values) of the records that have a finite number under key."""
+  pts = [(r['step'], r[key]) for r in records if isinstance(r.get(key), (int, float))
+         and r.get(key) is not None and math.isfinite(r[key])]
+  return np.array([p[0] for p in pts]), np.array([p[1] for p in pts], np.float64)
+
+
+def _tokens_at(train, steps):
+  """Cumulative tokens at the given steps (interpolated from the training records)."""
+  s, t = _col(train, 'tokens')
+  return np.interp(steps, s, t) if len(s) else np.full(len(steps), np.nan)
+
+
+def _mib_at(values, i) -> float:
+  """values[i] in MiB, NaN when missing (no list, short list, or None)."""
+  v = values[i] if values and i < len(values) else None
+  return v / 2**20 if v is not None else float('nan')
+
+
+def figures(run: dict, out_dir: str) -> dict:
+  """Writes the PNGs; returns {name: filename} of those written."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  train, evals, written = run['train'], run['eval'], {}
+
+  def save(fig, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f'{name}.png'), dpi=110)
+    plt.close(fig)
+    written[name] = f'{name}.png'
+
+  # Loss and held-out loss, against steps and against tokens seen.
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  s, loss = _col(train, 'loss')
+  es, eloss = _col(evals, 'eval_loss')
+  for ax, x, ex, label in ((ax1, s, es, 'step'), (ax2, _tokens_at(train, s), _tokens_at(train, es), 'tokens')):
+    ax.plot(x, loss, label='train loss', lw=1)
+    if len(es):
+      ax.plot(ex, eloss, 'o-', label='held-out loss', ms=3)
+    ax.set_xlabel(label), ax.set_ylabel('loss (nats/token)'), ax.grid(alpha=0.3), ax.legend()
+  save(fig, 'loss')
+
+  # Throughput and MFU.
+  fig, ax = plt.subplots(figsize=(11, 3.5))
+  s, tps = _col(train, 'tokens_per_sec')
+  ax.plot(s, tps, lw=1, color='C0')
+  ax.set_xlabel('step'), ax.set_ylabel('tokens/s', color='C0'), ax.grid(alpha=0.3)
+  ms, mfu = _col(train, 'mfu')
+  if len(ms):
+    ax2 = ax.twinx()
+    ax2.plot(ms, 100 * mfu, lw=1, color='C1')
+    ax2.set_ylabel('MFU (%)', color='C1')
+  else:
+    ax.set_title('MFU unknown (no peak FLOP/s for this device; set hardware.peak_tflops)', fontsize=9)
+  save(fig, 'throughput')
+
+  # Memory: one curve per device; peaks dashed where the backend reports them.
+  mem = [r for r in train if isinstance(r.get('memory'), dict) and r['memory'].get('bytes_in_use')]
+  if mem:
+    fig, ax = plt.subplots(figsize=(11, 4))
+    steps = [r['step'] for r in mem]
+    n_dev = max(len(r['memory']['bytes_in_use']) for r in mem)
+    for i in range(n_dev):
+      line, = ax.plot(steps, [_mib_at(r['memory'].get('bytes_in_use'), i) for r in mem], lw=1, label=f'device {i}')
+      peaks = [_mib_at(r['memory'].get('peak_bytes'), i) for r in mem]
+      if not np.all(np.isnan(peaks)):
+        ax.plot(steps, peaks, '--', lw=0.8, color=line.get_color())
+    for ev in run['events']:
+      if ev.get('event') == 'memory_leak' and 'step' in ev:
+        ax.axvline(ev['step'], color='red', lw=0.8, alpha=0.6)
+    ax.set_xlabel('step'), ax.set_ylabel('MiB in use (dashed: peak)'), ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=min(n_dev, 8))
+    save(fig, 'memory')
+
+  # Step time distribution (the first logged step includes compilation and is left out).
+  _, st = _col(train[1:] if len(train) > 1 else train, 'step_time_s')
+  if len(st):
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.hist(st * 1e3, bins=min(40, max(5, len(st) // 3)), color='C2', alpha=0.8)
+    for q, style in ((50, '-'), (90, '--'), (99, ':')):
+      ax.axvline(np.percentile(st * 1e3, q), color='k', ls=style, lw=1, label=f'p{q}')
+    ax.set_xlabel('step time (ms)'), ax.set_ylabel('log records'), ax.legend()
+    save(fig, 'step_time')
+  return written
+
+
+def _fmt_bytes(b) -> str:
+  return f'{b / 2**30:.2f} GiB' if b >= 2**30 else f'{b / 2**20:.1f} MiB'
+
+
+def markdown(run: dict, written: dict, workdir: str) -> str:
+  train, evals, events = run['train'], run['eval'], run['events']
+  start = next((e for e in reversed(events) if e.get('event') == 'start'), {})
+  layout = start.get('layout', {})
+  lines = [f'# Run report: `{os.path.abspath(workdir)}`', '']
+  if layout:
+    lines += ['| ' + ' | '.join(layout) + ' |', '|' + '---|' * len(layout),
+              '| ' + ' | '.join(str(v) for v in layout.values()) + ' |', '']
+  head = []
+  if train:
+    last = train[-1]
+    head.append(f"- steps logged: {len(train)}, last step {last['step']}"
+                + (f", {last['tokens'] / 1e6:.2f} M tokens" if isinstance(last.get('tokens'), (int, float)) else ''))
+    head.append(f"- final train loss: {last['loss']:.4f} (step {last['step']})")
+  if evals:
+    best = min(evals, key=lambda r: r['eval_loss'] if math.isfinite(r['eval_loss']) else math.inf)
+    head.append(f"- final held-out loss: {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']}); "
+                f"best {best['eval_loss']:.4f} (step {best['step']})")
+  for key, label, fmt in (('tokens_per_sec', 'tokens/s (median)', '{:,.0f}'),
+                          ('mfu', 'MFU (median)', '{:.1%}'), ('step_time_s', 'step time (median / p90)', None)):
+    _, v = _col(train[1:] if len(train) > 1 else train, key)
+    if len(v):
+      text = (f'{np.median(v) * 1e3:.1f} / {np.percentile(v, 90) * 1e3:.1f} ms' if fmt is None
+              else fmt.format(np.median(v)))
+      head.append(f'- {label}: {text}')
+    elif key == 'mfu':
+      head.append('- MFU: unknown (no peak FLOP/s known for this device; set hardware.peak_tflops)')
+  mem = [r['memory'] for r in train if isinstance(r.get('memory'), dict) and r['memory'].get('bytes_in_use')]
+  if mem:
+    peak_used = max(max(m['bytes_in_use']) for m in mem)
+    peaks = [p for m in mem for p in (m.get('peak_bytes') or []) if p is not None]
+    head.append(f'- memory: max in use on any device {_fmt_bytes(peak_used)}'
+                + (f', allocator peak {_fmt_bytes(max(peaks))}' if peaks else ''))
+  for kind in ('memory_leak', 'nonfinite'):
+    evs = [e for e in events if e.get('event') == kind]
+    if evs:
+      head.append(f"- {len(evs)} `{kind}` event(s), first at step {evs[0].get('step')}: "
+                  f"{evs[0].get('message', '')}".rstrip(': '))
+  if run['bad_lines']:
+    head.append(f"- {run['bad_lines']} unreadable line(s) in metrics.jsonl skipped")
+  lines += ['## Headline numbers', ''] + head + ['']
+  captions = {'loss': 'Loss', 'throughput': 'Throughput and MFU', 'memory': 'Memory per device',
+              'step_time': 'Step time distribution'}
+  for name, fname in written.items():
+    lines += [f'## {captions.get(name, name)}', '', f'![{name}]({fname})', '']
+  return '\n'.join(lines)
+
+
+def write_report(workdir: str) -> str:
+  """Reads WORKDIR/metrics.jsonl, writes WORKDIR/report/; returns the report.md path."""
+  run = load(os.path.join(workdir, 'metrics.jsonl'))
+  out_dir = os.path.join(workdir, 'report')
+  os.makedirs(out_dir, exist_ok=True)
+  written = figures(run, out_dir)
+  path = os.path.join(out_dir, 'report.md')
+  with open(path, 'w') as f:
+    f.write(markdown(run, written, workdir))
+  return path

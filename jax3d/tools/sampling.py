@@ -1,0 +1,148 @@
+"""Sampling from a run's checkpoint: the saved config, a layout valid for generation on this
+machine's devices, the parameters read straight into that layout, and the text
+(`python -m jax3d.sample` and `jax3d.sample(workdir, ...)` call this module).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+class NoCheckpoint(Exception):
+  """The workdir holds no checkpoint to sample from."""
+
+
+def _flatten(d: dict, prefix: str = '') -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def checkpoint_dir(workdir: str) -> str:
+  """WORKDIR/checkpoints, or WORKDIR itself when it is the checkpoints folder."""
+  workdir = os.path.normpath(workdir)
+  return workdir if os.path.basename(workdir) == 'checkpoints' else os.path.join(workdir, 'checkpoints')
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The finished checkpoint steps in the workdir, oldest first; NoCheckpoint when there is none
+  (Orbax writes a step under a temporary name and renames it when complete)."""
+  directory = checkpoint_dir(workdir)
+  steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+  if not steps:
+    raise NoCheckpoint(f'--workdir={workdir}: no checkpoint in {directory} (train first: '
+                       f'python -m jax3d.train --workdir={workdir})')
+  return steps
+
+
+def saved_config(workdir: str):
+  """The config the run trained with, from its newest checkpoint's meta JSON, over the defaults of
+  this version (keys this version does not know are skipped, so older runs stay readable)."""
+  import orbax.checkpoint as ocp
+  from jax3d import config as config_lib
+  directory = checkpoint_dir(workdir)
+  steps = checkpoint_steps(workdir)[::-1]
+  # Read-only: a manager that may clean up would delete the temporary folder of a save that a
+  # training run on this workdir has in flight.
+  reader = ocp.CheckpointManager(directory, item_names=('state', 'meta'),
+                                 options=ocp.CheckpointManagerOptions(read_only=True))
+  meta = None
+  try:
+    for step in steps:  # the newest step whose meta reads (a damaged one falls back, as restore does)
+      try:
+        meta = reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+        break
+      except Exception:
+        continue
+  finally:
+    reader.close()
+  if meta is None:
+    raise NoCheckpoint(f'--workdir={workdir}: no readable checkpoint in {directory}')
+  cfg = config_lib.base_config()
+  for key, value in _flatten(meta.get('config', {})).items():
+    try:
+      config_lib.set_key(cfg, key, value)
+    except (config_lib.ConfigError, TypeError, KeyError):
+      continue
+  cfg.lock()
+  return cfg
+
+
+def sampling_config(cfg, n_devices: int, overrides: dict | None = None):
+  """cfg with `overrides` applied, made valid for generation on n_devices.
+
+  Generation has no batch and no pipeline schedule, but the run plan still checks that the
+  global batch splits over dp * micro-batches. When the layout changes (say dp 2 -> 8), the
+  training batch may not split; the batch keys are then set to the smallest valid values,
+  unless the user set them. They change nothing in the generated text.
+  """
+  import copy
+  from jax3d import config as config_lib
+  cfg = copy.deepcopy(cfg)
+  overrides = dict(overrides or {})
+  for k, v in overrides.items():
+    config_lib.set_key(cfg, k, v)
+  try:
+    config_lib.validate(cfg, n_devices)
+    return cfg
+  except config_lib.ConfigError:
+    pass
+  dp, pp, _ = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices)
+  m = pp if cfg.pipeline.repeats > 1 else 1
+  for key, value in (('train.grad_accum', 1), ('pipeline.microbatches', m),
+                     ('train.global_batch_size', dp * m)):
+    if key not in overrides:
+      config_lib.set_key(cfg, key, value)
+  config_lib.validate(cfg, n_devices)  # raises the one-line error of what is really wrong
+  return cfg
+
+
+def load_params(workdir: str, cfg, devices=None):
+  """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout."""
+  import jax
+  from jax3d import config as config_lib
+  from jax3d.training import checkpoint as ckpt_lib
+  from jax3d.parallel import mesh as mesh_lib
+  from jax3d.training import step as step_lib
+  devices = list(devices if devices is not None else jax.devices())
+  plan = config_lib.validate(cfg, len(devices))
+  mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
+  setup = step_lib.Setup.create(cfg, plan, mesh)
+  layout = {'dp': plan.dp, 'pp': plan.pp, 'tp': plan.tp, 'repeats': plan.repeats,
+            'n_layers': cfg.model.n_layers}
+  params, step = ckpt_lib.load_params(checkpoint_dir(workdir), step_lib.abstract_state(setup)['params'],
+                                      layout, warn=lambda m: print(f'warning: {m}', file=sys.stderr))
+  return setup, params, step
+
+
+def generate_text(setup, params, prompt: str, n_tokens: int, temperature: float, top_k: int,
+                  seed: int) -> str:
+  """prompt + n_tokens generated bytes from `params` (stored in setup's pipeline layer order)."""
+  from jax3d.model import generate as gen_lib
+  cfg, plan = setup.cfg, setup.plan
+  toks = gen_lib.generate(setup.dims, params, (cfg.model.n_layers, plan.pp, plan.repeats),
+                          list(prompt.encode()), n_tokens, cfg.model.max_seq_len, temperature, top_k, seed)
+  return prompt + gen_lib.decode_bytes(toks)
+
+
+def sample_workdir(workdir: str, prompt: str | None = None, n_tokens: int | None = None,
+                   temperature: float | None = None, top_k: int | None = None, seed: int = 0,
+                   config: str | None = None, overrides: dict | None = None, devices=None) -> str:
+  """Text from a run's newest checkpoint (see the module docstring); None arguments take the
+  config's `sample.*` values."""
+  import jax
+  from jax3d import config as config_lib
+  checkpoint_steps(workdir)
+  cfg = config_lib.load_config(config) if config else saved_config(workdir)
+  devices = list(devices if devices is not None else jax.devices())
+  cfg = sampling_config(cfg, len(devices), overrides)
+  setup, params, _ = load_params(workdir, cfg, devices)
+  s = cfg.sample
+  return generate_text(setup, params, s.prompt if prompt is None else prompt,
+                       s.tokens if n_tokens is None else n_tokens,
+                       s.temperature if temperature is None else temperature,
+                       s.top_k if top_k is None else top_k, seed)
