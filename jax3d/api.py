@@ -129,17 +129,13 @@ def sharding_table(trainer) -> list[dict]:
   """
   import jax
   import numpy as np
-  from jax3d.model import llama as model_lib
-  from jax3d.training import step as step_lib
+  from jax3d.model import llama
   s = getattr(trainer, 'setup', trainer)
-  shapes = jax.eval_shape(lambda: step_lib.init_state(jax.random.key(0), s)['params'])
-  logical = model_lib.param_logical_axes(s.dims)
-  shardings = step_lib.param_shardings(s)
   rows = []
-  flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
-  flat_names = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
-  flat_sh = jax.tree.leaves(shardings)
-  for (path, a), names, sh in zip(flat_shapes, flat_names, flat_sh):
+  flat_shapes = jax.tree_util.tree_flatten_with_path(s.abstract_state['params'])[0]
+  flat_names = jax.tree.leaves(llama.param_logical_axes(s.dims), is_leaf=lambda x: isinstance(x, tuple))
+  for (path, a), names in zip(flat_shapes, flat_names):
+    sh = a.sharding
     local = tuple(sh.shard_shape(a.shape))
     rows.append({'param': _path(path), 'shape': tuple(a.shape), 'dtype': str(a.dtype),
                  'logical': tuple(names), 'spec': sh.spec, 'per_device': local,
@@ -192,33 +188,15 @@ def compiled_memory(source, devices=None, **overrides) -> dict:
   read when it has one, saving a compile). Overrides (`train__remat='full'`) make a variant to
   compare, e.g. the memory recomputation saves.
   """
-  import jax
-  import jax.numpy as jnp
-  from jax3d import config as config_lib
-  from jax3d.parallel import mesh as mesh_lib
-  from jax3d.training import step as step_lib
+  from jax3d import run
   cfg = getattr(source, 'cfg', source)
-  if cfg is not source and not overrides:  # a Trainer: its compiled step, if it reports one
-    if getattr(source, 'compiled_info', None) is None and hasattr(source, 'compile'):
-      source.compile()
-    info = getattr(source, 'compiled_info', None)
-    if info and 'memory_bytes' in info:
-      out = {k: int(info['memory_bytes'][k]) for k in ('argument', 'temp', 'output', 'alias')}
-      out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
-      return out
+  if cfg is not source and not overrides:  # a Trainer: its own compiled step
+    source.compile()
+    return dict(source.compiled.memory)
   if devices is None and cfg is not source:
     devices = list(source.mesh.devices.flat)
   cfg = _with(cfg, **overrides) if overrides else cfg
-  devices = list(devices if devices is not None else jax.devices())
-  plan = config_lib.validate(cfg, len(devices))
-  mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
-  s = step_lib.Setup.create(cfg, plan, mesh)
-  batch = {k: jax.ShapeDtypeStruct((plan.global_batch, plan.seq_len), jnp.int32,
-                                   sharding=step_lib.batch_sharding(s)) for k in ('inputs', 'targets')}
-  ma = step_lib.make_train_step(s).lower(step_lib.abstract_state(s), batch).compile().memory_analysis()
-  out = {k: int(getattr(ma, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
-  out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
-  return out
+  return dict(run.compile_train_step(run.setup(cfg, devices)).memory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,26 +234,20 @@ def plan_layouts(config, nodes: int = 1, gpus_per_node: int = 8, gpu_memory_gb: 
   (Not called `plan`: `jax3d.plan` is the planner's module, which other modules import by that
   name; a package attribute of the same name would shadow it.)
   """
-  from jax3d.tools import planner as plan_lib
-  from jax3d.tools import costmodel
+  from jax3d.tools import costmodel, planner
   cfg = load_config(config, overrides) if isinstance(config, str) else (_with(config, **{
       k.replace('.', '__'): v for k, v in (overrides or {}).items()}) if overrides else config)
   hw = costmodel.Hardware(nodes=nodes, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb, **hardware)
-  ranked = plan_lib.search(cfg, hw)
+  ranked = planner.search(cfg, hw)
   rows = [dict(c.row(), overrides=dict(c.overrides)) for c in ranked]
-  fit, shown = [], set()
-  for c in ranked:  # one row per layout: ZeRO-1 on/off ties once, as `python -m jax3d.plan`
-    key = tuple(v for k, v in c.overrides.items() if k != 'train.shard_optimizer')
-    if c.est.fits and key not in shown and len(fit) < top:
-      shown.add(key)
-      fit.append(c)
+  fit = planner.shortlist(ranked, top)
   name = os.path.basename(str(config)).removesuffix('.py') if isinstance(config, str) else 'model'
   if not fit:
     return Plan(name, hw, rows, None, '', [f'no layout fits; the smallest needs '
                                           f'{min(r["memory_gb"] for r in rows):.1f} GB per GPU'], [])
   return Plan(name, hw, rows, dict(fit[0].row(), overrides=dict(fit[0].overrides)),
               ' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()),
-              plan_lib.explain(cfg, fit[0], ranked, hw), plan_lib.table(fit))
+              planner.explain(cfg, fit[0], ranked, hw), planner.table(fit))
 
 
 plan = plan_layouts  # `from jax3d.api import plan`; at package level only `jax3d.plan_layouts`

@@ -183,6 +183,7 @@ class RunPlan:
   global_batch: int
   seq_len: int
   vocab_padded: int
+  nan_steps: tuple[int, ...] = ()  # train.inject_nan_at, parsed (a fault drill)
 
   @property
   def n_devices(self) -> int:
@@ -266,7 +267,7 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
     _fail('pipeline.repeats', p_.repeats, "repeats > 1 is the circular schedule: set "
           "--config.pipeline.schedule=circular (or repeats=1 for GPipe)")
   try:
-    [int(x) for x in str(t.inject_nan_at).split(',') if x.strip()]
+    nan_steps = tuple(int(x) for x in str(t.inject_nan_at).split(',') if x.strip())
   except ValueError:
     _fail('train.inject_nan_at', t.inject_nan_at, 'comma-separated step numbers, e.g. "3,4"')
   if cfg.log.every < 1:
@@ -301,4 +302,5 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
           f'pipeline.microbatches*train.grad_accum = {dp}*{p_.microbatches}*{t.grad_accum} = {per} '
           f'(each micro-batch is split over dp)')
   return RunPlan(dp=dp, pp=pp, tp=tp, microbatches=p_.microbatches, repeats=v, grad_accum=t.grad_accum,
-                 global_batch=t.global_batch_size, seq_len=t.seq_len, vocab_padded=vocab_padded)
+                 global_batch=t.global_batch_size, seq_len=t.seq_len, vocab_padded=vocab_padded,
+                 nan_steps=nan_steps)

@@ -31,18 +31,12 @@ OPTIONS = {
 def measure(path, overrides):
   import jax
   import numpy as np
-  from jax3d import config as config_lib
-  from jax3d.tools import inspection as inspect_lib
-  from jax3d.parallel import mesh as mesh_lib
-  from jax3d.training import step as step_lib
-  cfg = config_lib.load_config(path, overrides)
-  plan = config_lib.validate(cfg, jax.device_count())
-  mesh = mesh_lib.build_mesh(plan)
-  s = step_lib.Setup.create(cfg, plan, mesh)
-  state, _ = step_lib.abstract_inputs(s)
+  from jax3d import config as config_lib, run
+  s = run.setup(config_lib.load_config(path, overrides))
+  plan, state = s.plan, s.abstract_state
   local = lambda tree: sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
                            for a in jax.tree.leaves(tree))
-  r = inspect_lib.inspect_step(cfg, plan, mesh)
+  r = run.compile_train_step(s).analysis()
   comm = {}
   for c in r['collectives']:
     comm[c['axes']] = comm.get(c['axes'], 0.0) + c['wire_bytes']

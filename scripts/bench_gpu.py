@@ -45,10 +45,8 @@ def main(argv=None) -> int:
     added = []
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   import jax
-  from jax3d import config as config_lib
+  from jax3d import config as config_lib, run
   from jax3d.model import formulas as flops
-  from jax3d.parallel import mesh as mesh_lib
-  from jax3d.training import step as step_lib
 
   shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
   steps, batch, seq = (4, 2, 32) if args.smoke else (args.steps, args.batch, args.seq)
@@ -57,11 +55,9 @@ def main(argv=None) -> int:
           'train.compute_dtype': args.compute_dtype, 'train.param_dtype': 'float32',
           'train.attention': 'xla' if args.smoke else args.attention, 'train.warmup_steps': 1}
   cfg = config_lib.load_config('tiny', over)
-  plan = config_lib.validate(cfg, 1)
   device = jax.devices()[0]
-  mesh = mesh_lib.build_mesh(plan, [device])
-  s = step_lib.Setup.create(cfg, plan, mesh)
-  r = step_lib.benchmark(s, steps)
+  s = run.setup(cfg, [device])
+  r = run.benchmark(s, steps)
   compile_s, times, m = r['compile_s'], r['step_times'], r['metrics']
   warm = times[3:] if len(times) > 3 else times
   step_s = statistics.median(warm)
@@ -69,15 +65,14 @@ def main(argv=None) -> int:
   per_token = flops.flops_per_token(s.dims, seq)
   peak = flops.peak_flops(device, args.peak_tflops)
   mfu = flops.mfu(tok_s, per_token, peak, 1) if peak else None
-  mem = r['compiled'].memory_analysis()
+  mem = r['compiled'].memory
   out = {'device': device.device_kind, 'platform': device.platform, 'smoke': args.smoke,
          'params': s.dims.param_count(), 'batch': batch, 'seq_len': seq, 'remat': args.remat,
          'compute_dtype': args.compute_dtype, 'attention': cfg.train.attention,
          'xla_flags': os.environ.get('XLA_FLAGS', ''), 'gpu_flags_added': added,
          'compile_s': compile_s, 'step_s': step_s, 'tokens_per_sec': tok_s,
          'model_flops_per_token': per_token, 'peak_flops': peak, 'mfu': mfu,
-         'loss': float(m['loss']), 'argument_bytes': mem.argument_size_in_bytes,
-         'temp_bytes': mem.temp_size_in_bytes}
+         'loss': float(m['loss']), 'argument_bytes': mem['argument'], 'temp_bytes': mem['temp']}
   with open(args.json, 'w') as f:
     json.dump(out, f, indent=1)
   mfu_txt = f'{mfu:.1%}' if mfu is not None else 'n/a (unknown peak: --peak_tflops)'

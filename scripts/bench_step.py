@@ -23,9 +23,7 @@ from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
 use_fake_cpu_devices(8)
 import jax  # noqa: E402
 
-from jax3d import config as config_lib
-from jax3d.parallel import mesh as mesh_lib
-from jax3d.training import step as step_lib  # noqa: E402
+from jax3d import config as config_lib, run  # noqa: E402
 
 SHAPE = {'model.n_layers': 4, 'model.d_model': 256, 'model.n_heads': 4, 'model.n_kv_heads': 4,
          'model.d_ff': 1024, 'model.vocab_size': 1024, 'train.seq_len': 128,
@@ -43,14 +41,12 @@ def parse_layout(s: str):
 def measure(overrides: dict, steps: int) -> dict:
   cfg = config_lib.load_config('tiny', overrides)
   n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
-  plan = config_lib.validate(cfg, n)
-  mesh = mesh_lib.build_mesh(plan, jax.devices()[:n])
-  s = step_lib.Setup.create(cfg, plan, mesh)
-  r = step_lib.benchmark(s, steps)
-  compile_s, times, m, mem = r['compile_s'], r['step_times'], r['metrics'], r['compiled'].memory_analysis()
-  return {'compile_s': compile_s, 'step_s': statistics.median(times[5:]), 'loss': float(m['loss']),
-          'temp_bytes': mem.temp_size_in_bytes, 'argument_bytes': mem.argument_size_in_bytes,
-          'bubble_ratio': plan.iterations / (plan.repeats * plan.microbatches)}
+  s = run.setup(cfg, jax.devices()[:n])
+  r = run.benchmark(s, steps)
+  times, m, mem = r['step_times'], r['metrics'], r['compiled'].memory
+  return {'compile_s': r['compile_s'], 'step_s': statistics.median(times[5:]), 'loss': float(m['loss']),
+          'temp_bytes': mem['temp'], 'argument_bytes': mem['argument'],
+          'bubble_ratio': s.plan.iterations / (s.plan.repeats * s.plan.microbatches)}
 
 
 def main():

@@ -5,8 +5,7 @@ import jax
 import numpy as np
 import optax
 
-from jax3d import config as config_lib
-from jax3d.parallel import mesh as mesh_lib
+from jax3d import config as config_lib, run
 from jax3d.parallel import pipeline
 from jax3d.training import step as step_lib
 
@@ -24,9 +23,7 @@ def small_cfg(**over):
 
 def setup_for(cfg):
   n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
-  plan = config_lib.validate(cfg, n)
-  mesh = mesh_lib.build_mesh(plan, jax.devices()[:n])
-  return step_lib.Setup.create(cfg, plan, mesh)
+  return run.setup(cfg, jax.devices()[:n])
 
 
 def fixed_batches(cfg, n, seed=0):
@@ -54,7 +51,7 @@ def run_steps(cfg, n_steps=3):
   s = setup_for(cfg)
   assert cfg.train.grad_clip == 0, 'gradients are read from Adam mu: clipping must be off'
   state = step_lib.make_init(s)(cfg.train.seed)
-  sh = step_lib.batch_sharding(s)
+  sh = s.batch_sharding
   batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in fixed_batches(cfg, n_steps)]
   init_params = canonical(s, state['params'])
   train = step_lib.make_train_step(s)

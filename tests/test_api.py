@@ -5,12 +5,10 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 import jax3d
 from jax3d import config as config_lib
-from jax3d.training import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {'model.d_model': 64, 'model.d_ff': 128, 'train.seq_len': 32, 'train.global_batch_size': 16,
@@ -101,10 +99,10 @@ def test_build_and_train_returns_losses(trained):
 
 
 def test_sharding_table_matches_the_state(trained):
-  """Rows agree with step.param_shardings and with the arrays the trainer really holds."""
+  """Rows agree with Setup.param_shardings and with the arrays the trainer really holds."""
   t, _ = trained
   rows = {r['param']: r for r in jax3d.sharding_table(t)}
-  shardings = step_lib.param_shardings(t.setup)
+  shardings = t.setup.param_shardings
   params = t.state['params']
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   flat_sh = jax.tree.leaves(shardings)

@@ -15,7 +15,6 @@ import pytest
 from jax3d import config as config_lib
 from jax3d.training import checkpoint as ckpt_lib
 from jax3d.parallel import pipeline
-from jax3d.training import step as step_lib
 from jax3d.training.trainer import Trainer, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +116,7 @@ def test_resume_onto_another_layout(tmp_path, target):
   dst = Trainer(cfg, workdir=str(tmp_path), console=False)
   assert 'resumed' in dst.init_state()
   chex.assert_trees_all_equal(canonical_state(dst), saved)
-  want = step_lib.state_shardings(dst.setup)
+  want = dst.setup.state_shardings
   for arr, sh in zip(jax.tree.leaves(dst.state), jax.tree.leaves(want)):
     assert arr.sharding.is_equivalent_to(sh, arr.ndim)
   dst.train(steps=1)
@@ -139,7 +138,7 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path, capsys):
   t2 = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
   msg = t2.init_state()
   assert 'resumed from' in msg and msg.split('resumed from ')[1].split(' ')[0].endswith('/2')
-  assert f"checkpoints/4" in capsys.readouterr().err
+  assert "checkpoints/4" in capsys.readouterr().err
   t2.close()
   # a deleted file: the step folder of 2 loses its metadata
   meta_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'checkpoints' / '2' / 'state') for f in fs]
@@ -259,7 +258,7 @@ def test_sigterm_saves_at_the_next_step_and_resume_is_exact(tmp_path):
   assert len(saved) == 1 and 3 <= saved[0] < 10
   p = cli(w)
   out = p.communicate(timeout=300)[0]
-  assert p.returncode == 0 and f'resumed from' in out
+  assert p.returncode == 0 and 'resumed from' in out
   assert losses(w) == losses(ref)
   chex.assert_trees_all_equal(read_ckpt(w, 10)[0], read_ckpt(ref, 10)[0])
 

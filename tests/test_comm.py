@@ -25,7 +25,7 @@ def train_steps(cfg, n_steps=3):
   """Losses of n steps and the parameters after them (canonical layer order, on the host)."""
   s = setup_for(cfg)
   state = step_lib.make_init(s)(cfg.train.seed)
-  sh = step_lib.batch_sharding(s)
+  sh = s.batch_sharding
   train = step_lib.make_train_step(s)
   losses = []
   for b in fixed_batches(cfg, n_steps):
@@ -56,7 +56,7 @@ def test_zero1_equals_plain_run(layout):
 
 def test_zero1_moments_are_sharded_over_dp():
   s = setup_for(small_cfg(mesh__dp=8, train__shard_optimizer=True))
-  sh = step_lib.state_shardings(s)
+  sh = s.state_shardings
   mus = [x.mu for x in jax.tree.leaves(sh['opt_state'], is_leaf=lambda x: hasattr(x, 'mu'))
          if hasattr(x, 'mu')]  # adamw's scale_by_adam state
   assert len(mus) == 1
@@ -68,7 +68,7 @@ def test_zero1_optimizer_memory_falls_by_dp():
   """dp=8: the compiled argument bytes minus the parameters (= the optimizer state) ~ 1/8."""
   plain, zero = inspected(mesh__dp=8), inspected(mesh__dp=8, train__shard_optimizer=True)
   s = setup_for(small_cfg(mesh__dp=8))
-  state, _ = step_lib.abstract_inputs(s)
+  state = s.abstract_state
   params = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
                for a in jax.tree.leaves(state['params']))
   opt_plain = plain['memory_bytes']['argument'] - params

@@ -4,10 +4,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import config as config_lib
+from jax3d import config as config_lib, run
 from jax3d.training import data as data_lib
-from jax3d.parallel import mesh as mesh_lib
-from jax3d.training import step as step_lib
 
 
 @pytest.fixture(scope='module')
@@ -18,9 +16,8 @@ def corpus():
 def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
   cfg = config_lib.load_config('tiny', {'model.n_kv_heads': 4, 'model.n_layers': 8, 'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp,
                                         'pipeline.microbatches': 1, 'train.global_batch_size': batch})
-  plan = config_lib.validate(cfg, n)
-  s = step_lib.Setup.create(cfg, plan, mesh_lib.build_mesh(plan, jax.devices()[:n]))
-  sh = step_lib.batch_sharding(s)
+  s = run.setup(cfg, jax.devices()[:n])
+  sh = s.batch_sharding
   rows = data_lib.local_rows(sh, batch)
   local = data_lib.batch_rows(corpus.train, 0, step, batch, seq, rows)
   return jax.device_get(data_lib.to_global(local, sh, batch))

@@ -6,7 +6,6 @@ error is a wrong number as much as a crash. The kernel starts with XLA_FLAGS uns
 laptop, so the notebook's own `jax3d.use_fake_cpu_devices(8)` is what makes the 8 devices.
 """
 import os
-import sys
 import time
 
 import pytest

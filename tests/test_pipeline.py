@@ -1,6 +1,5 @@
 """The pipeline function equals a plain sequential loop over the same layers, value and gradient,
 for p in {2, 4, 8}, m in {1, p, 2p}, v in {1, 2} (the circular schedule needs m >= p)."""
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,7 @@ def test_pipeline_equals_sequential(p, m, v):
   stored = jax.device_put(stored, NamedSharding(mesh, P('pp')))
 
   def piped(stored, x):
-    return pipeline.pipeline(layer_fn, stored, x, mesh=mesh, pp=p, repeats=v, policy='none')
+    return pipeline.run(layer_fn, stored, x, mesh=mesh, repeats=v, policy='none')
 
   with jax.set_mesh(mesh):
     y, (g_layers, g_x) = jax.jit(lambda s, x: (piped(s, x), jax.grad(lambda s, x: loss(piped(s, x)),

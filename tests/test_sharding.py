@@ -6,11 +6,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import config as config_lib
-from jax3d.parallel import mesh as mesh_lib
+from jax3d import config as config_lib, run
 from jax3d.model import llama as model_lib
 from jax3d.parallel import sharding
-from jax3d.training import step as step_lib
 
 EXPECTED = {  # tiny model under (dp, pp, tp) = (2, 2, 2)
     'embed/embedding': P('tp', None),                       # vocabulary-parallel
@@ -27,13 +25,12 @@ EXPECTED = {  # tiny model under (dp, pp, tp) = (2, 2, 2)
 
 def tiny_setup(**over):
   cfg = config_lib.load_config('tiny', over)
-  plan = config_lib.validate(cfg, 8)
-  return step_lib.Setup.create(cfg, plan, mesh_lib.build_mesh(plan, jax.devices()))
+  return run.setup(cfg, jax.devices())
 
 
 def test_partition_spec_of_every_parameter():
   s = tiny_setup()
-  flat = jax.tree_util.tree_flatten_with_path(step_lib.param_shardings(s))[0]
+  flat = jax.tree_util.tree_flatten_with_path(s.param_shardings)[0]
   got = {'/'.join(k.key for k in path): sh.spec for path, sh in flat}
   assert got == EXPECTED
   shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.key(0), s.dims, s.layer_order))
@@ -50,7 +47,7 @@ def test_one_layer_forward_has_exactly_the_megatron_all_reduces():
   """dp=4 x tp=2: the forward pass of one Block compiles to one all-reduce after attention and
   one after the MLP, and no other collective."""
   s = tiny_setup(**{'mesh.dp': 4, 'mesh.pp': 1, 'mesh.tp': 2, 'pipeline.microbatches': 1})
-  sh = step_lib.param_shardings(s)
+  sh = s.param_shardings
   layer_sh = jax.tree.map(lambda x: NamedSharding(s.mesh, P(*x.spec[1:])), sh['layers'])
   shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.key(0), s.dims, s.layer_order))
   layer = jax.tree.map(lambda a, sh_: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sh_),

@@ -1,15 +1,24 @@
-"""The data-parallel gradient reduction done by hand: ZeRO-1 layouts and 16-/8-bit wire formats.
+"""Data parallelism, all of it: the replicas, ZeRO-1, and the compressed gradient reduction.
 
-Two settings meet here (see docs/performance.md):
+By default data parallelism is the compiler's: the batch is sharded over dp (sharding.py), the
+weights are replicated, and XLA sums the weight gradients over dp once per step (the pipeline loop
+is manual over dp so that this sum happens after it, not once per iteration; pipeline.py). Two
+settings make the reduction explicit, done here by hand (`explicit`):
 
   train.shard_optimizer=True   ZeRO-1. Adam's moments are sharded over dp on the first dimension of
                                each parameter that is replicated and divisible by dp (`zero_dim`);
                                the gradients arrive reduce-scattered to that layout, the update runs
                                on the shard, and the updated parameters are all-gathered.
-  train.grad_reduce_dtype      float32 (default: the compiler's all-reduce, unchanged), bfloat16 or
-                               int8: the per-dp-rank gradients are reduced here, explicitly, in a
-                               `shard_map` manual over dp (and nested over tp, so each device
-                               reduces its own tp block), so the bytes on the wire are 16 or 8 bits.
+  train.grad_reduce_dtype      float32 (the compiler's all-reduce), bfloat16 or int8: the
+                               per-dp-rank gradients are reduced here, in a `shard_map` manual over
+                               dp (and nested over tp, so each device reduces its own tp block), so
+                               the bytes on the wire are 16 or 8 bits.
+
+`value_and_grad` computes the loss and gradients per device inside one shard_map manual over dp and
+pp (tp stays automatic): the parameters are made varying over dp before differentiation, so no
+automatic dp sum is inserted, and `reduce` sums them once per step. (Under ZeRO-1 alone the
+explicit path exists because XLA:CPU keeps an all-reduce followed by a slice, where an explicit
+reduce-scatter moves half the bytes.)
 
 The reduction of one gradient leaf g (varying over dp, n = dp ranks, k its `zero_dim`):
 
@@ -39,11 +48,17 @@ different dp cannot reuse it.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+import ml_collections
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXIS = 'dp'
+from jax3d.config import RunPlan
+from jax3d.parallel.sharding import DP, PP, TP
+
+AXIS = DP
 BLOCK = 256  # int8 block length (elements of one axis sharing a scale)
 
 
@@ -195,19 +210,83 @@ def reduce(grads, residual, dims, dtype: str, n: int, shard: bool):
   return reduced, (tdef.unflatten(new_res) if residual is not None else None)
 
 
-def out_specs(abstract_params, params_sh, dp: int, shard: bool):
-  """shard_map out_specs (manual axis dp only) of the reduced gradients."""
-  def spec(a, sh):
-    k = zero_dim(a.shape, sh.spec, dp)
-    if not shard or k is None:
-      return P()
-    return P(*([None] * k), AXIS)
-  return jax.tree.map(spec, abstract_params, params_sh)
-
-
 def dims_tree(abstract_params, params_sh, dp: int):
   """Each leaf's `zero_dim`, -1 for none (a None would not be a pytree leaf)."""
   def k(a, sh):
     d = zero_dim(a.shape, sh.spec, dp)
     return -1 if d is None else d
   return jax.tree.map(k, abstract_params, params_sh)
+
+
+# --- the decisions -----------------------------------------------------------------------------
+def zero1(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+  """ZeRO-1: Adam's moments sharded over dp (train.shard_optimizer, when there are dp ranks)."""
+  return bool(cfg.train.shard_optimizer) and plan.dp > 1
+
+
+def explicit(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+  """Whether the dp gradient sum is done here by hand rather than by the compiler: for a 16-/8-bit
+  wire format, and under ZeRO-1."""
+  return plan.dp > 1 and (cfg.train.grad_reduce_dtype != 'float32' or zero1(cfg, plan))
+
+
+def has_residual(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+  """int8 error feedback keeps a residual per dp rank in the train state."""
+  return plan.dp > 1 and cfg.train.grad_reduce_dtype == 'int8'
+
+
+# --- the explicit path ---------------------------------------------------------------------------
+def _manual_spec(spec: P, ndim: int, manual: set) -> P:
+  """A PartitionSpec restricted to the `manual` mesh axes (shard_map specs name no others)."""
+  out = []
+  for e in tuple(spec) + (None,) * (ndim - len(tuple(spec))):
+    names = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in manual)
+    out.append(names[0] if len(names) == 1 else (names or None))
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
+def vary(x: jax.Array) -> jax.Array:
+  """Marks x as differing per dp rank (inside the explicit path's shard_map)."""
+  return jax.lax.pcast(x, (AXIS,), to='varying')
+
+
+def value_and_grad(local_grads: Callable, params: Any, batch: dict, residual: Any, *, mesh: Mesh,
+                   params_sh: Any, grads_sh: Any, dtype: str, shard: bool) -> tuple:
+  """Loss, dp-reduced gradients and the new int8 residual (or None), by hand.
+
+  `local_grads(params, batch)` returns (loss, grads) of this device's rows, traced inside a
+  shard_map manual over dp and pp; `params` arrive varying over dp, so the gradients come back
+  un-reduced. `reduce` then sums them over dp in `dtype`, in a shard_map nested over tp so each
+  device reduces its own tp block (sums over pp, for the embedding and head, stay automatic and
+  fp32). `grads_sh` is the layout the gradients leave in (ZeRO-1's when `shard`)."""
+  dp = mesh.shape[AXIS]
+  manual = {ax for ax in (DP, PP) if mesh.shape[ax] > 1}
+  dims = dims_tree(params, params_sh, dp)
+  specs = lambda tree, shs, axes: jax.tree.map(lambda x, sh: _manual_spec(sh.spec, x.ndim, axes), tree, shs)
+  res_sh = None if residual is None else residual_shardings(params_sh, mesh)
+  r_specs = None if residual is None else specs(residual, res_sh, manual)
+
+  def local(params, batch, residual):
+    loss, grads = local_grads(jax.tree.map(vary, params), batch)
+    loss = jax.lax.psum(loss, tuple(ax for ax in (DP, PP) if ax in manual and ax in
+                                    jax.typeof(loss).manual_axis_type.varying))
+    return (loss, *reduce_keep_tp(grads, residual))
+
+  def reduce_keep_tp(grads, residual):
+    """`reduce` on each device's own tp block: in a shard_map nested over tp, so the partitioner
+    cannot gather tp-sharded gradients before the dp collectives (it did: the dp wire carried
+    full-tp arrays, and tp all-gathers were added)."""
+    fn = lambda g, r: reduce(g, r, dims, dtype, dp, shard)
+    if mesh.shape[TP] == 1:
+      return fn(grads, residual)
+    r_tp = None if residual is None else specs(residual, res_sh, {TP})
+    nested = jax.shard_map(fn, in_specs=(specs(params, params_sh, {TP}), r_tp),
+                           out_specs=(specs(params, grads_sh, {TP}), r_tp), axis_names={TP}, check_vma=True)
+    return nested(grads, residual)
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(specs(params, params_sh, manual), P(AXIS), r_specs),
+                     out_specs=(P(), specs(params, grads_sh, manual), r_specs), axis_names=manual,
+                     check_vma=True)
+  return fn(params, batch, residual)

@@ -1,8 +1,16 @@
-"""Pipeline parallelism: the stacked layers split into `pp` stages, run as a scanned `shard_map`.
+"""Pipeline parallelism, all of it: micro-batching, stage placement, the ring, and its `shard_map`.
 
-Only this module names the `pp` mesh axis. Inside `jax.shard_map(..., axis_names={'pp'})` each
-device sees its own stage's layers and the micro-batches; `dp` and `tp` stay under the compiler's
-automatic sharding, so data and tensor parallelism keep working inside a stage.
+The stacked layers are split into `pp` stages. `apply` takes the embedded batch [B, T, D], forms
+m micro-batches, runs them through every layer pipelined over `pp`, and returns [B, T, D].
+Inside `jax.shard_map(..., axis_names={'pp', 'dp'})` each device sees its own stage's layers and
+its dp shard of the micro-batches; `tp` stays under the compiler's automatic sharding, so tensor
+parallelism keeps working inside a stage.
+
+Micro-batches. Micro-batch i holds rows i, i+m, i+2m, ... of the batch, so the rows of one dp
+shard stay on that shard. Outside the loop (embedding, head) the batch is split over (dp, pp)
+when each micro-batch divides (`batch_axes`): every device then does 1/(dp*pp) of that work;
+stages all-gather their micro-batch rows over pp on the way in and the outputs are
+reduce-scattered back on the way out.
 
 Schedule (GPipe, and circular when `repeats` v > 1). The loop runs v*m + p - 1 iterations. At
 iteration t, stage s works on u = t - s: micro-batch u mod m, on its layer chunk u // m. Every
@@ -11,115 +19,156 @@ last stage goes back into the stage-0 queue (the next pass round the ring) or, o
 into the outputs. Bubble iterations (u outside [0, v*m)) compute on stale inputs and their
 results are never written, so they reach neither outputs nor gradients.
 
-Layer storage. With v chunks per stage, chunk c = r*p + s (r = 0..v-1) runs on stage s, so the
+Stage placement. With v chunks per stage, chunk c = r*p + s (r = 0..v-1) runs on stage s, so the
 stacked weights are stored stage-major: position j holds canonical layer `layer_order(...)[j]`,
 and a plain P('pp') sharding of the layer axis gives each stage exactly its chunks.
+
+Gradients over dp. The loop is manual over dp too: the weights are marked dp-varying at its
+entry, so their gradient sum over dp (the transpose of that mark) happens once per step, after
+the loop, not once per iteration. When the caller is already inside a shard_map manual over dp
+and pp (data_parallel.py's explicit reduction, `manual=True`), the loop runs without one of its
+own and the caller's rows are this device's (`local_rows`).
 """
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
+from jax3d.config import RunPlan
 from jax3d.model import remat
+from jax3d.parallel import sharding
+from jax3d.parallel.sharding import DP, PP
+
+AXIS = PP
+LayerFn = Callable[[Any, jax.Array], jax.Array]  # (one layer's params, x_btd) -> y_btd
 
 
+# --- stage placement ------------------------------------------------------------------------
 def layer_order(n_layers: int, pp: int, repeats: int) -> np.ndarray:
   """Canonical layer index held at each storage position of the stacked layer axis."""
   lc = n_layers // (pp * repeats)  # layers per chunk
   j = np.arange(n_layers)
-  s, r, l = j // (repeats * lc), (j // lc) % repeats, j % lc
-  return (r * pp + s) * lc + l
+  s, r, i = j // (repeats * lc), (j // lc) % repeats, j % lc
+  return (r * pp + s) * lc + i
 
 
-def to_canonical(layers, n_layers: int, pp: int, repeats: int):
+def to_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
   """Stacked layer params in storage order -> canonical layer order (for comparisons, export)."""
   inv = np.argsort(layer_order(n_layers, pp, repeats))
   return jax.tree.map(lambda a: a[inv], layers)
 
 
-def from_canonical(layers, n_layers: int, pp: int, repeats: int):
+def from_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
   order = layer_order(n_layers, pp, repeats)
   return jax.tree.map(lambda a: a[order], layers)
 
 
-def run_layers(layer_fn, layers, x, policy: str):
+# --- micro-batches --------------------------------------------------------------------------
+def batch_axes(plan: RunPlan) -> str | tuple[str, str]:
+  """The mesh axes of the batch outside the loop: dp*pp when each micro-batch splits over them."""
+  return (DP, PP) if plan.micro_batch % (plan.dp * plan.pp) == 0 else DP
+
+
+def _scatter(plan: RunPlan) -> bool:
+  return plan.pp > 1 and batch_axes(plan) == (DP, PP)
+
+
+def microbatches(x_b: jax.Array, m: int) -> jax.Array:
+  """[B, ...] -> [m, B/m, ...], micro-batch i = rows i, i+m, i+2m, ... (local to each dp shard)."""
+  return x_b.reshape(x_b.shape[0] // m, m, *x_b.shape[1:]).swapaxes(0, 1)
+
+
+def merge_microbatches(x_m: jax.Array) -> jax.Array:
+  return x_m.swapaxes(0, 1).reshape(x_m.shape[0] * x_m.shape[1], *x_m.shape[2:])
+
+
+def local_rows(x_b: jax.Array, plan: RunPlan) -> jax.Array:
+  """Inside a shard_map manual over dp and pp: this pp rank's slice of each micro-batch's rows
+  (the rows the automatic layout gives it when the batch is split over dp*pp), in [B, ...] order."""
+  if not _scatter(plan):
+    return x_b
+  x_m = microbatches(x_b, plan.microbatches)
+  b = x_m.shape[1] // plan.pp
+  return merge_microbatches(jax.lax.dynamic_slice_in_dim(x_m, jax.lax.axis_index(PP) * b, b, axis=1))
+
+
+# --- the pipeline ---------------------------------------------------------------------------
+def apply(layer_fn: LayerFn, layers: Any, x_btd: jax.Array, *, mesh: Mesh, plan: RunPlan,
+          rules: sharding.Rules, policy: str, manual: bool = False) -> jax.Array:
+  """The embedded batch [B, T, D] through all layers (stacked, in storage order), pipelined."""
+  def stage_layer(p, h):  # rows are local inside the loop: the rules name no manual axis there
+    with sharding.use_rules(sharding.without(rules, (DP, PP))):
+      return layer_fn(p, h)
+
+  x_mbtd = sharding.constrain(microbatches(x_btd, plan.microbatches), ('micro', 'batch_all', 'seq', 'embed'))
+  y_mbtd = run(stage_layer, layers, x_mbtd, mesh=mesh, repeats=plan.repeats, policy=policy,
+               scatter=_scatter(plan), manual=manual)
+  return sharding.constrain(merge_microbatches(y_mbtd), ('batch_all', 'seq', 'embed'))
+
+
+def run_layers(layer_fn: LayerFn, layers: Any, x: jax.Array, policy: str) -> jax.Array:
   """Sequential scan of `layer_fn` over the stacked `layers` (each layer under the remat policy)."""
   step = remat.wrap_layer(lambda h, p: (layer_fn(p, h), None), policy)
   return jax.lax.scan(step, x, layers)[0]
 
 
-def pipeline(layer_fn, layers, x_mbtd, *, mesh, pp: int, repeats: int, policy: str,
-             batch_axis: str = 'dp', scatter: bool = False, manual_outside: bool = False):
-  """Runs every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`.
-
-  `layers` is the stacked layer pytree in storage order (leading axis sharded over pp). The loop
-  is manual over `pp` and over `batch_axis` (dp): each device runs its stage on its own rows, so
-  the gradients of the stage weights are summed over dp once, when the loop ends, not once per
-  iteration. `tp` stays automatic inside. With `scatter`, x arrives and leaves with its rows split
-  over (dp, pp) (where the embedding and head work): stages all-gather it over pp on the way in,
-  and the outputs are reduce-scattered back on the way out.
-  With `manual_outside` the caller is already inside a shard_map manual over `batch_axis` and pp
-  (step.loss_and_grads_explicit, for the explicit dp gradient reduction): `layers` are this stage's,
-  already varying per dp rank (so their gradients come back un-reduced), x holds this device's rows
-  (with `scatter`, its pp slice of them), and the loop runs here without a shard_map of its own.
-  Returns [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn.
-  """
-  m = x_mbtd.shape[0]
-  p, v = pp, repeats
-  n_iter = v * m + p - 1
-  scatter = scatter and p > 1
+def run(layer_fn: LayerFn, layers: Any, x_mbtd: jax.Array, *, mesh: Mesh, repeats: int, policy: str,
+        scatter: bool = False, manual: bool = False) -> jax.Array:
+  """Every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`; returns
+  [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn. With `scatter`, x
+  arrives and leaves with its rows split over (dp, pp); with `manual`, the caller is already
+  inside a shard_map manual over dp and pp (see the module docstring)."""
+  p, v, m = mesh.shape[PP], repeats, x_mbtd.shape[0]
   # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
-  manual = {a for a in ('pp', batch_axis) if mesh.shape[a] > 1}
-  ax = lambda *names: tuple(n for n in names if n in manual) or None
-  rows = P(None, ax(batch_axis, 'pp') if scatter else ax(batch_axis))
-  stages = P(ax('pp'))
-
+  axes = {a for a in (PP, DP) if mesh.shape[a] > 1}
+  names = lambda *ns: tuple(n for n in ns if n in axes) or None
+  rows = P(None, names(DP, PP) if scatter else names(DP))
   dtype = x_mbtd.dtype
 
   def stage_loop(layers_local, x_mbtd):
-    if batch_axis in manual:
+    if DP in axes:
       # The weights are the same on every dp rank; marking them as varying here, in their stored
       # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
       # loop, instead of once per micro-batch inside it.
-      layers_local = jax.tree.map(lambda a: _vary(a, (batch_axis,)), layers_local)
+      layers_local = jax.tree.map(lambda a: _vary(a, (DP,)), layers_local)
     if scatter:
-      x_mbtd = jax.lax.all_gather(x_mbtd, 'pp', axis=1, tiled=True)
+      x_mbtd = jax.lax.all_gather(x_mbtd, PP, axis=1, tiled=True)
     if p == 1:  # no ring: the micro-batches simply run one after another
       one = remat.wrap_iteration(lambda _, x_btd: (None, run_layers(layer_fn, layers_local, x_btd, policy)),
                                  policy)
       return jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32)
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
-    out_mbtd = _ring(layer_fn, layers_local, _vary(x_mbtd, ('pp',)).astype(dtype), p, v, m, n_iter, policy)
+    out_mbtd = _ring(layer_fn, layers_local, _vary(x_mbtd, (PP,)).astype(dtype), p, v, m, policy)
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
     out_mbtd = out_mbtd.astype(jnp.float32)
     if scatter:
-      out_mbtd = jax.lax.psum_scatter(out_mbtd, 'pp', scatter_dimension=1, tiled=True)
-    else:
-      out_mbtd = jax.lax.psum(out_mbtd, 'pp')
-    return out_mbtd
+      return jax.lax.psum_scatter(out_mbtd, PP, scatter_dimension=1, tiled=True)
+    return jax.lax.psum(out_mbtd, PP)
 
   # The activations cross the loop's boundary in fp32 (the sums over pp of their gradients too):
   # exact, a one-off m*b*t*d per step, and it avoids XLA:CPU's failing bf16 all-reduce promotion.
   x32_mbtd = x_mbtd.astype(jnp.float32)
-  if not manual or manual_outside:
+  if not axes or manual:
     return stage_loop(layers, x32_mbtd).astype(dtype)
-  return jax.shard_map(stage_loop, mesh=mesh, in_specs=(stages, rows), out_specs=rows,
-                       axis_names=manual, check_vma=True)(layers, x32_mbtd).astype(dtype)
+  return jax.shard_map(stage_loop, mesh=mesh, in_specs=(P(names(PP)), rows), out_specs=rows,
+                       axis_names=axes, check_vma=True)(layers, x32_mbtd).astype(dtype)
 
 
-def _vary(a, axes):
+def _vary(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """Marks `a` as varying over the manual `axes` it is not yet varying over (shard_map's vma)."""
   missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
   return jax.lax.pcast(a, missing, to='varying') if missing else a
 
 
-def _ring(layer_fn, layers_local, x_mbtd, p, v, m, n_iter, policy):
+def _ring(layer_fn, layers_local, x_mbtd, p, v, m, policy):
   """The circulating loop on one stage; returns the finished micro-batches on stage 0, else 0."""
   # layers_local: this stage's v chunks, [v * lc, ...] -> [v, lc, ...]
   chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
-  s = jax.lax.axis_index('pp')
+  s = jax.lax.axis_index(PP)
   ring = [(i, (i + 1) % p) for i in range(p)]
 
   def stage_work(chunks, r, x_btd):  # this stage's layer chunk r on one micro-batch
@@ -136,7 +185,7 @@ def _ring(layer_fn, layers_local, x_mbtd, p, v, m, n_iter, policy):
     r = jnp.clip(u // m, 0, v - 1)
     x_btd = jnp.where(s == 0, queue_mbtd[jnp.mod(u, m)], state_btd)
     y_btd = stage_fn(chunks, r, x_btd)
-    recv_btd = jax.lax.ppermute(y_btd, 'pp', ring)
+    recv_btd = jax.lax.ppermute(y_btd, PP, ring)
     # On stage 0, recv is the last stage's output for u_last = t - (p - 1).
     u_last = t - (p - 1)
     i_last, r_last = jnp.mod(u_last, m), u_last // m
@@ -148,6 +197,6 @@ def _ring(layer_fn, layers_local, x_mbtd, p, v, m, n_iter, policy):
     return (recv_btd, queue_mbtd, out_mbtd), None
 
   init = (jnp.zeros_like(x_mbtd[0]), x_mbtd, jnp.zeros_like(x_mbtd))
-  init = jax.tree.map(lambda a: _vary(a, ('pp',)), init)  # the carry differs per stage
-  (_, _, out_mbtd), _ = jax.lax.scan(iteration, init, jnp.arange(n_iter))
+  init = jax.tree.map(lambda a: _vary(a, (PP,)), init)  # the carry differs per stage
+  (_, _, out_mbtd), _ = jax.lax.scan(iteration, init, jnp.arange(v * m + p - 1))
   return out_mbtd

@@ -1,70 +1,90 @@
-"""The one table from logical axis names (what the model speaks) to mesh axes (dp, pp, tp).
+"""Tensor parallelism and the one table from logical axis names (what the model speaks) to mesh axes.
 
   batch      micro-batch rows inside the pipeline          -> dp
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
-  seq, embed, head_dim, norm, qkv, gate_up                 -> replicated
+             (pipeline.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
+  seq, embed, head_dim, norm, qkv, gate_up, micro          -> replicated
   heads, kv_heads    attention heads (Megatron column/row)  -> tp
   mlp        feed-forward hidden units (column/row)         -> tp
   vocab      vocabulary-parallel embedding and head         -> tp
   layers     the stacked layer axis                         -> pp (one slab of layers per stage)
+
+Tensor parallelism is nothing but this table: the model annotates its weights and activations in
+logical names (Megatron's column- and row-parallel layout), and XLA inserts the collectives.
+The rules are in flax's format and resolved by flax (`nn.logical_to_mesh_axes`,
+`nn.with_logical_constraint(..., rules=...)`); inside a `shard_map` manual over some mesh axes the
+rules name none of those (`without`). The rules in force while a step is traced are held in a
+context variable (`use_rules`), not in flax's own `nn.logical_axis_rules` context: that one also
+turns on constraints inside flax's boxed parameters, and `nn.DenseGeneral` creates a
+multi-dimensional kernel flat before reshaping it (also under `eval_shape` during `apply`, to check
+shapes), so the kernel's logical names would be applied to an array of the wrong rank.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Any, Iterable, Iterator
+
+import flax.linen as nn
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax3d.config import RunPlan
 
+DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (parallel/mesh.py builds the mesh with them)
 
-def logical_rules(plan: RunPlan) -> dict[str, object]:
-  # The batch outside the pipeline is split over dp*pp when each micro-batch allows it, else dp.
-  batch_all = ('dp', 'pp') if plan.micro_batch % (plan.dp * plan.pp) == 0 else 'dp'
-  return {
-      'batch': 'dp', 'batch_all': batch_all, 'seq': None, 'embed': None, 'head_dim': None,
-      'norm': None, 'heads': 'tp', 'kv_heads': 'tp', 'mlp': 'tp', 'vocab': 'tp', 'layers': 'pp',
-      'micro': None, 'qkv': None, 'gate_up': None,
-  }
+Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 
 
-_RULES: dict[str, object] | None = None
+def logical_rules(plan: RunPlan) -> Rules:
+  """The table above for one run plan."""
+  from jax3d.parallel import pipeline
+  return (('batch', DP), ('batch_all', pipeline.batch_axes(plan)), ('seq', None), ('embed', None),
+          ('head_dim', None), ('norm', None), ('heads', TP), ('kv_heads', TP), ('mlp', TP),
+          ('vocab', TP), ('layers', PP), ('micro', None), ('qkv', None), ('gate_up', None))
 
 
-class use_rules:
-  """Context: the rules that `constrain` and `spec` read while a step is traced."""
-
-  def __init__(self, rules):
-    self.rules = rules
-
-  def __enter__(self):
-    global _RULES
-    self.prev, _RULES = _RULES, self.rules
-    return self.rules
-
-  def __exit__(self, *exc):
-    global _RULES
-    _RULES = self.prev
+def rule(rules: Rules, name: str) -> Any:
+  """The mesh axes the rules give logical axis `name`."""
+  return dict(rules)[name]
 
 
-def stage_rules(rules: dict) -> dict:
-  """Rules inside the pipeline loop, which is manual over dp: rows are already local there."""
-  return dict(rules, batch=None)
+def without(rules: Rules, axes: Iterable[str]) -> Rules:
+  """The rules inside a shard_map manual over `axes`: those mesh axes are named nowhere."""
+  axes = set(axes)
+
+  def strip(v):
+    if isinstance(v, tuple):
+      rest = tuple(a for a in v if a not in axes)
+      return rest[0] if len(rest) == 1 else (rest or None)
+    return None if v in axes else v
+  return tuple((k, strip(v)) for k, v in rules)
 
 
-def spec(logical: tuple, rules: dict | None = None) -> P:
-  rules = rules if rules is not None else _RULES
-  if rules is None:
-    return P(*([None] * len(logical)))
-  return P(*(rules[name] if name is not None else None for name in logical))
+_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar('jax3d_logical_rules', default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules) -> Iterator[Rules]:
+  """Context: the rules that `constrain` reads while a step is traced."""
+  token = _RULES.set(rules)
+  try:
+    yield rules
+  finally:
+    _RULES.reset(token)
 
 
 def constrain(x: jax.Array, logical: tuple) -> jax.Array:
   """Sharding annotation on an activation, in logical names (a no-op outside `use_rules`)."""
-  if _RULES is None:
-    return x
-  return jax.lax.with_sharding_constraint(x, spec(logical))
+  rules = _RULES.get()
+  return x if rules is None else nn.with_logical_constraint(x, logical, rules=rules)
 
 
-def tree_shardings(logical_tree, mesh, rules) -> object:
+def spec(logical: tuple, rules: Rules) -> P:
+  return nn.logical_to_mesh_axes(logical, rules)
+
+
+def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
   """A pytree of logical-axis tuples -> the matching pytree of NamedShardings."""
   return jax.tree.map(lambda names: NamedSharding(mesh, spec(names, rules)), logical_tree,
                       is_leaf=lambda x: isinstance(x, tuple))

@@ -7,12 +7,18 @@ device sends with a ring algorithm (the formulas are wire bytes).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
+import jax
+import ml_collections
 import numpy as np
 
+from jax3d import run
+from jax3d.model import formulas
 from jax3d.tools.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 
 
-def expected_comm(s, abstract_state) -> dict:
+def expected_comm(s: run.Setup) -> dict:
   """Wire bytes per device per step from the formulas, two ways where they differ:
   'formula'  the papers' count of useful work (m micro-batches through L/p layers per stage);
   'spmd'     what this SPMD pipeline executes: every stage runs and sends in all v*m+p-1
@@ -22,8 +28,6 @@ def expected_comm(s, abstract_state) -> dict:
   dp: 2(d-1)/d * P_local * bytes, P_local = parameters this device holds after tp/pp sharding;
       with train.grad_reduce_dtype bfloat16/int8 the reduce half moves 2/1 bytes per element (int8
       scales not counted), and under ZeRO-1 the all-gather half moves the parameters' bytes."""
-  import jax
-  from jax3d.training import step as step_lib
   plan, dims, a = s.plan, s.dims, s.plan.grad_accum
   p, v, m, t, d = plan.pp, plan.repeats, plan.microbatches, plan.tp, plan.dp
   act = np.dtype(dims.dtype).itemsize
@@ -31,15 +35,15 @@ def expected_comm(s, abstract_state) -> dict:
   iters, layers_per_chunk = v * m + p - 1, dims.n_layers // (p * v)
   per_layer_mb = 4 * 2 * (t - 1) / t * bsh
   local = lambda leaf: int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
-  params = abstract_state['params']
+  params = s.abstract_state['params']
   p_local = sum(local(x) for x in jax.tree.leaves(params))
   layers_local = sum(local(x) for x in jax.tree.leaves(params['layers']))
   ring = 2 * (d - 1) / d
   n_local = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(params))
   pb = p_local // n_local  # one param_dtype for every parameter
-  explicit = step_lib.explicit_reduction(s)
+  explicit = s.explicit_dp
   reduce_b = {'float32': 4, 'bfloat16': 2, 'int8': 1}[s.cfg.train.grad_reduce_dtype] if explicit else pb
-  gather_b = pb if step_lib.zero1(s) else reduce_b
+  gather_b = pb if s.zero1 else reduce_b
   grads = n_local * reduce_b  # the gradient bytes that enter the dp reduction
   dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
   return {
@@ -100,35 +104,25 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
 
 
 # Compile and inspect --------------------------------------------------------------------------
-def inspect_step(cfg, plan=None, mesh=None) -> dict:
-  """Compiles the real train step for abstract inputs and returns memory, FLOPs and collectives
-  per device per step (see the module docstring for what 'bytes' means)."""
-  import jax
-  from jax3d import config as config_lib
-  from jax3d.parallel import mesh as mesh_lib
-  from jax3d.training import step
-  plan = plan or config_lib.validate(cfg, jax.device_count())
-  mesh = mesh if mesh is not None else mesh_lib.build_mesh(plan, allow_tp_across_hosts=cfg.mesh.allow_tp_across_hosts)
-  s = step.Setup.create(cfg, plan, mesh)
-  state, batch = step.abstract_inputs(s)
-  return inspect_compiled(step.make_train_step(s).lower(state, batch).compile(), s, state)
+def inspect_step(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> dict:
+  """Compiles the real train step for abstract inputs (nothing is allocated) and returns memory,
+  FLOPs and collectives per device per step (see the module docstring for what 'bytes' means)."""
+  return run.compile_train_step(run.setup(cfg, devices)).analysis()
 
 
-def inspect_compiled(compiled, s, state) -> dict:
-  """The same figures for an already compiled train step (the trainer passes its own)."""
-  from jax3d.model import formulas as flops_lib
+def analyze(compiled: jax.stages.Compiled, s: run.Setup) -> dict:
+  """The figures of a compiled train step of Setup `s` (run.CompiledStep.analysis calls this)."""
   cfg, plan, mesh = s.cfg, s.plan, s.mesh
-  mem = compiled.memory_analysis()
-  memory = {k: int(getattr(mem, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
-  memory['peak_estimate'] = memory['argument'] + memory['output'] - memory['alias'] + memory['temp']
+  memory = run.memory(compiled)
+  memory['peak_estimate'] = memory.pop('total')
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
   hlo = parse_hlo(compiled.as_text())
   _, unknown_loops = multiplicities(hlo)
   colls = collectives(hlo, tuple(mesh.devices.shape), tuple(mesh.axis_names))
   by_axis = summarize(colls)
-  expected = expected_comm(s, state)
-  model_flops = flops_lib.flops_per_token(s.dims, plan.seq_len) * plan.tokens_per_step / plan.n_devices
+  expected = expected_comm(s)
+  model_flops = formulas.flops_per_token(s.dims, plan.seq_len) * plan.tokens_per_step / plan.n_devices
   return {
       'layout': {'dp': plan.dp, 'pp': plan.pp, 'tp': plan.tp, 'microbatches': plan.microbatches,
                  'repeats': plan.repeats, 'grad_accum': plan.grad_accum, 'iterations': plan.iterations,

@@ -13,7 +13,9 @@ import copy
 import dataclasses
 import os
 
-from jax3d.config import ConfigError, set_key, validate
+import ml_collections
+
+from jax3d.config import ConfigError, RunPlan, set_key, validate
 from jax3d.tools import costmodel
 from jax3d.tools.costmodel import GB, Hardware, estimate
 
@@ -191,40 +193,37 @@ def smallest_cluster(cfg, hw: Hardware) -> str:
 
 
 
-def verify(cfg, plan) -> list[str]:
-  """Ahead-of-time compile of the real train step on n CPU devices; nothing is allocated.
-
-  XLA's CPU compiler aborts on this step in bfloat16 (AllReducePromotion: "Invalid binary
-  instruction opcode copy"), so a bf16 config is checked with float32 compute, said so.
-  """
+def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
+  """Ahead-of-time compile of the real train step of `cfg` on plan.n_devices CPU devices (nothing
+  is allocated): XLA's bytes per device beside the estimate's."""
   import jax
-  import jax.numpy as jnp
-  from jax3d.parallel import mesh as mesh_lib
-  from jax3d.training import step
+  from jax3d import run
   devices = jax.devices('cpu')
   if len(devices) < plan.n_devices:
     raise ConfigError(f'--verify needs {plan.n_devices} CPU devices, {len(devices)} are visible '
                       f'(XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r} was set before the run)')
   est = estimate(cfg, plan, hw=Hardware(flash_attention=False))  # CPU: XLA's own attention
-  mesh = mesh_lib.build_mesh(plan, devices[:plan.n_devices])
-  s = step.Setup.create(cfg, plan, mesh)
-  batch = {k: jax.ShapeDtypeStruct((plan.global_batch, plan.seq_len), jnp.int32,
-                                   sharding=step.batch_sharding(s)) for k in ('inputs', 'targets')}
-  ma = step.make_train_step(s).lower(step.abstract_state(s), batch).compile().memory_analysis()
-  total = compiled_bytes(ma)
+  m = run.compile_train_step(run.setup(cfg, devices[:plan.n_devices])).memory
+  total = m['total']
   note = (['(XLA:CPU computes bf16 matmuls in float32, converting around each dot: with bf16 compute '
            'its temporaries exceed a GPU\'s, and the GPU-minded estimate comes out below them)']
           if cfg.train.compute_dtype == 'bfloat16' else [])
   return note + [f'XLA (compiled on {plan.n_devices} CPU devices): {total / GB:.4f} GB per device = arguments '
-          f'{ma.argument_size_in_bytes / GB:.4f} + temporaries {ma.temp_size_in_bytes / GB:.4f} + '
-          f'outputs {ma.output_size_in_bytes / GB:.4f} - aliased {ma.alias_size_in_bytes / GB:.4f}',
-          f'estimate: {est.total_bytes / GB:.4f} GB per device ({est.total_bytes / total - 1:+.1%})']
+                 f'{m["argument"] / GB:.4f} + temporaries {m["temp"] / GB:.4f} + '
+                 f'outputs {m["output"] / GB:.4f} - aliased {m["alias"] / GB:.4f}',
+                 f'estimate: {est.total_bytes / GB:.4f} GB per device ({est.total_bytes / total - 1:+.1%})']
 
 
-def compiled_bytes(ma) -> int:
-  """Peak bytes per device of a compiled step: inputs, scratch, and outputs not donated in place."""
-  return (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
-          - ma.alias_size_in_bytes)
+def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
+  """The first `top` fitting layouts, one row per layout: ZeRO-1 on/off ties are shown once (the
+  ranking puts the faster, or the smaller, first)."""
+  fit, shown = [], set()
+  for c in ranked:
+    key = tuple(v for k, v in c.overrides.items() if k != 'train.shard_optimizer')
+    if c.est.fits and key not in shown and len(fit) < top:
+      shown.add(key)
+      fit.append(c)
+  return fit
 
 
 def table(cands: list[Candidate]) -> list[str]:

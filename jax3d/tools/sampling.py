@@ -103,19 +103,11 @@ def sampling_config(cfg, n_devices: int, overrides: dict | None = None):
 
 def load_params(workdir: str, cfg, devices=None):
   """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout."""
-  import jax
-  from jax3d import config as config_lib
+  from jax3d import run
   from jax3d.training import checkpoint as ckpt_lib
-  from jax3d.parallel import mesh as mesh_lib
-  from jax3d.training import step as step_lib
-  devices = list(devices if devices is not None else jax.devices())
-  plan = config_lib.validate(cfg, len(devices))
-  mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
-  setup = step_lib.Setup.create(cfg, plan, mesh)
-  layout = {'dp': plan.dp, 'pp': plan.pp, 'tp': plan.tp, 'repeats': plan.repeats,
-            'n_layers': cfg.model.n_layers}
-  params, step = ckpt_lib.load_params(checkpoint_dir(workdir), step_lib.abstract_state(setup)['params'],
-                                      layout, warn=lambda m: print(f'warning: {m}', file=sys.stderr))
+  setup = run.setup(cfg, devices)
+  params, step = ckpt_lib.load_params(checkpoint_dir(workdir), setup.abstract_state['params'],
+                                      setup.layout, warn=lambda m: print(f'warning: {m}', file=sys.stderr))
   return setup, params, step
 
 

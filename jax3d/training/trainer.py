@@ -5,8 +5,9 @@
   t.evaluate()         # held-out loss
   t.sample('def ')     # text
 
-Order of work: validate the config and the data (errors here, before anything compiles) ->
-mesh -> abstract state and shardings -> restore or jitted sharded init -> loop.
+Order of work: run.setup (validate the config and the data: errors here, before anything
+compiles; the mesh; the shardings) -> restore or jitted sharded init -> run.compile_train_step
+-> the loop (`train`: one `_step` per iteration, then logging, evaluation, checkpoints).
 """
 from __future__ import annotations
 
@@ -16,17 +17,21 @@ import signal
 import sys
 import time
 
+from typing import Sequence
+
 import jax
+import ml_collections
 import numpy as np
 
-from jax3d.training import checkpoint as ckpt_lib
+from jax3d import run
 from jax3d import config as config_lib
-from jax3d.training import data as data_lib
-from jax3d.training import distributed
 from jax3d.model import formulas as flops_lib
 from jax3d.model import generate as gen_lib
+from jax3d.tools import costmodel, inspection, planner
+from jax3d.training import checkpoint as ckpt_lib
+from jax3d.training import data as data_lib
+from jax3d.training import distributed
 from jax3d.training import memory as memory_lib
-from jax3d.parallel import mesh as mesh_lib
 from jax3d.training import metrics as metrics_lib
 from jax3d.training import step as step_lib
 
@@ -36,23 +41,24 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-  def __init__(self, cfg, workdir: str | None = None, devices=None, console: bool = True):
+  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str | None = None,
+               devices: Sequence[jax.Device] | None = None, console: bool = True):
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
-    self.plan = config_lib.validate(cfg, len(devices))
+    config_lib.validate(cfg, len(devices))  # config errors before data errors
     self.corpus = data_lib.load_corpus(cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1)
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
-    self.mesh = mesh_lib.build_mesh(self.plan, devices, cfg.mesh.allow_tp_across_hosts)
-    self.setup = step_lib.Setup.create(cfg, self.plan, self.mesh)
+    self.setup = run.setup(cfg, devices)
+    self.plan, self.mesh = self.setup.plan, self.setup.mesh
     self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)
     self.quiet = not console
     self.writer = metrics_lib.MetricsWriter(workdir)
     self.checkpointer = (ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), cfg.checkpoint.keep,
                                                cfg.checkpoint.async_save) if workdir else None)
     self.state = None
-    self._train_step = self._eval_step = None
+    self.compiled: run.CompiledStep | None = None
+    self._eval_step = None
     self._stop_signal = None
-    self.compiled_info = None  # memory, FLOPs and collectives of the compiled step (inspect.py)
     self.devices = list(self.mesh.devices.flat)
     self.mfu_meter = flops_lib.MFUMeter(self.setup.dims, cfg.train.seq_len, self.devices[0],
                                         self.plan.n_devices, cfg.hardware.peak_tflops)
@@ -65,9 +71,12 @@ class Trainer:
   # ------------------------------------------------------------------ set-up
   @property
   def layout(self) -> dict:
-    p = self.plan
-    return {'dp': p.dp, 'pp': p.pp, 'tp': p.tp, 'microbatches': p.microbatches, 'repeats': p.repeats,
-            'n_layers': self.cfg.model.n_layers, 'n_devices': p.n_devices}
+    return self.setup.layout
+
+  @property
+  def compiled_info(self) -> dict | None:
+    """Memory, FLOPs and collectives of the compiled step (tools/inspection.py), once compiled."""
+    return self.compiled.analysis() if self.compiled is not None else None
 
   def log(self, msg: str = '') -> None:
     if not self.quiet:
@@ -76,10 +85,8 @@ class Trainer:
   def summary(self) -> list[str]:
     p, d = self.plan, self.setup.dims
     n_params = d.param_count()
-    shardings = step_lib.param_shardings(self.setup)
-    shapes = jax.eval_shape(lambda: step_lib.init_state(jax.random.key(0), self.setup)['params'])
-    per_dev = sum(int(np.prod(sh.shard_shape(a.shape))) * a.dtype.itemsize
-                  for a, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
+    per_dev = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+                  for a in jax.tree.leaves(self.setup.abstract_state['params']))
     lc = d.n_layers // (p.pp * p.repeats)
     return [
         f'jax3d: {p.n_devices} {jax.devices()[0].platform} devices, mesh dp={p.dp} x pp={p.pp} x tp={p.tp}',
@@ -100,7 +107,7 @@ class Trainer:
 
   def init_state(self) -> str:
     """Restores the newest good checkpoint, or warm-starts, or initialises. Returns what it did."""
-    abstract = step_lib.abstract_state(self.setup)
+    abstract = self.setup.abstract_state
     if self.checkpointer and self.checkpointer.steps():
       state, meta = self.checkpointer.restore_latest(abstract, self.layout, warn=self.console.warn)
       if state is not None:
@@ -119,26 +126,19 @@ class Trainer:
   def compile(self) -> list[str]:
     """Compiles the train step ahead of time; returns the start-up lines about what it costs
     (compiled memory per device beside the planner's estimate, FLOPs, bytes per mesh axis)."""
-    if self._train_step is not None:
+    if self.compiled is not None:
       return []
-    from jax3d.tools import inspection as inspect_lib
-    from jax3d.tools import costmodel
-    t0 = time.time()
-    abstract_state, abstract_batch = step_lib.abstract_inputs(self.setup)
-    self._train_step = step_lib.make_train_step(self.setup).lower(abstract_state, abstract_batch).compile()
+    self.compiled = run.compile_train_step(self.setup)
     self._eval_step = step_lib.make_eval_step(self.setup)
-    lines = [f'compiled the train step in {time.time() - t0:.1f} s']
-    info = self.compiled_info = inspect_lib.inspect_compiled(self._train_step, self.setup, abstract_state)
-    lines += inspect_lib.summary_lines(info)
+    lines = [f'compiled the train step in {self.compiled.compile_s:.1f} s']
+    lines += inspection.summary_lines(self.compiled.analysis())
     est = costmodel.estimate(self.cfg, self.plan)
-    m = info['memory_bytes']
-    compiled = m['argument'] + m['temp'] + m['output'] - m['alias']
+    compiled = self.compiled.memory['total']
     lines.append(f'memory per device: compiled {metrics_lib.fmt_bytes(compiled)}, planner estimate '
                  f'{metrics_lib.fmt_bytes(est.total_bytes)} ({est.total_bytes / max(compiled, 1) - 1:+.0%})')
     limit = _device_memory_limit(self.devices[0])
     if limit and max(compiled, est.total_bytes if self.devices[0].platform == 'gpu' else 0) > limit:
-      from jax3d.tools import planner as plan_lib
-      ladder = plan_lib.oom_ladder(self.cfg, self.plan, limit)
+      ladder = planner.oom_ladder(self.cfg, self.plan, limit)
       raise config_lib.ConfigError(
           f'this layout needs {compiled / 1e9:.1f} GB per device, the device has {limit / 1e9:.1f} GB; '
           'what would fit, in the order to try: ' + ' | '.join(l.strip() for l in ladder))
@@ -172,7 +172,7 @@ class Trainer:
     self._compile()
     batches = data_lib.eval_batches(self.corpus, self.cfg.train.seed, self.cfg.eval.batches,
                                     self.plan.chunk_batch, self.plan.seq_len)
-    sh = step_lib.batch_sharding(self.setup)
+    sh = self.setup.batch_sharding
     losses = [self._eval_step(self.state['params'], data_lib.to_global(
         {k: v[data_lib.local_rows(sh, self.plan.chunk_batch)] for k, v in b.items()}, sh,
         self.plan.chunk_batch)) for b in batches]
@@ -209,7 +209,7 @@ class Trainer:
     prev_handler = (signal.signal(signal.SIGTERM, self._on_sigterm)
                     if _main_thread() and not multi else None)
     prefetch = data_lib.Prefetcher(self.corpus, cfg.train.seed, start, stop, plan.global_batch,
-                                   plan.seq_len, step_lib.batch_sharding(self.setup), cfg.data.prefetch)
+                                   plan.seq_len, self.setup.batch_sharding, cfg.data.prefetch)
     bad, t_last, steps_since, t_compile = 0, time.time(), 0, None
     if start == 0 and cfg.eval.every and stop > 0:
       self._eval_and_log(0)  # where held-out loss starts (ln(vocab) for an untrained model)
@@ -220,7 +220,7 @@ class Trainer:
           jax.profiler.start_trace(os.path.join(self.workdir, 'profile'))
         batch = prefetch.next(i)
         t0 = time.time()
-        self.state, m = self._train_step(self.state, batch)
+        self.state, m = self.compiled(self.state, batch)
         m = jax.device_get(m)
         if t_compile is None:
           t_compile = time.time() - t0

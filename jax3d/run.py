@@ -1,0 +1,181 @@
+"""One path from a config to a run, and one from a run to its compiled train step.
+
+  s = run.setup(cfg)                       # validate -> mesh -> Setup (shardings computed once)
+  step = run.compile_train_step(s)           # ahead-of-time compile for abstract inputs
+  step.memory["total"], step.analysis()      # XLA's bytes per device; FLOPs and collectives
+
+The trainer, the Python API, the sampler, the planner's --verify, the inspector and the
+benchmarks all go through these two functions, so what they report is what runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax3d import config as config_lib
+from jax3d.model import llama
+from jax3d.parallel import data_parallel, pipeline, sharding
+from jax3d.parallel import mesh as mesh_lib
+from jax3d.training import optim, step as step_lib
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Setup:
+  """Everything the step functions close over. The shardings and abstract shapes are computed on
+  first use and kept (never recomputed per call or while tracing)."""
+  cfg: ml_collections.ConfigDict
+  plan: config_lib.RunPlan
+  mesh: Mesh
+  dims: llama.Dims
+  tx: optax.GradientTransformation
+  rules: sharding.Rules
+
+  @property
+  def layout(self) -> dict:
+    """The layout a checkpoint records (and is re-laid out from)."""
+    p = self.plan
+    return {'dp': p.dp, 'pp': p.pp, 'tp': p.tp, 'microbatches': p.microbatches, 'repeats': p.repeats,
+            'n_layers': self.dims.n_layers, 'n_devices': p.n_devices}
+
+  @functools.cached_property
+  def layer_order(self) -> Any:
+    return pipeline.layer_order(self.dims.n_layers, self.plan.pp, self.plan.repeats)
+
+  @functools.cached_property
+  def schedule(self) -> optax.Schedule:
+    return optim.schedule(self.cfg)
+
+  @functools.cached_property
+  def zero1(self) -> bool:
+    return data_parallel.zero1(self.cfg, self.plan)
+
+  @functools.cached_property
+  def explicit_dp(self) -> bool:
+    return data_parallel.explicit(self.cfg, self.plan)
+
+  @functools.cached_property
+  def has_residual(self) -> bool:
+    return data_parallel.has_residual(self.cfg, self.plan)
+
+  @functools.cached_property
+  def param_shardings(self) -> Any:
+    return sharding.tree_shardings(llama.param_logical_axes(self.dims), self.mesh, self.rules)
+
+  @functools.cached_property
+  def zero_shardings(self) -> Any:
+    """The ZeRO-1 layout of parameter-shaped trees (moments, reduced gradients, the update)."""
+    params = jax.eval_shape(lambda k: llama.init_params(k, self.dims, self.layer_order), jax.random.key(0))
+    return data_parallel.zero_shardings(params, self.param_shardings, self.mesh, self.plan.dp)
+
+  @functools.cached_property
+  def state_shardings(self) -> dict:
+    replicated = NamedSharding(self.mesh, P())
+    shapes = jax.eval_shape(lambda k: step_lib.init_state(k, self), jax.random.key(0))
+    # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
+    moments = self.zero_shardings if self.zero1 else self.param_shardings
+    opt = optax.tree_map_params(self.tx, lambda _, sh: sh, shapes['opt_state'], moments,
+                                transform_non_params=lambda _: replicated)
+    out = {'step': replicated, 'params': self.param_shardings, 'opt_state': opt}
+    if self.has_residual:
+      out['grad_residual'] = data_parallel.residual_shardings(self.param_shardings, self.mesh)
+    return out
+
+  @functools.cached_property
+  def abstract_state(self) -> dict:
+    """The train state as shapes with their shardings (for compiling and restoring)."""
+    shapes = jax.eval_shape(lambda k: step_lib.init_state(k, self), jax.random.key(0))
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        shapes, self.state_shardings)
+
+  @functools.cached_property
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(sharding.DP))
+
+  @property
+  def batch_shardings(self) -> dict:
+    return {'inputs': self.batch_sharding, 'targets': self.batch_sharding}
+
+  @functools.cached_property
+  def abstract_batch(self) -> dict:
+    shape = (self.plan.global_batch, self.plan.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding) for k in ('inputs', 'targets')}
+
+
+def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Setup:
+  """The one build path: validate the config for these devices (ConfigError, before anything
+  compiles), build the ('dp', 'pp', 'tp') mesh, and the run's Setup."""
+  devices = list(devices if devices is not None else jax.devices())
+  plan = config_lib.validate(cfg, len(devices))
+  mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
+  return Setup(cfg=cfg, plan=plan, mesh=mesh, dims=llama.Dims.from_config(cfg, plan),
+               tx=optim.make_optimizer(cfg), rules=sharding.logical_rules(plan))
+
+
+def memory(compiled: jax.stages.Compiled) -> dict:
+  """Bytes per device of a compiled step (XLA's memory_analysis): argument, temp, output, alias,
+  and total = argument + temp + output - alias, the device's peak for the step."""
+  ma = compiled.memory_analysis()
+  out = {k: int(getattr(ma, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
+  out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
+  return out
+
+
+@dataclasses.dataclass(eq=False)
+class CompiledStep:
+  """The train step compiled for one Setup: call it as `state, metrics = step(state, batch)`
+  (it donates the state). `memory` is XLA's figure per device; `analysis()` adds FLOPs and every
+  collective against the formulas (tools/inspection.py), computed once."""
+  setup: Setup
+  executable: jax.stages.Compiled
+  compile_s: float
+
+  def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
+    return self.executable(state, batch)
+
+  @functools.cached_property
+  def memory(self) -> dict:
+    return memory(self.executable)
+
+  _analysis: dict | None = dataclasses.field(default=None, repr=False)
+
+  def analysis(self) -> dict:
+    if self._analysis is None:
+      from jax3d.tools import inspection
+      self._analysis = inspection.analyze(self.executable, self.setup)
+    return self._analysis
+
+
+def compile_train_step(s: Setup) -> CompiledStep:
+  """The one compile path: the real train step lowered for the abstract state and batch (nothing
+  is allocated) and compiled ahead of time."""
+  t0 = time.perf_counter()
+  executable = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch).compile()
+  return CompiledStep(s, executable, time.perf_counter() - t0)
+
+
+def benchmark(s: Setup, steps: int, seed: int = 0) -> dict:
+  """For the benchmark scripts: the compiled step run `steps` times on a fresh state and one batch
+  of random tokens, each step waited for. Returns the CompiledStep, the seconds of each step and
+  the last metrics."""
+  compiled = compile_train_step(s)
+  state = step_lib.make_init(s)(seed)
+  toks = np.random.default_rng(seed).integers(
+      0, s.dims.vocab_size, (s.plan.global_batch, s.plan.seq_len + 1)).astype(np.int32)
+  batch = {'inputs': jax.device_put(toks[:, :-1], s.batch_sharding),
+           'targets': jax.device_put(toks[:, 1:], s.batch_sharding)}
+  times, metrics = [], None
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics['loss'])
+    times.append(time.perf_counter() - t0)
+  return {'compiled': compiled, 'compile_s': compiled.compile_s, 'step_times': times, 'metrics': metrics}
