@@ -1,61 +1,199 @@
-"""Command-line plumbing shared by the jax3d commands: `--config=PATH`, `--config.KEY=VALUE`
-overrides (unknown keys rejected), other `--flag=value` options, and exit status 2 on bad input."""
+"""The one command-line convention of the jax3d commands (train, plan, inspect, report, sample).
+
+Each command declares its flags as a dict `name -> Flag(type, default, help, check, required)` and
+calls `parse(argv, __doc__, FLAGS, config=..., positional=...)`, which understands:
+
+  --config=PATH               the config file, or a name in configs/ (commands that take a config)
+  --config.KEY=VALUE          one config override; an unknown key is rejected with the valid ones
+                              listed, the value is converted to the type of the key's default
+  --name=VALUE, --name VALUE  a declared flag, converted to its type (str, int, float or bool);
+                              --a-b and --a_b are the same flag
+  --name, --name=true|false   a bool flag (also 1/0, yes/no; --noname sets it false)
+  WORD ...                    positional arguments, for a command that declares them (report's WORKDIR)
+  -h, --help                  (anywhere) the command's docstring and its flags, exit status 0
+
+Bad input gives one line `error: ...` on stderr that names the flag, its value and what is valid,
+and exit status 2, before jax starts: nothing here imports jax, and the config file is loaded and
+its overrides checked during parsing.
+"""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+
+class Check(NamedTuple):
+  """A condition on a flag's converted value, and the words that say what is valid."""
+  ok: Callable[[Any], bool]
+  valid: str
+
+
+POSITIVE = Check(lambda v: v > 0, 'must be positive')
+NON_NEGATIVE = Check(lambda v: v >= 0, 'must be >= 0')
+
+
+def one_of(*values: str) -> Check:
+  """A Check that the value is one of `values` (compared in lower case)."""
+  return Check(lambda v: str(v).lower() in values, ', '.join(values))
+
+
+class Flag(NamedTuple):
+  """One declared flag: its type (str, int, float or bool), its default (None: not given), one line
+  of help, an optional Check of the converted value, and whether it must be given."""
+  type: type
+  default: Any = None
+  help: str = ''
+  check: Check | None = None
+  required: bool = False
 
 
 @dataclasses.dataclass
 class Args:
-  cfg: object
-  config_path: str
-  flags: dict
-  positional: list
+  """What `parse` read.
+
+  flags: every declared flag's value (its default when not given).
+  cfg: the loaded config with the overrides applied (None for a command without a config).
+  config_path: --config as given, None when absent (the default config was loaded).
+  overrides: the --config.KEY=VALUE pairs as given (strings), already checked against cfg.
+  positional: the positional arguments, as many as the command declares.
+  """
+  flags: dict[str, Any]
+  cfg: Any = None
+  config_path: str | None = None
+  overrides: dict[str, str] = dataclasses.field(default_factory=dict)
+  positional: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def config_name(self) -> str:
+    """The config's file name without its extension ('tiny' for the default config)."""
+    from jax3d import config as config_lib
+    path = self.config_path or config_lib.default_config_path()
+    return os.path.splitext(os.path.basename(path))[0]
 
 
-def fail(err) -> int:
-  print(f'error: {err}', file=sys.stderr)
+class UsageError(ValueError):
+  """Bad command-line input (exit status 2)."""
+
+
+def fail(err: object) -> int:
+  """Prints `error: err` as one line on stderr and returns exit status 2."""
+  print(f'error: {err}', file=sys.stderr, flush=True)
   return 2
 
 
-def parse(argv: list[str], extra: dict | None = None):
-  """Returns Args, or an exit status (2) after printing one line."""
-  from jax3d import config as config_lib
-  flags = dict(extra or {})
-  config_path, overrides, positional = None, {}, []
-  for arg in argv:
-    if not arg.startswith('--'):
-      positional.append(arg)
-      continue
-    key, eq, value = arg[2:].partition('=')
-    if key in ('help', 'h'):
-      print(__import__('__main__').__doc__ or '')
-      return 0
-    if not eq:
-      if key in flags and isinstance(flags[key], bool):
-        value = 'true'
-      else:
-        return fail(f'--{key} needs a value (--{key}=VALUE)')
-    if key == 'config':
-      config_path = value
-    elif key.startswith('config.'):
-      overrides[key[len('config.'):]] = value
-    elif key in flags:
-      flags[key] = (value.lower() in ('1', 'true', 'yes')) if isinstance(flags[key], bool) else value
-    else:
-      return fail(f'unknown flag --{key}; valid: --config, --config.KEY=VALUE'
-                  + ''.join(f', --{k}' for k in flags))
+_TRUE, _FALSE = ('1', 'true', 'yes'), ('0', 'false', 'no')
+_KIND = {str: 'a string', int: 'an integer', float: 'a number', bool: 'true or false'}
+
+
+def _convert(name: str, flag: Flag, text: str) -> Any:
+  if flag.type is bool:
+    if text.lower() in _TRUE + _FALSE:
+      return text.lower() in _TRUE
+  else:
+    try:
+      return flag.type(text)
+    except ValueError:
+      pass
+  raise UsageError(f'--{name}={text!r} is invalid: expected {_KIND.get(flag.type, flag.type.__name__)}')
+
+
+def help_text(doc: str | None, flags: Mapping[str, Flag] | None = None, config: bool = True,
+              positional: Mapping[str, str] | None = None) -> str:
+  """The command's docstring, then its arguments and flags with their types and defaults."""
+  rows = list((positional or {}).items())
+  if config:
+    rows += [('--config=PATH', 'config file, or a name in configs/ (default: configs/tiny.py)'),
+             ('--config.KEY=VALUE', 'override one config key (e.g. --config.mesh.tp=4)')]
+  for name, f in (flags or {}).items():
+    default = '' if f.default is None or f.type is bool else f' (default: {f.default})'
+    spec = f'--{name}' if f.type is bool else f'--{name}={f.type.__name__.upper()}'
+    rows.append((spec, f.help + (' (required)' if f.required else default)))
+  rows.append(('-h, --help', 'this text'))
+  width = max(len(spec) for spec, _ in rows) + 2
+  return '\n'.join([(doc or '').strip(), '', 'Arguments and flags:'] +
+                   [f'  {spec:<{width}}{what}'.rstrip() for spec, what in rows])
+
+
+def parse(argv: Sequence[str], doc: str | None, flags: Mapping[str, Flag] | None = None, *,
+          config: bool = True, positional: Mapping[str, str] | None = None) -> Args | int:
+  """Reads a command's arguments (see the module docstring). Returns Args, or an exit status after
+  printing: 0 for --help (the help on stdout), 2 for bad input (one `error:` line on stderr).
+
+  `doc` is the command's module docstring (printed by --help); `flags` its declared flags;
+  `config` whether it takes --config and --config.KEY=VALUE (the config is then loaded, so a bad
+  path, key or value fails here); `positional` its positional arguments, all required, as
+  name -> help.
+  """
+  flags, positional = dict(flags or {}), dict(positional or {})
+  if any(arg in ('-h', '-help', '--help') for arg in argv):
+    print(help_text(doc, flags, config, positional))
+    return 0
   try:
-    cfg = config_lib.load_config(config_path, overrides)  # set_key converts to each default's type
-  except config_lib.ConfigError as e:
+    args = _scan(list(argv), flags, config, positional)
+  except UsageError as e:
     return fail(e)
-  return Args(cfg, config_path or config_lib.default_config_path(), flags, positional)
+  if config:
+    from jax3d import config as config_lib
+    try:
+      args.cfg = config_lib.load_config(args.config_path, args.overrides)  # set_key converts the types
+    except config_lib.ConfigError as e:
+      return fail(e)
+  return args
+
+
+def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dict[str, str]) -> Args:
+  args = Args({name: f.default for name, f in flags.items()})
+  valid = ['--config=PATH', '--config.KEY=VALUE'] if config else []
+  valid += [f'--{name}' for name in flags] + ['--help']
+  usage = f'; valid: {", ".join(valid)}' + (f'; arguments: {" ".join(positional)}' if positional else '')
+  while argv:
+    arg = argv.pop(0)
+    if not arg.startswith('-') or arg == '-':
+      args.positional.append(arg)
+      continue
+    name, eq, value = arg[2 if arg.startswith('--') else 1:].partition('=')
+    is_config = config and (name == 'config' or name.startswith('config.'))
+    key = name if is_config else name.replace('-', '_')
+    flag = None if is_config else flags.get(key)
+    if flag is None and not is_config:
+      negated = flags.get(key[2:]) if key.startswith('no') else None
+      if negated is None or negated.type is not bool or eq:
+        raise UsageError(f'unknown flag {arg}{usage}')
+      args.flags[key[2:]] = False
+      continue
+    if not eq and flag is not None and flag.type is bool:
+      value = 'true'
+    elif not eq:  # --name VALUE
+      if not argv or argv[0].startswith('--'):
+        raise UsageError(f'--{name} needs a value: --{name}=VALUE')
+      value = argv.pop(0)
+    if name == 'config' and is_config:
+      args.config_path = value
+    elif is_config:
+      args.overrides[name[len('config.'):]] = value
+    else:
+      converted = _convert(key, flag, value)
+      if flag.check is not None and not flag.check.ok(converted):
+        raise UsageError(f'--{key}={value} is invalid: {flag.check.valid}')
+      args.flags[key] = converted
+  for name, f in flags.items():
+    if f.required and args.flags[name] in (None, ''):
+      raise UsageError(f'--{name} is required: {f.help}')
+  if len(args.positional) != len(positional):
+    if not positional:
+      raise UsageError(f'unexpected argument {args.positional[0]!r}{usage}')
+    raise UsageError(f'expected {" ".join(positional)}, got {len(args.positional)} argument(s) '
+                     f'{args.positional!r}{usage}')
+  return args
 
 
 def prepare_devices(n: int = 8) -> None:
-  """On a machine without an accelerator, expose n fake CPU devices unless XLA_FLAGS is set; on a
-  GPU machine, add the communication-overlap XLA flags (jax3d/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
+  """Call before jax starts its backend. On a machine without an accelerator, exposes n fake CPU
+  devices unless XLA_FLAGS is set; on a GPU machine, adds the communication-overlap XLA flags
+  (jax3d/training/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
   from jax3d.parallel.mesh import use_fake_cpu_devices
   from jax3d.training import gpu
   use_fake_cpu_devices(n)

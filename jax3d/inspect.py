@@ -19,39 +19,29 @@ Bytes, defined once (all per device, per optimizer step):
 """
 from __future__ import annotations
 
-import os
+import json
 import sys
 
+from jax3d import cli
 from jax3d.tools.inspection import inspect_step, render
 
+FLAGS = {'json': cli.Flag(bool, False, 'print the result as one JSON object')}
 
-def main(argv=None) -> int:
-  import json
-  argv = list(sys.argv[1:] if argv is None else argv)
-  if os.environ.get('JAX_PLATFORMS', 'cpu') in ('cpu', ''):
-    from jax3d.parallel import mesh as mesh_lib
-    mesh_lib.use_fake_cpu_devices(8)
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs `python -m jax3d.inspect` with argv (default sys.argv[1:]); returns the exit status."""
+  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
+  if isinstance(args, int):
+    return args
+  cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
+  import jax
+
   from jax3d import config as config_lib
-  path, overrides, as_json = None, {}, False
   try:
-    for arg in argv:
-      if arg == '--json':
-        as_json = True
-      elif arg.startswith('--config='):
-        path = arg.split('=', 1)[1]
-      elif arg.startswith('--config.') and '=' in arg:
-        key, value = arg[len('--config.'):].split('=', 1)
-        overrides[key] = value
-      else:
-        raise config_lib.ConfigError(f'unknown argument {arg!r} (use --config=PATH, --config.KEY=VALUE, --json)')
-    cfg = config_lib.load_config(path, overrides)
-    import jax
-    plan = config_lib.validate(cfg, jax.device_count())
-    result = inspect_step(cfg, plan)
-  except config_lib.ConfigError as err:
-    print(f'error: {err}', file=sys.stderr)
-    return 2
-  if as_json:
+    result = inspect_step(args.cfg, config_lib.validate(args.cfg, jax.device_count()))
+  except config_lib.ConfigError as e:
+    return cli.fail(e)
+  if args.flags['json']:
     print(json.dumps({k: v for k, v in result.items() if k != 'collectives'} |
                      {'collectives': [{k: v for k, v in c.items() if k != 'op_name'} for c in result['collectives']]}))
   else:

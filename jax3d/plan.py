@@ -13,61 +13,40 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import flags
-
-from jax3d.config import ConfigError, load_config, validate
+from jax3d import cli
+from jax3d.config import ConfigError, validate
 from jax3d.tools import costmodel
 from jax3d.tools.costmodel import GB, Hardware, estimate
 from jax3d.tools.planner import LAYOUT_KEYS, Candidate, apply, explain, oom_ladder, search, table, verify
 
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-flags.DEFINE_string('config', 'configs/tiny.py', 'config file (or a name in configs/)')
-flags.DEFINE_integer('nodes', 1, 'nodes in the cluster')
-flags.DEFINE_integer('gpus_per_node', 8, 'GPUs per node (one NVLink domain)')
-flags.DEFINE_float('gpu_memory_gb', 80.0, 'memory per GPU, GB')
-flags.DEFINE_float('peak_tflops', Hardware.peak_tflops, 'dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)')
-flags.DEFINE_float('efficiency', Hardware.efficiency, 'achievable share of peak for the matmuls')
-flags.DEFINE_float('intra_node_gbps', Hardware.intra_gbps, 'GB/s per GPU per direction inside a node')
-flags.DEFINE_float('inter_node_gbps', Hardware.inter_gbps, 'GB/s per GPU across nodes')
-flags.DEFINE_float('overlap', Hardware.overlap, 'share of the backward pass that hides the dp all-reduce')
-flags.DEFINE_integer('top', 10, 'fitting layouts to list')
-flags.DEFINE_bool('fixed', False, 'price only the layout the config sets (no search)')
-flags.DEFINE_bool('json', False, 'print the layouts as JSON')
-flags.DEFINE_bool('emit', False, 'print the --config overrides of the best layout for jax3d.train')
-flags.DEFINE_bool('verify', False, 'compile the best layout on fake CPU devices; print XLA\'s memory')
-FLAGS = flags.FLAGS
+FLAGS = {
+    'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),
+    'gpus_per_node': cli.Flag(int, 8, 'GPUs per node (one NVLink domain)', cli.POSITIVE),
+    'gpu_memory_gb': cli.Flag(float, 80.0, 'memory per GPU, GB', cli.POSITIVE),
+    'peak_tflops': cli.Flag(float, Hardware.peak_tflops, 'dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)',
+                            cli.POSITIVE),
+    'efficiency': cli.Flag(float, Hardware.efficiency, 'achievable share of peak for the matmuls', cli.POSITIVE),
+    'intra_node_gbps': cli.Flag(float, Hardware.intra_gbps, 'GB/s per GPU per direction inside a node',
+                                cli.POSITIVE),
+    'inter_node_gbps': cli.Flag(float, Hardware.inter_gbps, 'GB/s per GPU across nodes', cli.POSITIVE),
+    'overlap': cli.Flag(float, Hardware.overlap, 'share of the backward pass that hides the dp all-reduce'),
+    'top': cli.Flag(int, 10, 'fitting layouts to list'),
+    'fixed': cli.Flag(bool, False, 'price only the layout the config sets (no search)'),
+    'json': cli.Flag(bool, False, 'print the layouts as JSON'),
+    'emit': cli.Flag(bool, False, 'print the --config overrides of the best layout for jax3d.train'),
+    'verify': cli.Flag(bool, False, 'compile the best layout on fake CPU devices; print XLA\'s memory'),
+}
 
 
-def run(argv: list[str]) -> int:
-  overrides = {}
-  rest = [argv[0]]
-  for a in argv[1:]:
-    if a.startswith('--config.'):
-      key, _, value = a[len('--config.'):].partition('=')
-      overrides[key] = value
-    elif a.startswith('--'):  # --gpus-per-node and --gpus_per_node alike
-      name, eq, value = a[2:].partition('=')
-      rest.append('--' + name.replace('-', '_') + eq + value)
-    else:
-      rest.append(a)
-  try:
-    FLAGS(rest)
-  except flags.Error as e:
-    raise ConfigError(str(e)) from None
-  for name in ('nodes', 'gpus_per_node', 'gpu_memory_gb', 'peak_tflops', 'efficiency',
-               'intra_node_gbps', 'inter_node_gbps'):
-    if FLAGS[name].value <= 0:
-      raise ConfigError(f'--{name}={FLAGS[name].value} is invalid: must be positive')
-  hw = Hardware(nodes=FLAGS.nodes, gpus_per_node=FLAGS.gpus_per_node, memory_gb=FLAGS.gpu_memory_gb,
-                peak_tflops=FLAGS.peak_tflops, efficiency=FLAGS.efficiency,
-                intra_gbps=FLAGS.intra_node_gbps, inter_gbps=FLAGS.inter_node_gbps, overlap=FLAGS.overlap)
-  if FLAGS.verify:  # before jax starts a backend: n fake CPU devices (unless XLA_FLAGS is set)
-    from jax3d.parallel import mesh as mesh_lib
-    mesh_lib.use_fake_cpu_devices(hw.n_devices)
-  cfg = load_config(FLAGS.config, overrides)
-  if FLAGS.fixed:
+def run(args: cli.Args) -> int:
+  """Plans the layouts for parsed arguments, printing them; raises ConfigError when none fits."""
+  f, cfg = args.flags, args.cfg
+  hw = Hardware(nodes=f['nodes'], gpus_per_node=f['gpus_per_node'], memory_gb=f['gpu_memory_gb'],
+                peak_tflops=f['peak_tflops'], efficiency=f['efficiency'], intra_gbps=f['intra_node_gbps'],
+                inter_gbps=f['inter_node_gbps'], overlap=f['overlap'])
+  if f['verify']:  # before jax starts a backend: n fake CPU devices (unless XLA_FLAGS is set)
+    cli.prepare_devices(hw.n_devices)
+  if f['fixed']:
     plan = validate(cfg, hw.n_devices)
     ranked = [Candidate({k: cfg[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS},
                         estimate(cfg, plan, hw.memory_gb * GB, hw))]
@@ -76,7 +55,7 @@ def run(argv: list[str]) -> int:
   fit, shown = [], set()
   for c in ranked:  # one row per layout; ZeRO-1 on/off ties are shown once (the less memory)
     key = tuple(v for k, v in c.overrides.items() if k != 'train.shard_optimizer')
-    if c.est.fits and key not in shown and len(fit) < FLAGS.top:
+    if c.est.fits and key not in shown and len(fit) < f['top']:
       shown.add(key)
       fit.append(c)
   # For the meshes where nothing fits: the variant that needs least memory, and by how much.
@@ -86,11 +65,11 @@ def run(argv: list[str]) -> int:
     if not c.est.fits and key not in seen:
       seen.add(key)
       misfits.append(c)
-  name = FLAGS.config.rsplit('/', 1)[-1].removesuffix('.py')
-  if FLAGS.json:
+  name = args.config_name
+  if f['json']:
     print(json.dumps([dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] +
                      [dict(c.row(), rank=None) for c in misfits], indent=1))
-  elif FLAGS.emit and fit:
+  elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
   else:
     n_params = costmodel.param_count(cfg)
@@ -111,22 +90,25 @@ def run(argv: list[str]) -> int:
         print(f'  dp={p.dp} pp={p.pp} tp={p.tp} (m={p.microbatches}, remat={c.est.remat}): {c.est.reason}')
   if not fit:
     worst = min(ranked, key=lambda c: c.est.total_bytes)
-    if not FLAGS.json:
+    if not f['json']:
       print('\n' + '\n'.join(oom_ladder(apply(cfg, worst.overrides), worst.plan, hw.memory_gb * GB, hw)))
     raise ConfigError(f'no layout of {name} fits {hw.nodes} x {hw.gpus_per_node} GPUs of '
                       f'{hw.memory_gb:g} GB: the smallest {worst.est.reason}')
-  if FLAGS.verify:
+  if f['verify']:
     best = fit[0]
     print('\n' + '\n'.join(verify(apply(cfg, best.overrides), best.plan)))
   return 0
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+  """Runs `python -m jax3d.plan` with argv (default sys.argv[1:]); returns the exit status."""
+  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
+  if isinstance(args, int):
+    return args
   try:
-    return run(list(argv if argv is not None else sys.argv))
+    return run(args)
   except ConfigError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
+    return cli.fail(e)
 
 
 if __name__ == '__main__':

@@ -14,19 +14,21 @@ from __future__ import annotations
 import os
 import sys
 
+from jax3d import cli
 from jax3d.tools.report import write_report
 
 
-def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  if len(argv) != 1 or argv[0].startswith('-'):
-    print('usage: python -m jax3d.report WORKDIR', file=sys.stderr)
-    return 2
-  if not os.path.exists(os.path.join(argv[0], 'metrics.jsonl')):
-    print(f'error: {os.path.join(argv[0], "metrics.jsonl")}: no such file (is WORKDIR a run directory?)',
-          file=sys.stderr)
-    return 2
-  print(write_report(argv[0]))
+def main(argv: list[str] | None = None) -> int:
+  """Runs `python -m jax3d.report WORKDIR` with argv (default sys.argv[1:]); returns the exit status."""
+  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, config=False,
+                   positional={'WORKDIR': "a training run's workdir, holding metrics.jsonl"})
+  if isinstance(args, int):
+    return args
+  workdir = args.positional[0]
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(metrics):
+    return cli.fail(f'WORKDIR={workdir}: {metrics}: no such file (is WORKDIR a run directory?)')
+  print(write_report(workdir))
   return 0
 
 

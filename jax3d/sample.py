@@ -15,67 +15,43 @@ is set).
 Exit status: 0 printed the text; 2 bad flags, a bad config or no checkpoint in the workdir
 (one line on stderr); 3 a checkpoint that does not match the config.
 
-In Python, `jax3d.sample(trainer_or_workdir, prompt, ...)` does the same: this module is callable.
+In Python, `jax3d.sample(trainer_or_workdir, prompt, ...)` does the same: this module is callable
+(it forwards to `jax3d.tools.sampling.sample`, see `_CallableModule`).
 """
 from __future__ import annotations
 
 import sys
 import types
 
+from jax3d import cli
 from jax3d.tools.sampling import NoCheckpoint, sample_workdir
 
-FLAGS = {'workdir': None, 'prompt': None, 'tokens': None, 'temperature': None, 'top_k': None,
-         'seed': '0', 'greedy': False}
-
-def parse(argv: list[str]):
-  """(flags, config_path, overrides), or an exit status after printing one line."""
-  from jax3d import cli
-  flags, config_path, overrides = dict(FLAGS), None, {}
-  for arg in argv:
-    if not arg.startswith('--'):
-      return cli.fail(f'unexpected argument {arg!r} (flags are --name=value)')
-    key, eq, value = arg[2:].partition('=')
-    key = key if key.startswith('config.') else key.replace('-', '_')
-    if key in ('help', 'h'):
-      print(__doc__)
-      return 0
-    if key == 'config':
-      config_path = value
-    elif key.startswith('config.') and eq:
-      overrides[key[len('config.'):]] = value
-    elif key == 'greedy':
-      flags['greedy'] = (value.lower() in ('1', 'true', 'yes')) if eq else True
-    elif key in flags and eq:
-      flags[key] = value
-    else:
-      return cli.fail(f'unknown flag or missing value: {arg!r}; valid: ' + ', '.join(
-          f'--{k}' for k in FLAGS) + ', --config=PATH, --config.KEY=VALUE')
-  if not flags['workdir']:
-    return cli.fail('--workdir=DIR is required (a training run\'s workdir, holding checkpoints/)')
-  for key, kind in (('tokens', int), ('temperature', float), ('top_k', int), ('seed', int)):
-    if flags[key] is not None:
-      try:
-        flags[key] = kind(flags[key])
-      except ValueError:
-        return cli.fail(f'--{key}={flags[key]!r} is invalid: {kind.__name__} expected')
-  if flags['tokens'] is not None and flags['tokens'] < 0:
-    return cli.fail(f'--tokens={flags["tokens"]} is invalid: must be >= 0')
-  return flags, config_path, overrides
+FLAGS = {
+    'workdir': cli.Flag(str, None, "a training run's workdir, holding checkpoints/", required=True),
+    'prompt': cli.Flag(str, None, 'the text to continue (default: the config\'s sample.prompt)'),
+    'tokens': cli.Flag(int, None, 'bytes to generate (default: sample.tokens)', cli.NON_NEGATIVE),
+    'temperature': cli.Flag(float, None, 'sampling temperature, 0 = greedy (default: sample.temperature)'),
+    'top_k': cli.Flag(int, None, 'sample among the k likeliest bytes, 0 = all (default: sample.top_k)'),
+    'seed': cli.Flag(int, 0, 'random seed of the sampling'),
+    'greedy': cli.Flag(bool, False, 'always the likeliest byte (same as --temperature=0)'),
+}
 
 
-def main(argv=None) -> int:
-  args = parse(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str] | None = None) -> int:
+  """Runs `python -m jax3d.sample` with argv (default sys.argv[1:]); returns the exit status.
+
+  The --config.KEY=VALUE overrides are checked against the default config's keys and types here,
+  then applied to the config the text is generated with (the checkpoint's, unless --config)."""
+  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
   if isinstance(args, int):
     return args
-  flags, config_path, overrides = args
-  from jax3d import cli
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   from jax3d import config as config_lib
   from jax3d.training import checkpoint as ckpt_lib
+  f = args.flags
   try:
-    text = sample_workdir(flags['workdir'], flags['prompt'], flags['tokens'],
-                          0.0 if flags['greedy'] else flags['temperature'], flags['top_k'], flags['seed'],
-                          config=config_path, overrides=overrides)
+    text = sample_workdir(f['workdir'], f['prompt'], f['tokens'], 0.0 if f['greedy'] else f['temperature'],
+                          f['top_k'], f['seed'], config=args.config_path, overrides=args.overrides)
   except (NoCheckpoint, config_lib.ConfigError) as e:
     return cli.fail(e)
   except ckpt_lib.CheckpointError as e:
@@ -86,13 +62,15 @@ def main(argv=None) -> int:
 
 
 class _CallableModule(types.ModuleType):
-  """`jax3d.sample` is this module (so `python -m jax3d.sample` and `import jax3d.sample` work)
-  and also the API function `jax3d.sample(trainer_or_workdir, prompt, ...)`: a package attribute
-  cannot be both a function and a submodule, so the module forwards calls to `api.sample`."""
+  """Why this class: `jax3d.sample` must be both this command's module (so that
+  `python -m jax3d.sample` and `import jax3d.sample` work) and the API function
+  `jax3d.sample(trainer_or_workdir, prompt, ...)`. A package attribute cannot be both a function
+  and a submodule, so the module's class is replaced by this one, whose calls forward to the
+  function `jax3d.tools.sampling.sample` (which `jax3d.api` re-exports as `api.sample`)."""
 
   def __call__(self, *args, **kwargs):
-    from jax3d import api
-    return api.sample(*args, **kwargs)
+    from jax3d.tools import sampling
+    return sampling.sample(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule

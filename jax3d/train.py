@@ -20,17 +20,29 @@ import sys
 from jax3d import cli
 from jax3d.training import distributed
 
+# The distributed flags are distributed.FLAGS, typed (an unset one falls back to its environment
+# variable: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX3D_DISTRIBUTED, ...).
+FLAGS = {
+    'workdir': cli.Flag(str, None, 'checkpoints and metrics.jsonl go here (default: runs/CONFIG_NAME)'),
+    'coordinator': cli.Flag(str, None, 'HOST:PORT of process 0'),
+    'num_processes': cli.Flag(int, None, 'processes in the run', cli.POSITIVE),
+    'process_id': cli.Flag(int, None, 'this process, 0 .. num_processes-1', cli.NON_NEGATIVE),
+    'distributed': cli.Flag(str, None, 'auto, on or off: call jax.distributed.initialize (default auto)',
+                            cli.one_of('auto', 'on', 'off')),
+    'init_timeout': cli.Flag(int, None, 'seconds to join the coordinator (default 300)', cli.POSITIVE),
+    'heartbeat_timeout': cli.Flag(int, None, 'seconds before a silent peer counts as lost (default 100)',
+                                  cli.POSITIVE),
+    'devices_per_process': cli.Flag(int, 8, 'fake CPU devices per process when XLA_FLAGS is unset',
+                                    cli.POSITIVE),
+}
 
-def main(argv=None) -> int:
-  args = cli.parse(sys.argv[1:] if argv is None else argv,
-                   extra={'workdir': None, **distributed.FLAGS})
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs `python -m jax3d.train` with argv (default sys.argv[1:]); returns the exit status."""
+  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
   if isinstance(args, int):
     return args
-  try:
-    per_process = int(args.flags['devices_per_process'] or 8)
-  except ValueError:
-    return cli.fail(f'--devices_per_process={args.flags["devices_per_process"]!r} is invalid: an integer')
-  cli.prepare_devices(per_process)
+  cli.prepare_devices(args.flags['devices_per_process'])
   try:
     inf = distributed.initialize(args.flags)  # before anything touches a device
   except ValueError as e:
@@ -42,7 +54,7 @@ def main(argv=None) -> int:
     return _run(args)
   try:
     return _run(args)
-  except BaseException as e:  # noqa: BLE001 - a failure on one process must not hang the others
+  except BaseException as e:  # a failure on one process must not hang the others
     if isinstance(e, SystemExit):
       raise
     import jax
@@ -54,14 +66,15 @@ def main(argv=None) -> int:
     return 3
 
 
-def _run(args) -> int:
+def _run(args: cli.Args) -> int:
   import jax
+
   from jax3d import config as config_lib
-  from jax3d.training import checkpoint as ckpt_lib
   from jax3d.parallel import mesh as mesh_lib
+  from jax3d.training import checkpoint as ckpt_lib
   from jax3d.training.trainer import Trainer, TrainingError
   multi = distributed.info().multi
-  workdir = args.flags['workdir'] or os.path.join('runs', os.path.splitext(os.path.basename(args.config_path))[0])
+  workdir = args.flags['workdir'] or os.path.join('runs', args.config_name)
   try:
     trainer = Trainer(args.cfg, workdir=workdir)
   except config_lib.ConfigError as e:

@@ -1,11 +1,14 @@
 """Bad input: exit status 2 and one line naming the setting, its value and what is valid,
 before anything compiles."""
+import importlib
 import os
 import subprocess
 import sys
 import time
 
 import pytest
+
+from jax3d import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +49,7 @@ def run_cli(args, tmp_path, env_extra=None):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
   env.update(env_extra or {})
   return subprocess.run([sys.executable, '-m', 'jax3d.train', f'--workdir={tmp_path}/w', *args],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.mark.parametrize('args,words', CASES, ids=[' '.join(c[0])[:60] for c in CASES])
@@ -82,5 +85,105 @@ def test_validation_raises_real_exceptions_not_asserts():
       'from jax3d import config as c\n'
       'cfg = c.load_config("tiny", {"mesh.dp": 3})\n'
       'try:\n  c.validate(cfg, 8)\nexcept c.ConfigError as e:\n  print("raised", e)\n')],
-      cwd=ROOT, capture_output=True, text=True, timeout=60)
+      cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
   assert 'raised mesh dp*pp*tp' in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# One command-line convention for the five commands (jax3d/cli.py)
+# ---------------------------------------------------------------------------------------------
+COMMANDS = ['train', 'plan', 'inspect', 'report', 'sample']
+WITH_CONFIG = ['train', 'plan', 'inspect', 'sample']
+REQUIRED = {'sample': ['--workdir=/nonexistent/run']}  # so that the error is about the flag tested
+
+# `python -m jax3d.COMMAND ARGS...`, then one more line on stdout: was jax imported?
+RUN_AS_MAIN = ('import runpy, sys\n'
+               'sys.argv = sys.argv[1:]\n'
+               'try:\n'
+               '  runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)\n'
+               'finally:\n'
+               '  print("jax imported" if "jax" in sys.modules else "jax not imported")\n')
+
+
+def run_command(command, *args):
+  r = subprocess.run([sys.executable, '-c', RUN_AS_MAIN, f'jax3d.{command}', *args], cwd=ROOT,
+                     capture_output=True, text=True, timeout=60, check=False)
+  return r, r.stdout.rstrip().splitlines()[-1]
+
+
+def one_error_line(r):
+  """The single stderr line of a usage error (exit status 2, nothing else on stderr)."""
+  assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: '), r.stderr
+  return lines[0]
+
+
+@pytest.mark.parametrize('command', COMMANDS)
+def test_every_command_rejects_an_unknown_flag(command):
+  r, jax_line = run_command(command, *REQUIRED.get(command, []), '--bogus-flag=1')
+  line = one_error_line(r)
+  assert 'unknown flag --bogus-flag=1' in line and 'valid: ' in line and '--help' in line, line
+  assert jax_line == 'jax not imported'
+
+
+@pytest.mark.parametrize('command', WITH_CONFIG)
+@pytest.mark.parametrize('override,words', [
+    ('--config.model.nlayers=4', ["unknown config key 'model.nlayers'", 'n_layers']),
+    ('--config.train.steps=many', ["train.steps='many' is invalid", 'int']),
+])
+def test_every_command_with_a_config_rejects_a_bad_key(command, override, words):
+  r, jax_line = run_command(command, *REQUIRED.get(command, []), override)
+  line = one_error_line(r)
+  assert all(w in line for w in words), line
+  assert jax_line == 'jax not imported'
+
+
+@pytest.mark.parametrize('command,args,words', [
+    ('train', ['--num_processes=two'], ["--num_processes='two' is invalid", 'integer']),
+    ('train', ['--distributed=maybe'], ['--distributed=maybe is invalid', 'auto, on, off']),
+    ('train', ['--config=configs/none.py'], ['--config=configs/none.py', 'no such file']),
+    ('plan', ['--gpus-per-node=0'], ['--gpus_per_node=0 is invalid', 'positive']),
+    ('plan', ['--nodes'], ['--nodes needs a value']),
+    ('inspect', ['--json=maybe'], ["--json='maybe' is invalid", 'true or false']),
+    ('inspect', ['configs/tiny.py'], ["unexpected argument 'configs/tiny.py'"]),
+    ('report', [], ['expected WORKDIR', '0 argument']),
+    ('report', ['a', 'b'], ['expected WORKDIR', "['a', 'b']"]),
+    ('report', ['--config=tiny', 'a'], ['unknown flag --config=tiny']),
+    ('sample', ['--prompt=x'], ['--workdir is required']),
+    ('sample', ['--workdir=w', '--tokens=-1'], ['--tokens=-1 is invalid', '>= 0']),
+])
+def test_bad_flag_values_name_the_flag_value_and_what_is_valid(command, args, words):
+  r, jax_line = run_command(command, *args)
+  line = one_error_line(r)
+  assert all(w in line for w in words), line
+  assert jax_line == 'jax not imported'
+
+
+@pytest.mark.parametrize('command', COMMANDS)
+def test_every_command_prints_its_docstring_for_help(command):
+  first = importlib.import_module(f'jax3d.{command}').__doc__.strip().splitlines()[0]
+  for flag in ('--help', '-h'):
+    r, jax_line = run_command(command, '--bogus', flag)  # --help wins wherever it is
+    assert r.returncode == 0 and r.stderr == '', r.stderr
+    assert r.stdout.startswith(first) and '\nArguments and flags:\n' in r.stdout, r.stdout
+    assert jax_line == 'jax not imported'
+
+
+def test_flag_spellings_and_types():
+  """--a-b and --a_b alike, --name VALUE, bare and explicit bools, --noNAME; converted types."""
+  from jax3d import plan
+  args = cli.parse(['--gpus-per-node=4', '--gpu_memory_gb', '40', '--json', '--fixed=false', '--noemit',
+                    '--config=tiny', '--config.mesh.tp=4', '--config.mesh.pp=1'], plan.__doc__, plan.FLAGS)
+  assert isinstance(args, cli.Args)
+  f = args.flags
+  assert (f['gpus_per_node'], f['gpu_memory_gb'], f['json'], f['fixed'], f['emit'], f['nodes']) == (
+      4, 40.0, True, False, False, 1)
+  assert type(f['gpu_memory_gb']) is float and args.config_name == 'tiny'
+  assert args.overrides == {'mesh.tp': '4', 'mesh.pp': '1'} and args.cfg.mesh.tp == 4 and args.positional == []
+
+
+def test_train_declares_every_distributed_flag():
+  from jax3d import train
+  from jax3d.training import distributed
+  assert set(train.FLAGS) == {'workdir', *distributed.FLAGS}
