@@ -286,7 +286,7 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   for key in ('n_heads', 'n_kv_heads', 'd_ff'):
     if m[key] % tp:
       _fail(f'model.{key}', m[key], f'must be divisible by mesh.tp={tp}')
-  vocab_padded = -(-m.vocab_size // m.vocab_multiple) * m.vocab_multiple
+  vocab_padded = padded_vocab(m)
   if vocab_padded % tp:
     _fail('model.vocab_size', m.vocab_size, f'padded to {vocab_padded} (model.vocab_multiple='
           f'{m.vocab_multiple}), which mesh.tp={tp} does not divide; pick a vocab_multiple divisible by tp')
@@ -304,3 +304,8 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   return RunPlan(dp=dp, pp=pp, tp=tp, microbatches=p_.microbatches, repeats=v, grad_accum=t.grad_accum,
                  global_batch=t.global_batch_size, seq_len=t.seq_len, vocab_padded=vocab_padded,
                  nan_steps=nan_steps)
+
+
+def padded_vocab(model_cfg: ml_collections.ConfigDict) -> int:
+  """The stored vocabulary: model.vocab_size rounded up to a multiple of model.vocab_multiple."""
+  return -(-model_cfg.vocab_size // model_cfg.vocab_multiple) * model_cfg.vocab_multiple

@@ -9,7 +9,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax3d.model import formulas as flops
 from jax3d.training import memory  # noqa: E402
 
 MB = 2**20
@@ -74,28 +73,3 @@ def test_single_jump_is_not_a_leak():
   events = [leak.update(i * 10, [b]) for i, b in enumerate(series)]
   assert [e['step'] for e in events if e] in ([], [50])  # at most once, then flat: nothing
   assert sum(e is not None for e in events) <= 1
-
-
-def test_mfu_against_a_hand_count():
-  from jax3d.model.llama import Dims
-  dims = Dims(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=100, vocab_padded=128)
-  # per layer: 2 norms 2*64, q,o 2*64*64, k,v 2*64*32 (2 kv heads of 16), mlp 3*64*128
-  per_layer = 128 + 8192 + 4096 + 24576
-  p_all = 2 * per_layer + 2 * 100 * 64 + 64
-  assert dims.param_count() == p_all
-  p = p_all - 100 * 64  # the input embedding is a lookup: not in 6P
-  per_token = 6 * p + 12 * 2 * 64 * 32  # seq_len 32
-  assert flops.flops_per_token(dims, 32) == per_token
-  # 1e6 tokens/s on 4 devices of 100 TFLOP/s
-  assert flops.mfu(1e6, per_token, 100e12, 4) == pytest.approx(1e6 * per_token / 4e14)
-
-  class H100:
-    platform, device_kind = 'gpu', 'NVIDIA H100 80GB HBM3'
-
-  class Cpu:
-    platform, device_kind = 'cpu', 'cpu'
-
-  assert flops.peak_flops(H100()) == 989e12
-  assert flops.peak_flops(Cpu()) is None  # no invented CPU peak
-  assert flops.peak_flops(Cpu(), override_tflops=2.0) == 2e12
-  assert flops.MFUMeter(dims, 32, Cpu(), 8)(1e6) is None

@@ -54,8 +54,8 @@ def test_estimate_by_hand_tiny():
   assert e.breakdown['activations'] == pytest.approx(carry + 2 * layer_full + layer_none)
   # Head: 4 rows (16 / (dp*pp)) x 128 x (3 fp32 copies of 128 vocab columns + the 256-wide input).
   assert e.breakdown['head'] == 4 * 128 * (3 * 4 * 128 + 2 * 256 * 4)
-  # Model FLOPs per token 6P + 12*L*h*s, P = 3279104 parameters.
-  assert e.model_flops_per_token == 6 * 3279104 + 12 * 4 * 256 * 128
+  # Model FLOPs per token 6P + 12*L*h*s, P = 3279104 parameters less the 256*256 input embedding.
+  assert e.model_flops_per_token == 6 * (3279104 - 256 * 256) + 12 * 4 * 256 * 128
   assert p.bubble == pytest.approx(1 / 5)
   t = e.times
   assert t['step'] == pytest.approx(t['compute'] + t['tp'] + t['pp'] + t['dp'] - t['dp_hidden'])

@@ -1,11 +1,12 @@
 """Generation: `python -m jax3d.sample` from a checkpoint on another layout, and the KV cache.
 
-The KV-cache decoder (generate.py) is a second implementation of the model's forward pass, written
-for one token at a time. It is checked here against the training forward pass (model.Block, the
-one the loss uses), recomputed over the whole growing sequence for every new token: same logits,
-same greedy tokens. The checkpoint is trained with a tiny learning rate so that greedy decoding
-still produces varied bytes (a model trained a few steps at full rate predicts ' ' everywhere,
-which would hide a wrong cache or a wrong layer order).
+The KV-cache decoder (generate.py) runs the training model's own layer (model.Block) through its
+KV-cache path: one token at a time, attention over the cached keys and values. It is checked here
+against the training path of the same layer (the one the loss uses), recomputed over the whole
+growing sequence for every new token: same logits, same greedy tokens. The checkpoint is trained
+with a tiny learning rate so that greedy decoding still produces varied bytes (a model trained a
+few steps at full rate predicts ' ' everywhere, which would hide a wrong cache or a wrong layer
+order).
 """
 import os
 import subprocess
@@ -18,10 +19,10 @@ import pytest
 
 import jax3d
 from jax3d import sample as sample_lib
-from jax3d.tools import sampling
 from jax3d.model import generate as gen_lib
 from jax3d.model import llama as model_lib
 from jax3d.parallel import pipeline
+from jax3d.tools import sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {'model.d_model': 64, 'model.d_ff': 128, 'model.max_seq_len': 64, 'train.seq_len': 32,
@@ -35,7 +36,7 @@ def _cli(*args):
   env.update(JAX_PLATFORMS='cpu', PYTHONIOENCODING='utf-8',
              PYTHONPATH=os.pathsep.join([ROOT, env.get('PYTHONPATH', '')]))
   return subprocess.run([sys.executable, '-m', 'jax3d.sample', *args], cwd=ROOT, env=env,
-                        capture_output=True, timeout=600)
+                        capture_output=True, timeout=600, check=False)
 
 
 @pytest.fixture(scope='module')
@@ -88,7 +89,7 @@ def test_kv_cache_matches_full_forward(run):
   # The logits themselves, prefill then one token at a time through the cache.
   params = t.state['params']
   layers = pipeline.to_canonical(params['layers'], *layout)
-  cache = jnp.zeros((dims.n_layers, 2, 1, t.cfg.model.max_seq_len, dims.n_kv_heads, dims.head_dim), dims.dtype)
+  cache = gen_lib.empty_cache(dims, 1, t.cfg.model.max_seq_len)
   logits, cache = gen_lib._forward(dims, params, layers, jnp.asarray([prompt], jnp.int32), cache, 0)
   for i in range(n):
     got = np.asarray(logits)[0, :dims.vocab_size]

@@ -1,4 +1,12 @@
-"""Model FLOPs and MFU: the standard numerator (PaLM appendix B) over the hardware's peak.
+"""The model's counting formulas, in one place: parameters, FLOPs per token, MFU.
+
+Parameters (`dims` is a model.Dims, or anything with its fields and `head_dim`):
+
+  per layer        2*d (two RMSNorm scales) + d*hd*(2*n + 2*k) (q, o; k, v) + 3*d*f (gate, up, down)
+  embedding/head   2*V*d (input table, output projection) + d (final norm)
+  total            L * per layer + embedding/head, with the real vocabulary V (padded rows excluded)
+
+Model FLOPs and MFU: the standard numerator (PaLM appendix B) over the hardware's peak.
 
   model FLOPs per token = 6 * P + 12 * L * h * s
   MFU = tokens/s * model FLOPs per token / (peak FLOP/s per device * devices)
@@ -17,8 +25,6 @@ honest peak for a CPU, so on CPU (or an unknown device) MFU is None unless the c
 bf16 peak or less), so its MFU against the bf16 peak is low by construction.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 # (substring of jax's device.device_kind, dense bf16 TFLOP/s per device). First match wins, so
 # the more specific names come first.
@@ -42,17 +48,47 @@ PEAK_TFLOPS = (
 )
 
 
+def layer_params(dims, tp: int = 1) -> int:
+  """Parameters of one decoder layer on one of `tp` shards: the matrices split, the norms whole."""
+  d, hd = dims.d_model, dims.head_dim
+  matrices = d * hd * (2 * dims.n_heads + 2 * dims.n_kv_heads) + 3 * d * dims.d_ff
+  return matrices // tp + 2 * d
+
+
+def embed_head_params(dims, tp: int = 1, padded: bool = False) -> int:
+  """Embedding table, output projection (vocabulary rows split over `tp`) and the final norm; with
+  `padded` the padded vocabulary (what is stored), else the real one."""
+  vocab = dims.vocab_padded if padded else dims.vocab_size
+  return 2 * vocab * dims.d_model // tp + dims.d_model
+
+
+def param_count(dims) -> int:
+  """Parameters of the real model (padded vocabulary rows excluded)."""
+  return dims.n_layers * layer_params(dims) + embed_head_params(dims)
+
+
 def model_params(dims) -> int:
   """P of the MFU numerator: every parameter except the input embedding table (a lookup)."""
-  return dims.param_count() - dims.vocab_size * dims.d_model
+  return param_count(dims) - dims.vocab_size * dims.d_model
+
+
+def attention_flops_per_token(dims, seq_len: int) -> float:
+  """The 12 * L * h * s term: attention scores and weighted sum, forward + backward."""
+  return 12.0 * dims.n_layers * dims.d_model * seq_len
 
 
 def flops_per_token(dims, seq_len: int) -> float:
   """Training FLOPs per token, 6 * P + 12 * L * h * s (forward + backward, no recompute)."""
-  return 6.0 * model_params(dims) + 12.0 * dims.n_layers * dims.d_model * seq_len
+  return 6.0 * model_params(dims) + attention_flops_per_token(dims, seq_len)
 
 
-def peak_flops(device=None, override_tflops: float = 0.0) -> Optional[float]:
+def stage_forward_flops(dims, n_layers: int, tokens: int) -> float:
+  """Forward FLOPs of `n_layers` decoder layers over `tokens` tokens (2 per weight per token;
+  attention's scores are not counted): what one pipeline stage computes."""
+  return 2.0 * n_layers * layer_params(dims) * tokens
+
+
+def peak_flops(device=None, override_tflops: float = 0.0) -> float | None:
   """Peak FLOP/s of one device: the override if > 0, else the table, else None (CPU, unknown)."""
   if override_tflops and override_tflops > 0:
     return float(override_tflops) * 1e12
@@ -65,8 +101,8 @@ def peak_flops(device=None, override_tflops: float = 0.0) -> Optional[float]:
   return None
 
 
-def mfu(tokens_per_sec: float, per_token_flops: float, peak_per_device: Optional[float],
-        n_devices: int) -> Optional[float]:
+def mfu(tokens_per_sec: float, per_token_flops: float, peak_per_device: float | None,
+        n_devices: int) -> float | None:
   """Model FLOPs utilisation in [0, 1], or None when the peak is unknown."""
   if not peak_per_device or n_devices < 1:
     return None
@@ -74,9 +110,9 @@ def mfu(tokens_per_sec: float, per_token_flops: float, peak_per_device: Optional
 
 
 class MFUMeter:
-  """What train.py needs per log line: built once from the config, called with tokens/s.
+  """What the trainer needs per log line: built once from the config, called with tokens/s.
 
-    meter = flops.MFUMeter(setup.dims, cfg.train.seq_len, jax.devices()[0], plan.n_devices,
+    meter = formulas.MFUMeter(setup.dims, cfg.train.seq_len, jax.devices()[0], plan.n_devices,
                            cfg.hardware.peak_tflops)
     record['mfu'] = meter(tokens_per_sec)      # float or None
   """
@@ -86,5 +122,5 @@ class MFUMeter:
     self.peak = peak_flops(device, override_tflops)
     self.n_devices = n_devices
 
-  def __call__(self, tokens_per_sec: float) -> Optional[float]:
+  def __call__(self, tokens_per_sec: float) -> float | None:
     return mfu(tokens_per_sec, self.per_token, self.peak, self.n_devices)

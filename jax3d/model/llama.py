@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jax3d import config as config_lib
+from jax3d.model import formulas
 from jax3d.parallel.sharding import constrain
 
 
@@ -44,18 +46,18 @@ class Dims:
     return self.d_model // self.n_heads
 
   @staticmethod
-  def from_config(cfg, plan) -> 'Dims':
+  def from_config(cfg, plan=None) -> Dims:
+    """The model of `cfg`; the padded vocabulary comes from `plan` when given (the same number)."""
     m = cfg.model
+    vocab_padded = plan.vocab_padded if plan is not None else config_lib.padded_vocab(m)
     return Dims(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                d_ff=m.d_ff, vocab_size=m.vocab_size, vocab_padded=plan.vocab_padded,
+                d_ff=m.d_ff, vocab_size=m.vocab_size, vocab_padded=vocab_padded,
                 rope_theta=m.rope_theta, norm_eps=m.norm_eps, dtype=jnp.dtype(cfg.train.compute_dtype),
                 param_dtype=jnp.dtype(cfg.train.param_dtype), attention=cfg.train.attention)
 
   def param_count(self) -> int:
-    """Parameters of the real model (padded vocabulary rows excluded)."""
-    d, h = self.d_model, self.head_dim
-    per_layer = (2 * d + d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2 + 3 * d * self.d_ff)
-    return self.n_layers * per_layer + 2 * self.vocab_size * d + d
+    """Parameters of the real model (padded vocabulary rows excluded): formulas.param_count."""
+    return formulas.param_count(self)
 
 
 def _init(names, stddev):
@@ -74,14 +76,30 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.dims.dtype)
 
 
-def rope(x_btnh, theta: float):
-  """Rotary position embedding (half-split form), positions 0..t-1, computed in fp32."""
+def rope(x_btnh, theta: float, positions_t=None):
+  """Rotary position embedding (half-split form), computed in fp32. `positions_t` (int, [t]) are
+  the tokens' positions; None means 0..t-1 (then the angles are constants of the trace)."""
   t, h = x_btnh.shape[1], x_btnh.shape[-1]
   inv_freq = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float32) / h))  # (h/2,)
-  ang_th = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]  # (t, h/2)
+  pos_t = np.arange(t, dtype=np.float32) if positions_t is None else positions_t.astype(jnp.float32)
+  ang_th = pos_t[:, None] * inv_freq[None, :]  # (t, h/2)
   cos, sin = jnp.cos(ang_th)[None, :, None, :], jnp.sin(ang_th)[None, :, None, :]
   x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
+
+
+def cached_attention(q_btnh, k_bskh, v_bskh, positions_t):
+  """Causal attention, in fp32, of queries at `positions_t` over a KV cache of s entries: the query
+  at position p sees entries 0..p, so entries past the last query (not yet written) are ignored."""
+  b, t, n, h = q_btnh.shape
+  k = k_bskh.shape[2]
+  q_btkgh = q_btnh.reshape(b, t, k, n // k, h)  # query head i belongs to KV head i // g
+  s_bkgts = jnp.einsum('btkgh,bskh->bkgts', q_btkgh.astype(jnp.float32),
+                       k_bskh.astype(jnp.float32)) / np.sqrt(h)
+  mask_ts = jnp.arange(k_bskh.shape[1])[None, :] <= positions_t[:, None]
+  s_bkgts = jnp.where(mask_ts[None, None, None], s_bkgts, -1e30)
+  o_btkgh = jnp.einsum('bkgts,bskh->btkgh', jax.nn.softmax(s_bkgts, axis=-1), v_bskh.astype(jnp.float32))
+  return o_btkgh.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
 class Block(nn.Module):
@@ -92,11 +110,16 @@ class Block(nn.Module):
   Q, K and V are one matmul, laid out by KV head [d, k, g+2, h] (g = n/k query heads per KV head,
   then K, then V), and gate and up are one matmul [d, 2, f]: with tp splitting k (and f), each
   pair's backward pass sums its input gradient over tp once, not once per projection.
+
+  Training calls it on x [b, t, d] alone: positions 0..t-1, causal attention, returns x. Decoding
+  passes `positions_t` (int [t], consecutive) and `cache` = (k_bskh, v_bskh), the layer's keys
+  and values of s >= positions_t[-1] + 1 positions: the new K/V are written at positions_t, the
+  queries attend over cache entries [0, positions_t[-1] + 1), and it returns (x, new cache).
   """
   dims: Dims
 
   @nn.compact
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, positions_t=None, cache=None):
     dm = self.dims
     b, t, d = x_btd.shape
     n, k, h = dm.n_heads, dm.n_kv_heads, dm.head_dim
@@ -114,11 +137,18 @@ class Block(nn.Module):
     q_btnh = qkv_rkch[:, :, :g].reshape(b, t, n, h)  # query head i belongs to KV head i // g
     k_btkh = qkv_rkch[:, :, g].reshape(b, t, k, h)
     v_btkh = qkv_rkch[:, :, g + 1].reshape(b, t, k, h)
-    q_btnh = constrain(rope(q_btnh, dm.rope_theta), ('batch', 'seq', 'heads', 'head_dim'))
-    k_btkh = constrain(rope(k_btkh, dm.rope_theta), ('batch', 'seq', 'kv_heads', 'head_dim'))
+    q_btnh = constrain(rope(q_btnh, dm.rope_theta, positions_t), ('batch', 'seq', 'heads', 'head_dim'))
+    k_btkh = constrain(rope(k_btkh, dm.rope_theta, positions_t), ('batch', 'seq', 'kv_heads', 'head_dim'))
     v_btkh = constrain(v_btkh, ('batch', 'seq', 'kv_heads', 'head_dim'))
-    impl = None if dm.attention == 'auto' else dm.attention
-    o_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True, implementation=impl)
+    if cache is None:
+      impl = None if dm.attention == 'auto' else dm.attention
+      o_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True, implementation=impl)
+    else:
+      positions_t = jnp.arange(t) if positions_t is None else positions_t
+      cache = tuple(jax.lax.dynamic_update_slice_in_dim(c_bskh, new_btkh.astype(c_bskh.dtype),
+                                                        positions_t[0], axis=1)
+                    for c_bskh, new_btkh in zip(cache, (k_btkh, v_btkh)))
+      o_btnh = cached_attention(q_btnh, *cache, positions_t)
     o_rnh = checkpoint_name(constrain(o_btnh.reshape(b * t, n, h), ('batch', 'heads', 'head_dim')),
                             'attn_out')
     o_rd = dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), out_std, 'o')(o_rnh)
@@ -131,7 +161,7 @@ class Block(nn.Module):
     h_rf = constrain(nn.silu(gu_r2f[:, 0]) * gu_r2f[:, 1], ('batch', 'mlp'))
     y_rd = dense(d, -1, ('mlp', 'embed'), out_std, 'down')(h_rf)
     x_rd = x_rd + constrain(checkpoint_name(y_rd, 'mlp_out'), ('batch', 'embed'))
-    return x_rd.reshape(b, t, d)
+    return x_rd.reshape(b, t, d) if cache is None else (x_rd.reshape(b, t, d), cache)
 
 
 class Embed(nn.Module):
@@ -210,8 +240,9 @@ def param_logical_axes(dims: Dims):
   return {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x)}
 
 
-def block_apply(dims: Dims, layer_params, x_btd):
-  return Block(dims).apply({'params': layer_params}, x_btd)
+def block_apply(dims: Dims, layer_params, x_btd, positions_t=None, cache=None):
+  """One layer: x, or (x, new cache) when a KV cache is given (see Block)."""
+  return Block(dims).apply({'params': layer_params}, x_btd, positions_t, cache)
 
 
 def embed_apply(dims: Dims, params, tokens_bt):

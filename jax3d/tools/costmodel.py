@@ -28,6 +28,7 @@ import math
 import numpy as np
 
 from jax3d.config import RunPlan
+from jax3d.model import formulas
 
 GB = 1e9
 BYTES = {'float32': 4, 'bfloat16': 2, 'int8': 1}
@@ -76,7 +77,9 @@ class Estimate:
 
   @property
   def mfu(self) -> float:
-    return self.model_flops_per_token * self.tokens_per_s / (self.plan.n_devices * self.times['peak'])
+    """The trainer's MFU (formulas.mfu, the same FLOPs per token) at the estimated tokens/s."""
+    return formulas.mfu(self.tokens_per_s, self.model_flops_per_token, self.times['peak'],
+                        self.plan.n_devices)
 
   @property
   def fits(self) -> bool:
@@ -107,14 +110,14 @@ def layer_residual_bytes(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, co
   return one + (batch - 1) * (two - one)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param,
                       flash, batch) -> float:
   """The residuals of the real layer at abstract shapes (nothing is computed or allocated).
   XLA's attention keeps the s x s scores; a fused (flash) kernel keeps a logsumexp instead."""
   import flax.linen as nn
   import jax
-  from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals lists
+
   from jax3d.model import llama as model_lib
   from jax3d.model import remat
 
@@ -133,23 +136,37 @@ def _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compu
   block = model_lib.Block(dims)
   params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
   fn = remat.wrap_layer(lambda h, p: (block.apply({'params': p}, h), None), policy)
-  res = saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x)
+  res = _saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x)
   scores = lambda a: len(a.shape) >= 2 and a.shape[-2:] == (seq, seq)
-  kept = [a for a, _ in res if not (flash and scores(a))]
+  kept = [a for a in res if not (flash and scores(a))]
   lse = batch * (n_heads // tp) * seq * 4 if flash else 0
   return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept) + lse)
+
+
+def _saved_residuals(f, *args) -> list:
+  """The abstract values (shape, dtype) that reverse-mode differentiation of `f` keeps.
+
+  jax's public API only prints this list (`jax.ad_checkpoint.print_saved_residuals`, as text);
+  the function that returns it lives in jax's private modules, so this is the one place that
+  imports it.
+  """
+  from jax._src.ad_checkpoint import saved_residuals
+  return [aval for aval, _ in saved_residuals(f, *args)]
 
 
 # ---------------------------------------------------------------------------------------------
 # The estimate
 # ---------------------------------------------------------------------------------------------
+def _dims(cfg, plan: RunPlan | None = None):
+  from jax3d.model import llama as model_lib  # imported when needed: flax and jax are heavy
+  return model_lib.Dims.from_config(cfg, plan)
+
+
 def local_params(cfg, plan: RunPlan) -> dict:
   """Parameters held by one device: layer matrices over pp*tp, norms over pp, embed/head over tp."""
-  m = cfg.model
-  d, hd = m.d_model, m.d_model // m.n_heads
-  mats = d * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * d * m.d_ff
-  layers = m.n_layers // plan.pp * (mats // plan.tp + 2 * d)
-  return {'layers': layers, 'embed_head': 2 * plan.vocab_padded * d // plan.tp + d}
+  dims = _dims(cfg, plan)
+  return {'layers': dims.n_layers // plan.pp * formulas.layer_params(dims, plan.tp),
+          'embed_head': formulas.embed_head_params(dims, plan.tp, padded=True)}
 
 
 def estimate(cfg, plan: RunPlan, gpu_memory_bytes: float | None = None,
@@ -194,10 +211,10 @@ def estimate(cfg, plan: RunPlan, gpu_memory_bytes: float | None = None,
                'update': n_local * pb}
 
   # --- time ---------------------------------------------------------------------------------
-  dims_p = param_count(cfg)
-  p_layers = m.n_layers * (local_params(cfg, dataclasses.replace(plan, pp=1, tp=1))['layers'] // m.n_layers)
-  attn = 12 * m.n_layers * h * s
-  flops_token = 6 * dims_p + attn
+  dims = _dims(cfg, plan)
+  dims_p = formulas.param_count(dims)
+  p_layers = m.n_layers * formulas.layer_params(dims)
+  attn = formulas.attention_flops_per_token(dims, s)
   # Recomputed forward work per token: 'full' reruns each iteration and, inside it, each layer
   # (both are checkpointed: 2 extra forwards); 'dots' the attention core; 'attn' the matmuls.
   extra = {'none': 0, 'dots': attn / 3, 'attn': 2 * p_layers, 'full': 2 * (2 * p_layers + attn / 3)}
@@ -222,13 +239,11 @@ def estimate(cfg, plan: RunPlan, gpu_memory_bytes: float | None = None,
            'dp': t_dp, 'dp_hidden': min(t_dp, hw.overlap * compute * 2 / 3), 'peak': hw.peak_tflops * 1e12}
   times['step'] = compute + times['tp'] + times['pp'] + t_dp - times['dp_hidden']
   return Estimate(breakdown=breakdown, times=times, plan=plan, remat=t.remat,
-                  shard_optimizer=bool(t.shard_optimizer), model_flops_per_token=flops_token,
+                  shard_optimizer=bool(t.shard_optimizer),
+                  model_flops_per_token=formulas.flops_per_token(dims, s),
                   device_memory_bytes=gpu_memory_bytes)
 
 
 def param_count(cfg) -> int:
-  """The real model's parameters (padded vocabulary rows excluded), as model.Dims.param_count."""
-  m = cfg.model
-  d, hd = m.d_model, m.d_model // m.n_heads
-  per_layer = 2 * d + d * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * d * m.d_ff
-  return m.n_layers * per_layer + 2 * m.vocab_size * d + d
+  """The real model's parameters (padded vocabulary rows excluded): formulas.param_count."""
+  return formulas.param_count(_dims(cfg))

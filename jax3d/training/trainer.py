@@ -84,7 +84,7 @@ class Trainer:
 
   def summary(self) -> list[str]:
     p, d = self.plan, self.setup.dims
-    n_params = d.param_count()
+    n_params = flops_lib.param_count(d)
     per_dev = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
                   for a in jax.tree.leaves(self.setup.abstract_state['params']))
     lc = d.n_layers // (p.pp * p.repeats)
@@ -98,7 +98,8 @@ class Trainer:
         f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '
         f'{p.bubble:.1%} (executed/useful stage work {p.iterations / (p.repeats * p.microbatches):.2f}); '
         f'embedding and head run on all {p.n_devices} devices',
-        f'  per stage: {lc * p.repeats} layers = {2 * lc * p.repeats * (n_params - 2 * d.vocab_size * d.d_model) / d.n_layers * p.micro_batch * p.seq_len * p.microbatches / 1e9:.2f} '
+        f'  per stage: {lc * p.repeats} layers = '
+        f'{flops_lib.stage_forward_flops(d, lc * p.repeats, p.tokens_per_step) / 1e9:.2f} '
         f'GFLOP forward per step (equal for every stage)',
         f'  tokens per step: {p.tokens_per_step:,} ({p.global_batch} x {p.seq_len}), grad_accum '
         f'{p.grad_accum}',
