@@ -15,11 +15,12 @@ The public API (jax3d/api.py), loaded on first use:
 
 Why lazy: `import jax3d` must not start jax's backend (fake CPU devices are fixed when it starts)
 and must not import the command modules (`python -m jax3d.plan` would then run a second copy of
-an already-imported module). Submodules (`jax3d.plan`, `jax3d.step`, ...) load on first access.
+an already-imported module). Submodules (`jax3d.plan`, `jax3d.training`, ...) load on first access.
 """
 from __future__ import annotations
 
 import importlib
+import typing as _typing  # private name: dir(jax3d) lists the package's globals
 
 __version__ = '0.1.0'
 
@@ -28,7 +29,7 @@ _API = ('use_fake_cpu_devices', 'load_config', 'build', 'Trainer', 'placement', 
 __all__ = list(_API) + ['sample']
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _typing.Any:
   if name in _API:
     return getattr(importlib.import_module('jax3d.api'), name)
   # `sample` is the module behind `python -m jax3d.sample`, callable as the API function.
@@ -41,5 +42,5 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'jax3d' has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
   return sorted(set(globals()) | set(__all__))

@@ -10,7 +10,8 @@ import dataclasses
 import importlib.util
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 import ml_collections
 
@@ -64,7 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.b1 = 0.9  # Adam beta1
   c.train.b2 = 0.95  # Adam beta2
   c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
-  c.train.remat = 'none'  # none | full | dots | attn  (see jax3d/remat.py)
+  c.train.remat = 'none'  # none | full | dots | attn  (see jax3d/model/remat.py)
   c.train.compute_dtype = 'float32'  # float32 | bfloat16
   c.train.param_dtype = 'float32'  # float32 | bfloat16 (master weights and optimizer state)
   c.train.grad_accum = 1  # sequential chunks of the global batch per optimizer step
@@ -110,10 +111,12 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def repo_root() -> str:
+  """The repository's root folder (the one holding `jax3d/` and `configs/`)."""
   return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def default_config_path() -> str:
+  """The config used when none is given: `configs/tiny.py`."""
   return os.path.join(repo_root(), 'configs', 'tiny.py')
 
 
@@ -174,6 +177,9 @@ def set_key(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
+  """The validated layout and batch sizes of a run: mesh axes, pipeline schedule, accumulation,
+  global batch, sequence length and the padded vocabulary, with the numbers derived from them."""
+
   dp: int
   pp: int
   tp: int
@@ -186,7 +192,7 @@ class RunPlan:
   nan_steps: tuple[int, ...] = ()  # train.inject_nan_at, parsed (a fault drill)
 
   @property
-  def n_devices(self) -> int:
+  def n_devices(self) -> int:  # dp * pp * tp
     return self.dp * self.pp * self.tp
 
   @property
@@ -206,11 +212,11 @@ class RunPlan:
     return (self.pp - 1) / self.iterations
 
   @property
-  def tokens_per_step(self) -> int:
+  def tokens_per_step(self) -> int:  # tokens per optimizer step, all devices together
     return self.global_batch * self.seq_len
 
 
-def _fail(key: str, value: Any, valid: str) -> None:
+def _fail(key: str, value: Any, valid: str) -> NoReturn:
   raise ConfigError(f'{key}={value!r} is invalid: {valid}')
 
 
@@ -292,7 +298,8 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
           f'{m.vocab_multiple}), which mesh.tp={tp} does not divide; pick a vocab_multiple divisible by tp')
   v = p_.repeats
   if m.n_layers % (pp * v):
-    _fail('model.n_layers', m.n_layers, f'must be divisible by mesh.pp*pipeline.repeats = {pp}*{v} = {pp * v}')
+    _fail('model.n_layers', m.n_layers,
+          f'must be divisible by mesh.pp*pipeline.repeats = {pp}*{v} = {pp * v}')
   if v > 1 and p_.microbatches < pp:
     _fail('pipeline.microbatches', p_.microbatches, f'the circular schedule (repeats={v}) needs '
           f'microbatches >= mesh.pp={pp}')

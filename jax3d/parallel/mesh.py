@@ -1,12 +1,13 @@
 """The ('dp', 'pp', 'tp') device mesh.
 
-Placement follows the tutorial's "map ranks to the topology": `tp` varies fastest, so a tensor-
-parallel group is a set of neighbouring devices (one host's NVLink domain), `pp` next, and `dp`
-outermost, across hosts. On several hosts `create_hybrid_device_mesh` keeps `tp` inside a host.
+Placement maps ranks to the topology: `tp` varies fastest, so a tensor-parallel group is a set of
+neighbouring devices (one host's NVLink domain), `pp` next, and `dp` outermost, across hosts. On
+several hosts `create_hybrid_device_mesh` keeps `tp` inside a host.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -27,8 +28,11 @@ def use_fake_cpu_devices(n: int = FAKE_CPU_DEVICES) -> None:
     os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={n}'
 
 
-def build_mesh(plan: RunPlan, devices=None, allow_tp_across_hosts: bool = False) -> Mesh:
-  """Mesh(('dp','pp','tp')) with tp inside hosts, pp next, dp outermost. Axis types are Auto."""
+def build_mesh(plan: RunPlan, devices: Sequence[jax.Device] | None = None,
+               allow_tp_across_hosts: bool = False) -> Mesh:
+  """Mesh(('dp','pp','tp')) of `devices` (default: all) with tp inside hosts, pp next, dp outermost.
+  Axis types are Auto. Raises ConfigError when the layout does not fit the devices, or when tp
+  would span hosts without `allow_tp_across_hosts`."""
   devices = list(devices if devices is not None else jax.devices())
   if len(devices) != plan.n_devices:
     raise ConfigError(f'mesh dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.n_devices}, but '
@@ -64,7 +68,7 @@ def build_mesh(plan: RunPlan, devices=None, allow_tp_across_hosts: bool = False)
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def describe_placement(mesh: Mesh, hosts: list[str] | None = None) -> list[str]:
+def describe_placement(mesh: Mesh, hosts: Sequence[str] | None = None) -> list[str]:
   """One line per device: its (dp, pp, tp) coordinate, host (`hosts[process_index]` when given),
   process and device id."""
   lines = []

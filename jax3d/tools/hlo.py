@@ -1,12 +1,9 @@
-"""What one train step costs before it runs: memory, FLOPs and every collective, per device.
+"""Reading XLA's optimised HLO text (pure text, no jax): computations, while-loop trip counts, the
+collectives with their bytes, and the matmul FLOPs, all per device per call of the ENTRY computation.
 
-  python -m jax3d.inspect --config=configs/tiny.py [--config.mesh.tp=4 ...] [--json]
-
-The real train step is compiled ahead of time with abstract inputs (nothing is allocated), then
-read three ways: `memory_analysis()` (argument / temp / output / alias bytes), the optimised HLO
-text for the collectives, and the HLO's matmuls for FLOPs. XLA's own `cost_analysis()` counts a
-while loop's body once, whatever its trip count, so it under-counts a scanned model; we report it
-but multiply every op (matmul or collective) by the trip counts of the loops around it.
+XLA's own `cost_analysis()` counts a while loop's body once, whatever its trip count, so it
+under-counts a scanned model; here every op (matmul or collective) is multiplied by the trip counts
+of the loops around it.
 
 Bytes, defined once (all per device, per optimizer step):
   buffer bytes  the size of the HLO shape one device holds: the operand of an all-reduce or
@@ -14,17 +11,17 @@ Bytes, defined once (all per device, per optimizer step):
                 of a reduce-scatter.
   wire bytes    what a device sends with a ring algorithm on a group of n devices:
                 all-reduce 2(n-1)/n * buffer, all-gather / reduce-scatter / all-to-all
-                (n-1)/n * buffer, collective-permute 1 * buffer. The formulas in
-                shared/docs/formulas.md are wire bytes, so the comparison uses those.
+                (n-1)/n * buffer, collective-permute 1 * buffer. The communication formulas
+                (`expected_comm` in tools/inspection.py) are wire bytes, so comparisons use those.
 """
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 
-# HLO parsing (pure text; no jax needed) ------------------------------------------------------
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all')
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
                 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
@@ -100,7 +97,8 @@ def _trip_count(instr: dict, comps: dict) -> int | None:
     return int(m.group(1))
   cond = re.search(r'condition=%?([\w.\-]+)', instr['attrs'])
   body = comps.get(cond.group(1) if cond else '', [])
-  consts = {i['name']: int(i['args']) for i in body if i['op'] == 'constant' and re.fullmatch(r'-?\d+', i['args'])}
+  consts = {i['name']: int(i['args']) for i in body
+            if i['op'] == 'constant' and re.fullmatch(r'-?\d+', i['args'])}
   for ins in body:
     if ins['op'] == 'compare' and 'direction=LT' in ins['attrs']:
       for o in ins['operands'][1:]:
@@ -109,12 +107,12 @@ def _trip_count(instr: dict, comps: dict) -> int | None:
   return None
 
 
-def multiplicities(hlo: dict) -> tuple[dict, list]:
+def multiplicities(hlo: dict) -> tuple[dict[str, int], list[str]]:
   """How many times each computation runs per call of ENTRY: the product of the trip counts of
   the while loops around it (summed over call sites). Also returns loops without a known count."""
   comps, mult, unknown = hlo['computations'], defaultdict(int), []
 
-  def visit(name, times):
+  def visit(name: str, times: int) -> None:
     mult[name] += times
     for ins in comps.get(name, []):
       for kind, callee in _CALLS.findall(ins['attrs']):
@@ -153,7 +151,8 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
     return [list(range(n_devices))]
   start = m.start(1)
   if attrs[start] == '{':
-    groups = [[int(x) for x in g.split(',') if x] for g in re.findall(r'\{([\d,]*)\}', _balanced(attrs, start))]
+    inner = _balanced(attrs, start)
+    groups = [[int(x) for x in g.split(',') if x] for g in re.findall(r'\{([\d,]*)\}', inner)]
     return [g for g in groups if g] or [list(range(n_devices))]
   if attrs[start] == '[':
     m = re.match(r'\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)', attrs[start:])
@@ -180,7 +179,8 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
   return arr.transpose(keep + grouped).reshape(-1, per).tolist()
 
 
-def group_axes(groups: list[list[int]], mesh_shape: tuple, axes=('dp', 'pp', 'tp')) -> str:
+def group_axes(groups: list[list[int]], mesh_shape: tuple[int, ...],
+               axes: Sequence[str] = ('dp', 'pp', 'tp')) -> str:
   """Which mesh axes vary inside the groups: 'tp', 'dp+pp', ... ('-' when none do)."""
   varying = set()
   for g in groups:
@@ -189,7 +189,8 @@ def group_axes(groups: list[list[int]], mesh_shape: tuple, axes=('dp', 'pp', 'tp
   return '+'.join(a for a in axes if a in varying) or '-'
 
 
-def collectives(hlo: dict, mesh_shape: tuple, axes=('dp', 'pp', 'tp')) -> list[dict]:
+def collectives(hlo: dict, mesh_shape: tuple[int, ...],
+                axes: Sequence[str] = ('dp', 'pp', 'tp')) -> list[dict]:
   """Every collective (async -start counted, -done skipped), with buffer and wire bytes per device
   per call of ENTRY (times the trip counts of the loops it sits in)."""
   mult, _ = multiplicities(hlo)
@@ -242,5 +243,3 @@ def matmul_flops(hlo: dict) -> float:
       total += 2.0 * out_elems * k * mult[cname]
   return total
 
-
-# What the formulas (shared/docs/formulas.md) predict, per device per optimizer step -------------

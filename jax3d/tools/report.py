@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,33 +56,34 @@ def load(path: str) -> dict:
           'events': events, 'bad_lines': bad}
 
 
-def _col(records, key):
+def _col(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
   """(steps, values) of the records that have a finite number under key."""
-  pts = [(r['step'], r[key]) for r in records if isinstance(r.get(key), (int, float))
-         and r.get(key) is not None and math.isfinite(r[key])]
+  pts = [(r['step'], r[key]) for r in records
+         if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
   return np.array([p[0] for p in pts]), np.array([p[1] for p in pts], np.float64)
 
 
-def _tokens_at(train, steps):
+def _tokens_at(train: Sequence[dict], steps: np.ndarray) -> np.ndarray:
   """Cumulative tokens at the given steps (interpolated from the training records)."""
   s, t = _col(train, 'tokens')
   return np.interp(steps, s, t) if len(s) else np.full(len(steps), np.nan)
 
 
-def _mib_at(values, i) -> float:
+def _mib_at(values: Sequence[float | None] | None, i: int) -> float:
   """values[i] in MiB, NaN when missing (no list, short list, or None)."""
   v = values[i] if values and i < len(values) else None
   return v / 2**20 if v is not None else float('nan')
 
 
-def figures(run: dict, out_dir: str) -> dict:
-  """Writes the PNGs; returns {name: filename} of those written."""
+def figures(run: dict, out_dir: str) -> dict[str, str]:
+  """Writes the PNGs of a run (as `load` returns it) into out_dir; returns {name: filename} of
+  those written (a figure without data is left out)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   train, evals, written = run['train'], run['eval'], {}
 
-  def save(fig, name):
+  def save(fig: Any, name: str) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f'{name}.png'), dpi=110)
     plt.close(fig)
@@ -90,7 +93,8 @@ def figures(run: dict, out_dir: str) -> dict:
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   s, loss = _col(train, 'loss')
   es, eloss = _col(evals, 'eval_loss')
-  for ax, x, ex, label in ((ax1, s, es, 'step'), (ax2, _tokens_at(train, s), _tokens_at(train, es), 'tokens')):
+  by_tokens = (ax2, _tokens_at(train, s), _tokens_at(train, es), 'tokens')
+  for ax, x, ex, label in ((ax1, s, es, 'step'), by_tokens):
     ax.plot(x, loss, label='train loss', lw=1)
     if len(es):
       ax.plot(ex, eloss, 'o-', label='held-out loss', ms=3)
@@ -118,7 +122,8 @@ def figures(run: dict, out_dir: str) -> dict:
     steps = [r['step'] for r in mem]
     n_dev = max(len(r['memory']['bytes_in_use']) for r in mem)
     for i in range(n_dev):
-      line, = ax.plot(steps, [_mib_at(r['memory'].get('bytes_in_use'), i) for r in mem], lw=1, label=f'device {i}')
+      used = [_mib_at(r['memory'].get('bytes_in_use'), i) for r in mem]
+      line, = ax.plot(steps, used, lw=1, label=f'device {i}')
       peaks = [_mib_at(r['memory'].get('peak_bytes'), i) for r in mem]
       if not np.all(np.isnan(peaks)):
         ax.plot(steps, peaks, '--', lw=0.8, color=line.get_color())
@@ -141,11 +146,12 @@ def figures(run: dict, out_dir: str) -> dict:
   return written
 
 
-def _fmt_bytes(b) -> str:
+def _fmt_bytes(b: float) -> str:
   return f'{b / 2**30:.2f} GiB' if b >= 2**30 else f'{b / 2**20:.1f} MiB'
 
 
-def markdown(run: dict, written: dict, workdir: str) -> str:
+def markdown(run: dict, written: dict[str, str], workdir: str) -> str:
+  """The report page: the layout, the headline numbers and the figures `written` (name: file)."""
   train, evals, events = run['train'], run['eval'], run['events']
   start = next((e for e in reversed(events) if e.get('event') == 'start'), {})
   layout = start.get('layout', {})
@@ -156,15 +162,17 @@ def markdown(run: dict, written: dict, workdir: str) -> str:
   head = []
   if train:
     last = train[-1]
-    head.append(f"- steps logged: {len(train)}, last step {last['step']}"
-                + (f", {last['tokens'] / 1e6:.2f} M tokens" if isinstance(last.get('tokens'), (int, float)) else ''))
+    tokens = (f", {last['tokens'] / 1e6:.2f} M tokens" if isinstance(last.get('tokens'), (int, float))
+              else '')
+    head.append(f"- steps logged: {len(train)}, last step {last['step']}{tokens}")
     head.append(f"- final train loss: {last['loss']:.4f} (step {last['step']})")
   if evals:
     best = min(evals, key=lambda r: r['eval_loss'] if math.isfinite(r['eval_loss']) else math.inf)
     head.append(f"- final held-out loss: {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']}); "
                 f"best {best['eval_loss']:.4f} (step {best['step']})")
-  for key, label, fmt in (('tokens_per_sec', 'tokens/s (median)', '{:,.0f}'),
-                          ('mfu', 'MFU (median)', '{:.1%}'), ('step_time_s', 'step time (median / p90)', None)):
+  medians = (('tokens_per_sec', 'tokens/s (median)', '{:,.0f}'), ('mfu', 'MFU (median)', '{:.1%}'),
+             ('step_time_s', 'step time (median / p90)', None))
+  for key, label, fmt in medians:
     _, v = _col(train[1:] if len(train) > 1 else train, key)
     if len(v):
       text = (f'{np.median(v) * 1e3:.1f} / {np.percentile(v, 90) * 1e3:.1f} ms' if fmt is None

@@ -15,6 +15,8 @@ is permuted on the devices, never through one host.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,19 +25,19 @@ import orbax.checkpoint as ocp
 
 from jax3d.parallel import pipeline
 
-
 SOFT = 'grad_residual'  # train-state entry restored when it matches, else restarted at zero
+PyTree = Any  # nested dicts / lists of arrays (or of jax.ShapeDtypeStruct for an abstract state)
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used (message lists what is wrong)."""
 
 
-def _path_str(path) -> str:
+def _path_str(path: Sequence[Any]) -> str:
   return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path)
 
 
-def array_signature(tree) -> dict[str, list]:
+def array_signature(tree: PyTree) -> dict[str, list]:
   """{'params/layers/q/kernel': [[shape...], 'float32'], ...} for every array leaf."""
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -44,23 +46,24 @@ def array_signature(tree) -> dict[str, list]:
   return out
 
 
-def _is_layer_path(path) -> bool:
+def _is_layer_path(path: Sequence[Any]) -> bool:
   return any(getattr(k, 'key', None) == 'layers' for k in path)
 
 
-def permute_layers(tree, perm: np.ndarray, shardings):
+def permute_layers(tree: PyTree, perm: np.ndarray, shardings: PyTree) -> PyTree:
   """Reorders the stacked layer axis of every `layers` leaf (on the devices, under jit)."""
   if np.array_equal(perm, np.arange(perm.size)):
     return tree
 
-  def fn(t):
+  def fn(t: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(
         lambda p, a: a[perm] if _is_layer_path(p) and a.ndim and a.shape[0] == perm.size else a, t)
   return jax.jit(fn, out_shardings=shardings)(tree)
 
 
 class Checkpointer:
-  """Saves every `checkpoint.every` steps (asynchronously), keeps the last `checkpoint.keep`."""
+  """The checkpoints of one run in `directory`: saved when asked (asynchronously if `async_save`),
+  the newest `keep` kept; restoring falls back to the previous step when one is damaged."""
 
   def __init__(self, directory: str, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory)
@@ -70,9 +73,14 @@ class Checkpointer:
                                              cleanup_tmp_directories=True))
 
   def steps(self) -> list[int]:
+    """The saved steps, oldest first."""
     return sorted(self.manager.all_steps())
 
-  def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
+  def save(self, step: int, state: PyTree, meta: dict, force: bool = False) -> bool:
+    """Saves `state` and `meta` (with the array signature added) as `step`, in the background when
+    the checkpointer is asynchronous; returns whether Orbax started the save (`force` saves even
+    where Orbax's policy would skip the step). Raises CheckpointError, saving nothing, when the
+    state holds non-finite values."""
     ok = bool(jax.device_get(_all_finite(state)))
     if not ok:
       raise CheckpointError(f'refusing to save step {step}: the state holds non-finite values')
@@ -81,16 +89,20 @@ class Checkpointer:
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
 
   def wait(self) -> None:
+    """Waits for an asynchronous save to finish."""
     self.manager.wait_until_finished()
 
   def close(self) -> None:
+    """Finishes pending saves and releases the manager."""
     self.manager.wait_until_finished()
     self.manager.close()
 
   def read_meta(self, step: int) -> dict:
+    """The JSON metadata saved with `step`."""
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
-  def restore_latest(self, abstract_state, layout: dict, warn=print):
+  def restore_latest(self, abstract_state: dict[str, PyTree], layout: dict,
+                     warn: Callable[[str], None] = print) -> tuple[dict[str, PyTree] | None, dict | None]:
     """(state, meta) of the newest step that restores cleanly, or (None, None) if there is none.
 
     The int8 error-feedback residual (`grad_residual`, one per dp rank) is soft state: when the
@@ -122,9 +134,7 @@ class Checkpointer:
         continue
       state = relayout(state, meta, layout, target)
       if target is not abstract_state and SOFT in abstract_state:
-        res = abstract_state[SOFT]
-        state[SOFT] = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), res),
-                              out_shardings=jax.tree.map(lambda a: a.sharding, res))()
+        state[SOFT] = _zeros(abstract_state[SOFT])
         why = ('has none' if not _has(meta, SOFT) else
                f'has one for dp={meta["layout"]["dp"]}' if meta['layout']['dp'] != layout.get('dp') else
                'has one of other shapes')
@@ -133,7 +143,13 @@ class Checkpointer:
     return None, None
 
 
-def _partial_restore(directory: str, step: int, item):
+def _zeros(abstract: PyTree) -> PyTree:
+  """Zeros with the shapes, dtypes and shardings of `abstract`, made on the devices."""
+  return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+                 out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
+
+
+def _partial_restore(directory: str, step: int, item: PyTree) -> PyTree:
   """The entries of `item` from a step that may hold more (through a manager of its own: this
   one's 'state' item stays bound to the standard handler it saves with)."""
   mgr = ocp.CheckpointManager(directory, item_names=('state', 'meta'),
@@ -150,7 +166,7 @@ def _has(meta: dict, key: str) -> bool:
   return any(k.startswith(key + '/') for k in meta.get('arrays', {}))
 
 
-def check_signature(meta: dict, abstract_state, path: str, only: str | None = None,
+def check_signature(meta: dict, abstract_state: PyTree, path: str, only: str | None = None,
                     exclude: str | None = None) -> None:
   """Refuses a checkpoint whose array shapes or dtypes differ from the config's, listing them
   (only the entries under `only`, none under `exclude`, when given)."""
@@ -179,7 +195,7 @@ def check_signature(meta: dict, abstract_state, path: str, only: str | None = No
                           (f'; and {rest} more (optimizer state and others)' if rest else ''))
 
 
-def relayout(state, meta, layout, abstract_state):
+def relayout(state: PyTree, meta: dict, layout: dict, abstract_state: PyTree) -> PyTree:
   """Permutes the layer axis from the saved pipeline order into this run's order."""
   saved, n = meta['layout'], layout['n_layers']
   old = pipeline.layer_order(n, saved['pp'], saved['repeats'])
@@ -189,30 +205,33 @@ def relayout(state, meta, layout, abstract_state):
   return permute_layers(state, perm, shardings)
 
 
-def load_params(path: str, abstract_params, layout: dict, warn=print):
-  """Warm start: the parameters of the newest good step under `path` (a run's workdir or its
+def load_params(path: str, abstract_params: PyTree, layout: dict,
+                warn: Callable[[str], None] = print) -> tuple[PyTree, int]:
+  """Warm start: (parameters, step) of the newest good step under `path` (a run's workdir or its
   checkpoints folder), checked against this config's shapes, in this run's layer order."""
-  directory = path if os.path.basename(os.path.normpath(path)) == 'checkpoints' else os.path.join(path, 'checkpoints')
+  is_ckpt_dir = os.path.basename(os.path.normpath(path)) == 'checkpoints'
+  directory = path if is_ckpt_dir else os.path.join(path, 'checkpoints')
   if not os.path.isdir(directory):
     raise CheckpointError(f'checkpoint.init_from={path!r}: no checkpoints folder at {directory}')
   mgr = ocp.CheckpointManager(directory, item_names=('state', 'meta'),
                               options=ocp.CheckpointManagerOptions(read_only=True))
-  for step in sorted(mgr.all_steps(), reverse=True):
-    meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
-    check_signature(meta, {'params': abstract_params}, os.path.join(directory, str(step)), only='params/')
-    try:
-      restored = _partial_restore(directory, step, {'params': abstract_params})
-    except Exception as e:
-      warn(f'checkpoint {directory}/{step} is damaged ({type(e).__name__}); trying the previous one')
-      continue
-    params = relayout(restored, meta, layout, {'params': abstract_params})['params']
+  try:
+    for step in sorted(mgr.all_steps(), reverse=True):
+      meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+      check_signature(meta, {'params': abstract_params}, os.path.join(directory, str(step)), only='params/')
+      try:
+        restored = _partial_restore(directory, step, {'params': abstract_params})
+      except Exception as e:
+        warn(f'checkpoint {directory}/{step} is damaged ({type(e).__name__}); trying the previous one')
+        continue
+      return relayout(restored, meta, layout, {'params': abstract_params})['params'], step
+  finally:
     mgr.close()
-    return params, step
   raise CheckpointError(f'checkpoint.init_from={path!r}: no usable checkpoint in {directory}')
 
 
 @jax.jit
-def _all_finite(tree):
+def _all_finite(tree: PyTree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.floating)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

@@ -31,12 +31,16 @@ MAX_CORPUS_BYTES = 64 << 20
 
 @dataclasses.dataclass
 class Corpus:
+  """A tokenised corpus: the training and held-out token streams, the vocabulary they need, and
+  where they came from."""
+
   train: np.ndarray  # 1-D token stream
   held_out: np.ndarray
   vocab_size: int
   source: str
 
   def describe(self) -> str:
+    """One line: the source, the token counts of both streams and the vocabulary size."""
     return (f'{self.source}: {self.train.size / 1e6:.1f}M train tokens, '
             f'{self.held_out.size / 1e6:.2f}M held out, vocab {self.vocab_size}')
 
@@ -46,7 +50,9 @@ def _held_out(rel_path: str, fraction: float) -> bool:
   return h / 2**32 < fraction
 
 
-def _read_files(root: str, fraction: float, suffixes=TEXT_SUFFIXES) -> tuple[np.ndarray, np.ndarray]:
+def _read_files(root: str, fraction: float,
+                suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> tuple[np.ndarray, np.ndarray]:
+  """The bytes of the files under `root` with these suffixes, split by file into (train, held out)."""
   train, held, total = [], [], 0
   for dirpath, dirnames, filenames in os.walk(root):
     dirnames[:] = sorted(d for d in dirnames if d not in ('site-packages', '__pycache__')
@@ -110,25 +116,27 @@ def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
 
 
 def check_vocab(corpus: Corpus, vocab_size: int) -> None:
+  """Raises ConfigError when the model's vocabulary is smaller than the corpus needs."""
   if corpus.vocab_size > vocab_size:
     raise ConfigError(f'model.vocab_size={vocab_size} is smaller than the data\'s vocabulary '
                       f'({corpus.vocab_size}, {corpus.source})')
 
 
 def batch_rows(tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int,
-               rows=slice(None)) -> dict[str, np.ndarray]:
-  """Rows `rows` of the batch of step `step`: windows of seq_len+1 tokens at (seed, step) offsets."""
+               rows: slice | np.ndarray = slice(None)) -> dict[str, np.ndarray]:
+  """Rows `rows` of the batch of step `step`: windows of seq_len+1 tokens at (seed, step) offsets,
+  as {'inputs', 'targets'} int32 arrays of [rows, seq_len] (targets shifted by one token)."""
   offsets = np.random.default_rng([seed, step]).integers(0, tokens.size - seq_len - 1, size=batch)
   windows = np.stack([np.asarray(tokens[o:o + seq_len + 1]) for o in offsets[rows]]).astype(np.int32)
   return {'inputs': windows[:, :-1], 'targets': windows[:, 1:]}
 
 
-def eval_batches(corpus: Corpus, seed: int, n: int, batch: int, seq_len: int):
+def eval_batches(corpus: Corpus, seed: int, n: int, batch: int, seq_len: int) -> list[dict[str, np.ndarray]]:
   """The fixed held-out batches (the same for every eval of a run and every layout)."""
   return [batch_rows(corpus.held_out, seed + 1_000_003, j, batch, seq_len) for j in range(n)]
 
 
-def local_rows(sharding, batch: int) -> np.ndarray:
+def local_rows(sharding: jax.sharding.Sharding, batch: int) -> np.ndarray:
   """Indices of the global-batch rows this process holds, in global order (its row blocks
   concatenated: what jax.make_array_from_process_local_data expects)."""
   idx = sharding.addressable_devices_indices_map((batch,))
@@ -136,7 +144,9 @@ def local_rows(sharding, batch: int) -> np.ndarray:
   return np.concatenate([np.arange(a, b) for a, b in blocks])
 
 
-def to_global(local: dict[str, np.ndarray], sharding, batch: int) -> dict[str, jax.Array]:
+def to_global(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
+              batch: int) -> dict[str, jax.Array]:
+  """Global arrays of `batch` rows from this process's rows (those of `local_rows`) of each entry."""
   return {k: jax.make_array_from_process_local_data(sharding, v, (batch,) + v.shape[1:])
           for k, v in local.items()}
 
@@ -145,7 +155,7 @@ class Prefetcher:
   """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step."""
 
   def __init__(self, corpus: Corpus, seed: int, start: int, stop: int, batch: int, seq_len: int,
-               sharding, depth: int = 2):
+               sharding: jax.sharding.Sharding, depth: int = 2):
     self.rows = local_rows(sharding, batch)
     self.args = (corpus.train, seed, batch, seq_len)
     self.sharding, self.batch = sharding, batch
@@ -154,7 +164,7 @@ class Prefetcher:
     self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
     self.thread.start()
 
-  def _run(self, start, stop):
+  def _run(self, start: int, stop: int) -> None:
     tokens, seed, batch, seq_len = self.args
     for i in range(start, stop):
       if self._stop.is_set():
@@ -168,13 +178,14 @@ class Prefetcher:
         except queue.Full:
           continue
 
-  def next(self, expected_step: int):
+  def next(self, expected_step: int) -> dict[str, jax.Array]:
+    """The batch of step `expected_step` (waits for it); raises RuntimeError if another came."""
     i, b = self.q.get()
     if i != expected_step:
       raise RuntimeError(f'data pipeline out of order: got step {i}, expected {expected_step}')
     return b
 
-  def close(self):
+  def close(self) -> None:
     """Stops the thread and waits for it: a daemon thread still inside jax when the interpreter
     exits can abort the process ('FATAL: exception not rethrown')."""
     self._stop.set()

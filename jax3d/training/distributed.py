@@ -21,13 +21,18 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
+from typing import Any
 
-FLAGS = {'coordinator': None, 'num_processes': None, 'process_id': None, 'distributed': 'auto',
-         'init_timeout': None, 'heartbeat_timeout': None, 'devices_per_process': None}
+# The command-line flags of multi-process runs (python -m jax3d.train), with their defaults.
+FLAGS: dict[str, Any] = {'coordinator': None, 'num_processes': None, 'process_id': None,
+                         'distributed': 'auto', 'init_timeout': None, 'heartbeat_timeout': None,
+                         'devices_per_process': None}
 
 DEFAULT_INIT_TIMEOUT = 300
 DEFAULT_HEARTBEAT_TIMEOUT = 100
 DEFAULT_SHUTDOWN_TIMEOUT = 60
+HOSTNAME_BYTES = 256  # host names are exchanged as fixed-size byte arrays (a DNS name has <= 253)
 
 
 class DistributedError(RuntimeError):
@@ -36,6 +41,8 @@ class DistributedError(RuntimeError):
 
 @dataclasses.dataclass
 class Info:
+  """How this run is started: one process, or several joined through a coordinator."""
+
   multi: bool  # jax.distributed.initialize was called
   process_id: int = 0
   num_processes: int = 1
@@ -49,10 +56,11 @@ _INFO = Info(multi=False)
 
 
 def info() -> Info:
+  """What `initialize` decided (single process until it is called)."""
   return _INFO
 
 
-def _int(value, name: str) -> int | None:
+def _int(value: Any, name: str) -> int | None:
   if value in (None, ''):
     return None
   try:
@@ -75,7 +83,7 @@ def _detected_cluster() -> str | None:
   return None
 
 
-def resolve(flags: dict) -> Info:
+def resolve(flags: Mapping[str, Any]) -> Info:
   """What to do, from flags and environment, without touching jax. Raises ValueError on bad input."""
   env = os.environ
   mode = str(flags.get('distributed') or env.get('JAX3D_DISTRIBUTED') or 'auto').lower()
@@ -83,9 +91,10 @@ def resolve(flags: dict) -> Info:
     raise ValueError(f'--distributed={mode!r} is invalid: auto, on or off')
   coord = flags.get('coordinator') or env.get('JAX_COORDINATOR_ADDRESS') or None
   n = _int(flags.get('num_processes') or env.get('JAX_NUM_PROCESSES'), '--num_processes')
-  pid = _int(flags.get('process_id') if flags.get('process_id') not in (None, '') else env.get('JAX_PROCESS_ID'),
-             '--process_id')
-  init_t = _int(flags.get('init_timeout') or env.get('JAX3D_INIT_TIMEOUT'), '--init_timeout') or DEFAULT_INIT_TIMEOUT
+  pid_flag = flags.get('process_id')
+  pid = _int(pid_flag if pid_flag not in (None, '') else env.get('JAX_PROCESS_ID'), '--process_id')
+  init_t = (_int(flags.get('init_timeout') or env.get('JAX3D_INIT_TIMEOUT'), '--init_timeout')
+            or DEFAULT_INIT_TIMEOUT)
   hb_t = (_int(flags.get('heartbeat_timeout') or env.get('JAX3D_HEARTBEAT_TIMEOUT'), '--heartbeat_timeout')
           or DEFAULT_HEARTBEAT_TIMEOUT)
   if init_t < 1 or hb_t < 1:
@@ -114,7 +123,7 @@ def resolve(flags: dict) -> Info:
   return Info(multi=False, **base)
 
 
-def initialize(flags: dict) -> Info:
+def initialize(flags: Mapping[str, Any]) -> Info:
   """Joins the other processes when the run is multi-process. Call before jax touches a device.
 
   Raises ValueError (bad flags, exit status 2) or DistributedError (coordinator unreachable)."""
@@ -144,15 +153,31 @@ def initialize(flags: dict) -> Info:
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     raise DistributedError(
         f'process {inf.process_id if inf.how == "explicit" else "?"} could not join the run: the '
-        f'coordinator at {where} did not answer within --init_timeout={inf.init_timeout} s ({how_hint(inf)}); '
-        f'check that process 0 is running and HOST:PORT is reachable from this host [{type(e).__name__}: {first}]'
+        f'coordinator at {where} did not answer within --init_timeout={inf.init_timeout} s '
+        f'({how_hint(inf)}); check that process 0 is running and HOST:PORT is reachable from this '
+        f'host [{type(e).__name__}: {first}]'
     ) from None
   inf.process_id, inf.num_processes = jax.process_index(), jax.process_count()
-  inf.coordinator = getattr(jax._src.distributed.global_state, 'coordinator_address', None) or where
+  inf.coordinator = _jax_coordinator_address() or where
   return inf
 
 
-def wait_for_coordinator(address: str, timeout: float, connect: bool, hint: str, who) -> float:
+def _jax_coordinator_address() -> str | None:
+  """The coordinator address jax.distributed.initialize settled on (it detects it itself under
+  SLURM, Open MPI or Kubernetes), or None when it cannot be read.
+
+  This reads jax's private state, and is the only place that does: the public jax.distributed has
+  only initialize, is_initialized and shutdown, and nothing else knows a detected address. The
+  address is only reported (`describe`), so a jax that changes its internals leaves it unknown.
+  """
+  try:
+    from jax._src import distributed as jax_distributed
+    return getattr(jax_distributed.global_state, 'coordinator_address', None)
+  except Exception:  # any jax whose internals differ: the address is just not known
+    return None
+
+
+def wait_for_coordinator(address: str, timeout: float, connect: bool, hint: str, who: int | str) -> float:
   """Resolves HOST (all processes) and, unless this is process 0 (which starts the coordinator),
   waits until HOST:PORT accepts a TCP connection. Returns the seconds left of `timeout`.
   Raises DistributedError naming the address."""
@@ -180,20 +205,25 @@ def wait_for_coordinator(address: str, timeout: float, connect: bool, hint: str,
 
 
 def how_hint(inf: Info) -> str:
+  """Where the coordinator address came from, for error messages."""
   return ('from --coordinator / JAX_COORDINATOR_ADDRESS' if inf.how == 'explicit'
           else f'detected by {inf.how}')
 
 
 def hostnames() -> list[str]:
-  """The host name of every process, by process index (one key-value exchange)."""
+  """The host name of every process, by process index. Several processes: every one must call
+  this (one all-gather of a fixed-size byte array per process; names longer than HOSTNAME_BYTES
+  bytes are cut)."""
   import jax
   if not _INFO.multi or jax.process_count() == 1:
     return [socket.gethostname()]
-  client = jax._src.distributed.global_state.client
-  me = jax.process_index()
-  client.key_value_set(f'jax3d/hostname/{me}', socket.gethostname())
-  timeout_ms = 1000 * max(_INFO.heartbeat_timeout, 30)
-  return [client.blocking_key_value_get(f'jax3d/hostname/{i}', timeout_ms) for i in range(jax.process_count())]
+  import numpy as np
+  from jax.experimental import multihost_utils
+  raw = socket.gethostname().encode()[:HOSTNAME_BYTES]
+  mine = np.zeros(HOSTNAME_BYTES, np.uint8)
+  mine[:len(raw)] = np.frombuffer(raw, np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, HOSTNAME_BYTES]
+  return [bytes(row).rstrip(b'\0').decode(errors='replace') for row in every]
 
 
 def preemption_sync(step: int) -> bool:
@@ -210,6 +240,7 @@ def preemption_sync(step: int) -> bool:
 
 
 def describe() -> str:
+  """One line: the processes, how they were started, the coordinator and devices per process."""
   import jax
   inf = _INFO
   if not inf.multi:

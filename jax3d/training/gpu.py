@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+from collections.abc import Mapping, MutableMapping
 
 COMBINE_BYTES = 128 * 2**20
 
@@ -53,8 +54,9 @@ def _find_spec(name: str) -> bool:
     return False
 
 
-def gpu_present(env=None) -> bool:
-  """Whether jax will start a CUDA backend here, decided without importing jax."""
+def gpu_present(env: Mapping[str, str] | None = None) -> bool:
+  """Whether jax will start a CUDA backend here, decided without importing jax (from `env`, by
+  default os.environ, the installed packages and the NVIDIA device files)."""
   env = os.environ if env is None else env
   platforms = env.get('JAX_PLATFORMS', '').lower()
   if platforms and not any(p in platforms for p in ('cuda', 'gpu')):
@@ -70,9 +72,10 @@ def _flag_name(flag: str) -> str:
   return flag.split('=', 1)[0].lstrip('-')
 
 
-def apply_gpu_flags(env=None) -> list[str]:
-  """Appends GPU_FLAGS (those the user did not set) to XLA_FLAGS when a GPU is present and
-  JAX3D_NO_GPU_FLAGS is unset. Returns the flags added. Call before jax starts its backend."""
+def apply_gpu_flags(env: MutableMapping[str, str] | None = None) -> list[str]:
+  """Appends GPU_FLAGS (those the user did not set) to XLA_FLAGS in `env` (by default os.environ)
+  when a GPU is present and JAX3D_NO_GPU_FLAGS is unset. Returns the flags added. Call before jax
+  starts its backend."""
   env = os.environ if env is None else env
   if env.get('JAX3D_NO_GPU_FLAGS', '').lower() not in ('', '0', 'false', 'no'):
     return []

@@ -15,7 +15,7 @@ window of steps separates the two.
 from __future__ import annotations
 
 import collections
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -23,7 +23,7 @@ import numpy as np
 MB = 2**20
 
 
-def _live_array_bytes(devices: Sequence) -> list[int]:
+def _live_array_bytes(devices: Sequence[jax.Device]) -> list[int]:
   """Bytes of live jax arrays per device (each device's own shards; replicas count on each)."""
   index = {d: i for i, d in enumerate(devices)}
   total = [0] * len(devices)
@@ -42,11 +42,10 @@ def _live_array_bytes(devices: Sequence) -> list[int]:
   return total
 
 
-def sample(devices: Sequence) -> dict:
+def sample(devices: Sequence[jax.Device]) -> dict[str, list]:
   """{'bytes_in_use': [...], 'peak_bytes': [... or None]}, one entry per device, in the order given
   (pass `mesh.devices.flat` for mesh order). Uses the allocator's numbers where it has them.
   Devices of other processes are skipped: a process can only read its own."""
-  import jax
   devices = [d for d in devices if d.process_index == jax.process_index()]
   stats = [d.memory_stats() if hasattr(d, 'memory_stats') else None for d in devices]
   if all(s and 'bytes_in_use' in s for s in stats):
@@ -79,7 +78,9 @@ class LeakDetector:
     self.window, self.threshold = window, threshold_mb_per_step
     self.history: collections.deque = collections.deque(maxlen=window)
 
-  def update(self, step: int, per_device_bytes: Sequence[int]) -> Optional[dict]:
+  def update(self, step: int, per_device_bytes: Sequence[int]) -> dict | None:
+    """Records one sample; returns a 'memory_leak' event (a metrics record with a message) when the
+    last `window` samples grow steadily, else None."""
     self.history.append((step, list(per_device_bytes)))
     if len(self.history) < self.window:
       return None
@@ -91,7 +92,8 @@ class LeakDetector:
     half = self.window // 2
     span = (np.mean(steps[half:]) - np.mean(steps[:half])) or 1.0
     halves = (per_dev[half:].mean(0) - per_dev[:half].mean(0)) / span
-    growing = [i for i, (sl, hv) in enumerate(zip(slopes, halves)) if sl > self.threshold and hv > self.threshold]
+    growing = [i for i, (sl, hv) in enumerate(zip(slopes, halves, strict=True))
+               if sl > self.threshold and hv > self.threshold]
     if not growing:
       return None
     self.history.clear()

@@ -13,16 +13,20 @@ import json
 import math
 import os
 import sys
+from typing import Any
 
 import jax
 import numpy as np
 
 
 def is_main_process() -> bool:
+  """Whether this is process 0, the one that writes files and prints."""
   return jax.process_index() == 0
 
 
-def _jsonable(x):
+def _jsonable(x: Any) -> Any:
+  """`x` with arrays and numpy scalars as Python lists and numbers, NaN as null, infinities as
+  +-1e308 (strict JSON has neither)."""
   if isinstance(x, dict):
     return {k: _jsonable(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
@@ -46,6 +50,7 @@ class MetricsWriter:
       self.file = open(self.path, 'a')
 
   def write(self, record: dict) -> None:
+    """Keeps `record` and appends it as one JSON line (process 0 only writes the file)."""
     record = _jsonable(record)
     self.records.append(record)
     if self.file:
@@ -53,12 +58,14 @@ class MetricsWriter:
       self.file.flush()
 
   def close(self) -> None:
+    """Closes the file; records written later are only kept in memory."""
     if self.file:
       self.file.close()
       self.file = None
 
 
 def fmt_bytes(n: float) -> str:
+  """'512 B', '1.5 KiB', ... '2.0 TiB' (binary units)."""
   for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
     if abs(n) < 1024 or unit == 'TiB':
       return f'{n:.1f} {unit}' if unit != 'B' else f'{int(n)} B'
@@ -66,6 +73,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_duration(s: float) -> str:
+  """'m:ss', or 'h:mm:ss' from an hour on (negative durations show as 0:00)."""
   s = int(max(s, 0))
   return f'{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60}:{s % 60:02d}'
 
@@ -79,12 +87,12 @@ class Console:
     self.live = live and self.main and sys.stdout.isatty()
     self.bar = self.task = None
     if self.live:
-      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                 TimeRemainingColumn)
+      from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
       self.bar = Progress(TextColumn('[bold]train'), BarColumn(), MofNCompleteColumn(),
                           TextColumn('{task.fields[stats]}'), TimeRemainingColumn(), transient=True)
 
   def log(self, msg: str = '') -> None:
+    """Prints a line on process 0 (above the progress bar when it is shown)."""
     if not self.main:
       return
     if self.bar and self.task is not None:
@@ -93,9 +101,11 @@ class Console:
       print(msg, flush=True)
 
   def warn(self, msg: str) -> None:
+    """Prints 'warning: msg' on stderr, on every process."""
     print(f'warning: {msg}', file=sys.stderr, flush=True)
 
   def progress(self, step: int, start_step: int, loss: float, tok_s: float, step_s: float) -> None:
+    """Updates the live progress bar (when there is one) to `step` with the latest numbers."""
     if not self.bar:
       return
     stats = f'loss {loss:.4f}  {tok_s:,.0f} tok/s  {step_s * 1e3:.0f} ms/step'
@@ -105,6 +115,7 @@ class Console:
     self.bar.update(self.task, completed=step, stats=stats)
 
   def stop(self) -> None:
+    """Removes the progress bar; later lines print plainly."""
     if self.bar and self.task is not None:
       self.bar.stop()
       self.task = None

@@ -5,11 +5,16 @@ Weight decay applies to matrices (kernels, embedding), not to norm scales.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+import ml_collections
 import optax
 
 
-def schedule(cfg):
+def schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
+  """The learning rate by step: linear warmup from 0 to train.lr over train.warmup_steps, then
+  cosine decay to train.lr * train.min_lr_ratio at train.steps."""
   t = cfg.train
   warmup = min(t.warmup_steps, max(t.steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
@@ -17,12 +22,15 @@ def schedule(cfg):
       decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
 
 
-def _decay_mask(params):
+def _decay_mask(params: Any) -> Any:
+  """True for the parameters weight decay applies to: all but the norm scales."""
   return jax.tree_util.tree_map_with_path(
       lambda path, _: getattr(path[-1], 'key', None) != 'scale', params)
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
+def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """AdamW (with clipping when train.grad_clip > 0) under `schedule(cfg)`, skipping any update
+  whose gradients are not finite."""
   t = cfg.train
   parts = []
   if t.grad_clip > 0:
@@ -30,6 +38,6 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
   parts.append(optax.adamw(schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay,
                            mask=_decay_mask))
   # Non-finite gradients: the update is skipped (params and moments unchanged). The run itself
-  # stops after train.max_bad_steps in a row (train.py); the large limit here keeps optax from
+  # stops after train.max_bad_steps in a row (training/trainer.py); the large limit here keeps optax from
   # ever applying a non-finite update on its own.
   return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=10**9)
