@@ -19,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from jax3d.tools.sampling import sample  # the API function `sample` (light: imports no jax)
+
+if TYPE_CHECKING:  # at run time `Trainer` is imported on first use (module __getattr__ below)
+  from jax3d.training.trainer import Trainer
 
 __all__ = ['use_fake_cpu_devices', 'load_config', 'build', 'Trainer', 'placement', 'sharding_table',
            'format_table', 'bubble', 'compiled_memory', 'plan_layouts', 'Plan', 'sample', 'losses']

@@ -23,7 +23,7 @@ import json
 import sys
 
 from jax3d import cli
-from jax3d.tools.inspection import inspect_step, render
+from jax3d.tools.inspection import render
 
 FLAGS = {'json': cli.Flag(bool, False, 'print the result as one JSON object')}
 
@@ -34,11 +34,9 @@ def main(argv: list[str] | None = None) -> int:
   if isinstance(args, int):
     return args
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
-  import jax
-
-  from jax3d import config as config_lib
+  from jax3d import config as config_lib, run
   try:
-    result = inspect_step(args.cfg, config_lib.validate(args.cfg, jax.device_count()))
+    result = run.inspect(args.cfg)
   except config_lib.ConfigError as e:
     return cli.fail(e)
   if args.flags['json']:

@@ -25,6 +25,7 @@ from jax3d import config as config_lib
 from jax3d.model import llama
 from jax3d.parallel import data_parallel, pipeline, sharding
 from jax3d.parallel import mesh as mesh_lib
+from jax3d.tools import inspection
 from jax3d.training import optim, step as step_lib
 
 
@@ -117,16 +118,7 @@ def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
   plan = config_lib.validate(cfg, len(devices))
   mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
   return Setup(cfg=cfg, plan=plan, mesh=mesh, dims=llama.Dims.from_config(cfg, plan),
-               tx=optim.make_optimizer(cfg), rules=sharding.logical_rules(plan))
-
-
-def memory(compiled: jax.stages.Compiled) -> dict:
-  """Bytes per device of a compiled step (XLA's memory_analysis): argument, temp, output, alias,
-  and total = argument + temp + output - alias, the device's peak for the step."""
-  ma = compiled.memory_analysis()
-  out = {k: int(getattr(ma, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
-  out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
-  return out
+               tx=optim.make_optimizer(cfg), rules=sharding.logical_rules(pipeline.batch_axes(plan)))
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,15 +135,19 @@ class CompiledStep:
 
   @functools.cached_property
   def memory(self) -> dict:
-    return memory(self.executable)
+    return inspection.memory(self.executable)
 
   _analysis: dict | None = dataclasses.field(default=None, repr=False)
 
   def analysis(self) -> dict:
     if self._analysis is None:
-      from jax3d.tools import inspection
       self._analysis = inspection.analyze(self.executable, self.setup)
     return self._analysis
+
+
+def inspect(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> dict:
+  """`python -m jax3d.inspect` in Python: memory, FLOPs and collectives of cfg's compiled step."""
+  return compile_train_step(setup(cfg, devices)).analysis()
 
 
 def compile_train_step(s: Setup) -> CompiledStep:

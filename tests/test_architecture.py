@@ -33,7 +33,7 @@ JAX_SRC_ALLOWED = {
     'jax3d.api._backend_started':
         'whether jax has started its backends (fake CPU devices can only be set before); jax has '
         'no public query that does not itself start them',
-    'jax3d.tools.costmodel._traced_residuals':
+    'jax3d.tools.costmodel._saved_residuals':
         'the residuals a rematerialisation policy keeps, as data; jax.ad_checkpoint only prints them',
     'jax3d.training.distributed._jax_coordinator_address':
         'the coordinator address jax.distributed.initialize settled on (it may have auto-detected '

@@ -36,8 +36,8 @@ def train_steps(cfg, n_steps=3):
 
 @functools.lru_cache(maxsize=None)
 def inspected(**over):
-  from jax3d.tools import inspection as inspect_lib
-  return inspect_lib.inspect_step(small_cfg(**over))
+  from jax3d import run
+  return run.inspect(small_cfg(**over))
 
 
 def dp_wire_bytes(r) -> float:

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-from jax3d import config  # noqa: E402
+from jax3d import config, run  # noqa: E402
 from jax3d.tools import hlo, inspection  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +65,7 @@ def test_loop_trip_counts_multiply_collectives():
 @pytest.fixture(scope='module')
 def tiny():
   cfg = config.load_config('tiny')
-  return inspection.inspect_step(cfg, config.validate(cfg, 8))
+  return run.inspect(cfg)
 
 
 def _check(result, what):

@@ -29,17 +29,15 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax3d.config import RunPlan
 
 DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (parallel/mesh.py builds the mesh with them)
 
 Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 
 
-def logical_rules(plan: RunPlan) -> Rules:
-  """The table above for one run plan."""
-  from jax3d.parallel import pipeline
-  return (('batch', DP), ('batch_all', pipeline.batch_axes(plan)), ('seq', None), ('embed', None),
+def logical_rules(batch_all: str | tuple[str, ...]) -> Rules:
+  """The table above; `batch_all` is the pipeline's choice for the batch outside its loop."""
+  return (('batch', DP), ('batch_all', batch_all), ('seq', None), ('embed', None),
           ('head_dim', None), ('norm', None), ('heads', TP), ('kv_heads', TP), ('mlp', TP),
           ('vocab', TP), ('layers', PP), ('micro', None), ('qkv', None), ('gate_up', None))
 

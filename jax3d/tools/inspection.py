@@ -7,18 +7,19 @@ device sends with a ring algorithm (the formulas are wire bytes).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING
 
 import jax
-import ml_collections
 import numpy as np
 
-from jax3d import run
 from jax3d.model import formulas
 from jax3d.tools.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 
+if TYPE_CHECKING:
+  from jax3d.run import Setup
 
-def expected_comm(s: run.Setup) -> dict:
+
+def expected_comm(s: Setup) -> dict:
   """Wire bytes per device per step from the formulas, two ways where they differ:
   'formula'  the papers' count of useful work (m micro-batches through L/p layers per stage);
   'spmd'     what this SPMD pipeline executes: every stage runs and sends in all v*m+p-1
@@ -103,18 +104,22 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   return out
 
 
-# Compile and inspect --------------------------------------------------------------------------
-def inspect_step(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> dict:
-  """Compiles the real train step for abstract inputs (nothing is allocated) and returns memory,
-  FLOPs and collectives per device per step (see the module docstring for what 'bytes' means)."""
-  return run.compile_train_step(run.setup(cfg, devices)).analysis()
+# Memory and the whole analysis -----------------------------------------------------------------
+def memory(compiled: jax.stages.Compiled) -> dict:
+  """Bytes per device of a compiled step (XLA's memory_analysis): argument, temp, output, alias,
+  and total = argument + temp + output - alias, the device's peak for the step."""
+  ma = compiled.memory_analysis()
+  out = {k: int(getattr(ma, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
+  out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
+  return out
 
 
-def analyze(compiled: jax.stages.Compiled, s: run.Setup) -> dict:
-  """The figures of a compiled train step of Setup `s` (run.CompiledStep.analysis calls this)."""
+def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
+  """Memory, FLOPs and collectives per device per step of the compiled train step of Setup `s`
+  (see the module docstring for what 'bytes' means; run.CompiledStep.analysis calls this)."""
   cfg, plan, mesh = s.cfg, s.plan, s.mesh
-  memory = run.memory(compiled)
-  memory['peak_estimate'] = memory.pop('total')
+  mem = memory(compiled)
+  mem['peak_estimate'] = memory.pop('total')
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
   hlo = parse_hlo(compiled.as_text())
@@ -129,7 +134,7 @@ def analyze(compiled: jax.stages.Compiled, s: run.Setup) -> dict:
                  'micro_batch_per_dp_shard': plan.micro_batch // plan.dp, 'seq_len': plan.seq_len,
                  'remat': cfg.train.remat, 'compute_dtype': cfg.train.compute_dtype},
       'device_kind': mesh.devices.flat[0].device_kind,
-      'memory_bytes': memory,
+      'memory_bytes': mem,
       'flops': matmul_flops(hlo),
       'flops_xla_cost_analysis': float(cost.get('flops', 0.0)),
       'model_flops': model_flops,

@@ -54,6 +54,15 @@ def sample(devices: Sequence[jax.Device]) -> dict[str, list]:
   return {'bytes_in_use': _live_array_bytes(devices), 'peak_bytes': [None] * len(devices)}
 
 
+def device_memory_limit(device: jax.Device) -> int | None:
+  """Bytes the device can hold (GPU/TPU allocators report it; CPU does not)."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # noqa: BLE001 - backends without memory stats raise their own errors
+    return None
+  return stats.get('bytes_limit')
+
+
 def slope(steps: Sequence[float], values: Sequence[float]) -> float:
   """Least-squares slope of values against steps (0 when the steps do not vary)."""
   x, y = np.asarray(steps, np.float64), np.asarray(values, np.float64)

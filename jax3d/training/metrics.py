@@ -13,10 +13,13 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import jax
 import numpy as np
+
+from jax3d.model import formulas
 
 
 def is_main_process() -> bool:
@@ -119,3 +122,69 @@ class Console:
     if self.bar and self.task is not None:
       self.bar.stop()
       self.task = None
+
+
+def summary_lines(s: Any, data: str) -> list[str]:
+  """The start-up lines of a run (`s` is its run.Setup): mesh, model, parameters per device,
+  pipeline schedule and bubble, forward work per stage, tokens per step, and `data`."""
+  p, d = s.plan, s.dims
+  n_params = formulas.param_count(d)
+  per_dev = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+                for a in jax.tree.leaves(s.abstract_state['params']))
+  lc = d.n_layers // (p.pp * p.repeats)
+  return [
+      f'jax3d: {p.n_devices} {jax.devices()[0].platform} devices, mesh dp={p.dp} x pp={p.pp} x tp={p.tp}',
+      f'  model: {d.n_layers} layers, d_model {d.d_model}, heads {d.n_heads}/{d.n_kv_heads} kv, '
+      f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
+      f'  parameters per device: {fmt_bytes(per_dev)} ({s.cfg.train.param_dtype}), '
+      f'compute {s.cfg.train.compute_dtype}, remat {s.cfg.train.remat}',
+      f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
+      f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '
+      f'{p.bubble:.1%} (executed/useful stage work {p.iterations / (p.repeats * p.microbatches):.2f}); '
+      f'embedding and head run on all {p.n_devices} devices',
+      f'  per stage: {lc * p.repeats} layers = '
+      f'{formulas.stage_forward_flops(d, lc * p.repeats, p.tokens_per_step) / 1e9:.2f} '
+      f'GFLOP forward per step (equal for every stage)',
+      f'  tokens per step: {p.tokens_per_step:,} ({p.global_batch} x {p.seq_len}), grad_accum '
+      f'{p.grad_accum}',
+      f'  data: {data}',
+  ]
+
+
+class Clock:
+  """Step timing between log lines; the first step (which also compiles) is not counted."""
+
+  def __init__(self) -> None:
+    self.t_last, self.steps, self.started = time.time(), 0, False
+
+  def tick(self) -> bool:
+    """Counts one finished step; True for the first one (the clock starts after it)."""
+    if not self.started:
+      self.started, self.t_last, self.steps = True, time.time(), 0
+      return True
+    self.steps += 1
+    return False
+
+
+class TensorBoard:
+  """Scalars of the metric records in WORKDIR/tensorboard (process 0; a no-op without a workdir)."""
+
+  def __init__(self, workdir: str | None):
+    self.writer = None
+    if workdir and is_main_process():
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+
+  def scalars(self, step: int, record: dict) -> None:
+    if self.writer is None:
+      return
+    for k, v in record.items():
+      if isinstance(v, (int, float)) and k != 'step' and v is not None:
+        self.writer.add_scalar(k, v, step)
+    if 'memory' in record:
+      self.writer.add_scalar('memory_max_bytes', max(record['memory']['bytes_in_use']), step)
+    self.writer.flush()
+
+  def close(self) -> None:
+    if self.writer is not None:
+      self.writer.close()

@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 
 from typing import Sequence
@@ -63,10 +64,7 @@ class Trainer:
     self.mfu_meter = flops_lib.MFUMeter(self.setup.dims, cfg.train.seq_len, self.devices[0],
                                         self.plan.n_devices, cfg.hardware.peak_tflops)
     self.leak = memory_lib.LeakDetector(window=cfg.log.leak_window, threshold_mb_per_step=cfg.log.leak_mb_per_step)
-    self.tb = None
-    if workdir and cfg.log.tensorboard and metrics_lib.is_main_process():
-      from tensorboardX import SummaryWriter
-      self.tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    self.tb = metrics_lib.TensorBoard(workdir if cfg.log.tensorboard else None)
 
   # ------------------------------------------------------------------ set-up
   @property
@@ -83,28 +81,8 @@ class Trainer:
       self.console.log(msg)
 
   def summary(self) -> list[str]:
-    p, d = self.plan, self.setup.dims
-    n_params = flops_lib.param_count(d)
-    per_dev = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
-                  for a in jax.tree.leaves(self.setup.abstract_state['params']))
-    lc = d.n_layers // (p.pp * p.repeats)
-    return [
-        f'jax3d: {p.n_devices} {jax.devices()[0].platform} devices, mesh dp={p.dp} x pp={p.pp} x tp={p.tp}',
-        f'  model: {d.n_layers} layers, d_model {d.d_model}, heads {d.n_heads}/{d.n_kv_heads} kv, '
-        f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
-        f'  parameters per device: {metrics_lib.fmt_bytes(per_dev)} ({self.cfg.train.param_dtype}), '
-        f'compute {self.cfg.train.compute_dtype}, remat {self.cfg.train.remat}',
-        f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
-        f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '
-        f'{p.bubble:.1%} (executed/useful stage work {p.iterations / (p.repeats * p.microbatches):.2f}); '
-        f'embedding and head run on all {p.n_devices} devices',
-        f'  per stage: {lc * p.repeats} layers = '
-        f'{flops_lib.stage_forward_flops(d, lc * p.repeats, p.tokens_per_step) / 1e9:.2f} '
-        f'GFLOP forward per step (equal for every stage)',
-        f'  tokens per step: {p.tokens_per_step:,} ({p.global_batch} x {p.seq_len}), grad_accum '
-        f'{p.grad_accum}',
-        f'  data: {self.corpus.describe()}',
-    ]
+    """The start-up lines: mesh, model, memory, pipeline schedule, work per stage, data."""
+    return metrics_lib.summary_lines(self.setup, self.corpus.describe())
 
   def init_state(self) -> str:
     """Restores the newest good checkpoint, or warm-starts, or initialises. Returns what it did."""
@@ -137,7 +115,7 @@ class Trainer:
     compiled = self.compiled.memory['total']
     lines.append(f'memory per device: compiled {metrics_lib.fmt_bytes(compiled)}, planner estimate '
                  f'{metrics_lib.fmt_bytes(est.total_bytes)} ({est.total_bytes / max(compiled, 1) - 1:+.0%})')
-    limit = _device_memory_limit(self.devices[0])
+    limit = memory_lib.device_memory_limit(self.devices[0])
     if limit and max(compiled, est.total_bytes if self.devices[0].platform == 'gpu' else 0) > limit:
       ladder = planner.oom_ladder(self.cfg, self.plan, limit)
       raise config_lib.ConfigError(
@@ -182,13 +160,10 @@ class Trainer:
   def sample(self, prompt: str | None = None, n_tokens: int | None = None, temperature: float | None = None,
              top_k: int | None = None, seed: int = 0) -> str:
     s = self.cfg.sample
-    prompt = s.prompt if prompt is None else prompt
-    toks = gen_lib.generate(self.setup.dims, self.state['params'],
-                            (self.cfg.model.n_layers, self.plan.pp, self.plan.repeats),
-                            list(prompt.encode()), s.tokens if n_tokens is None else n_tokens, self.cfg.model.max_seq_len,
-                            s.temperature if temperature is None else temperature,
-                            s.top_k if top_k is None else top_k, seed)
-    return prompt + gen_lib.decode_bytes(toks)
+    return gen_lib.generate_text(
+        self.setup, self.state['params'], s.prompt if prompt is None else prompt,
+        s.tokens if n_tokens is None else n_tokens, s.temperature if temperature is None else temperature,
+        s.top_k if top_k is None else top_k, seed)
 
   # ------------------------------------------------------------------ the loop
   def _on_sigterm(self, signum, frame):
@@ -208,84 +183,37 @@ class Trainer:
     # notifier) and makes every process stop at the same step; one process: a Python flag.
     multi = jax.process_count() > 1
     prev_handler = (signal.signal(signal.SIGTERM, self._on_sigterm)
-                    if _main_thread() and not multi else None)
+                    if threading.current_thread() is threading.main_thread() and not multi else None)
     prefetch = data_lib.Prefetcher(self.corpus, cfg.train.seed, start, stop, plan.global_batch,
                                    plan.seq_len, self.setup.batch_sharding, cfg.data.prefetch)
-    bad, t_last, steps_since, t_compile = 0, time.time(), 0, None
+    self._bad, clock = 0, metrics_lib.Clock()
     if start == 0 and cfg.eval.every and stop > 0:
       self._eval_and_log(0)  # where held-out loss starts (ln(vocab) for an untrained model)
     try:
-      prof = cfg.profile
       for i in range(start, stop):
-        if prof.start >= 0 and i == prof.start and self.workdir:
-          jax.profiler.start_trace(os.path.join(self.workdir, 'profile'))
+        step = i + 1
+        self._profile(i, start=True)
         batch = prefetch.next(i)
         t0 = time.time()
         self.state, m = self.compiled(self.state, batch)
         m = jax.device_get(m)
-        if t_compile is None:
-          t_compile = time.time() - t0
-          self.log(f'  first step (compile + run): {t_compile:.1f} s')
-          t_last, steps_since = time.time(), 0
-        else:
-          steps_since += 1
-        step = i + 1
-        if prof.start >= 0 and step == prof.start + prof.steps and self.workdir:
-          jax.profiler.stop_trace()
-          self.log(f'  profile of steps {prof.start}..{step - 1} written to {self.workdir}/profile '
-                   '(open with TensorBoard or https://ui.perfetto.dev)')
-        if not m['finite']:
-          bad += 1
-          msg = (f'step {step}: non-finite loss {float(m["loss"])} / grad norm {float(m["grad_norm"])}; '
-                 f'update skipped ({bad} in a row, limit train.max_bad_steps={cfg.train.max_bad_steps})')
-          self.console.warn(msg)
-          self.writer.write({'step': step, 'event': 'nonfinite', 'loss': float(m['loss']),
-                             'grad_norm': float(m['grad_norm']), 'consecutive': bad})
-          if bad >= cfg.train.max_bad_steps:
-            raise TrainingError(f'stopping at step {step}: {bad} consecutive non-finite steps '
-                                f'(loss {float(m["loss"])}, grad norm {float(m["grad_norm"])}); the last '
-                                f'checkpoint holds finite values only')
-        else:
-          bad = 0
+        if clock.tick():
+          self.log(f'  first step (compile + run): {time.time() - t0:.1f} s')
+        self._profile(step, start=False)
+        self._check_finite(step, m)
         if step % cfg.log.every == 0 or step == stop:
-          now = time.time()
-          dt = (now - t_last) / max(steps_since, 1)
-          tok_s = plan.tokens_per_step / dt if steps_since else 0.0
-          # memory_stats() exists only for this process's devices; metrics come from process 0.
-          mem = memory_lib.sample(self.devices)
-          mfu = self.mfu_meter(tok_s) if steps_since else None
-          record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']),
-                    'grad_norm': float(m['grad_norm']), 'tokens_per_sec': tok_s, 'step_time_s': dt,
-                    'tokens': step * plan.tokens_per_step, 'mfu': mfu, 'memory': mem}
-          self.writer.write(record)
-          self._tensorboard(step, record)
-          leak = self.leak.update(step, mem['bytes_in_use'])
-          if leak:
-            self.writer.write(leak)
-            self.console.warn(leak['message'])
-          mfu_txt = f'  MFU {mfu:.1%}' if mfu is not None else ''
-          self.log(f'step {step:>6}/{stop}  loss {float(m["loss"]):.4f}  lr {float(m["lr"]):.2e}  '
-                   f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step{mfu_txt}  '
-                   f'mem {metrics_lib.fmt_bytes(max(mem["bytes_in_use"]))}/dev  '
-                   f'ETA {metrics_lib.fmt_duration((stop - step) * dt)}')
-          t_last, steps_since = now, 0
+          self._log_step(step, stop, m, clock)
         self.console.progress(step, start, float(m['loss']), plan.tokens_per_step / max(time.time() - t0, 1e-9),
                               time.time() - t0)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != stop:
           self._eval_and_log(step)
-          t_last = time.time()
+          clock.t_last = time.time()
         if self.checkpointer and cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != stop:
           self.save(force=True)
         if multi and self._stop_signal is None and distributed.preemption_sync(step):
           self._stop_signal = signal.SIGTERM
         if self._stop_signal is not None:
-          path = self.save(force=True)
-          if self.checkpointer:
-            self.checkpointer.wait()
-          self.writer.write({'step': step, 'event': 'preempted', 'checkpoint': path})
-          self.log(f'SIGTERM: saved step {step} to {path}; run the same command again to resume')
-          if multi and jax.process_index() != 0:  # one line per process: all stopped at the same step
-            print(f'process {jax.process_index()}: preempted, saved step {step}', file=sys.stderr, flush=True)
+          self._preempted(step, multi)
           return self.writer.records[n_first:]
       self._eval_and_log(self.step)
       if self.checkpointer and stop > start:
@@ -298,20 +226,73 @@ class Trainer:
         signal.signal(signal.SIGTERM, prev_handler)
     return self.writer.records[n_first:]
 
-  def _tensorboard(self, step: int, record: dict) -> None:
-    if self.tb is None:
+  def _profile(self, at: int, start: bool) -> None:
+    """profile.start/steps: a jax.profiler trace of those steps in WORKDIR/profile (started before
+    step index `at`, stopped after step number `at`)."""
+    prof = self.cfg.profile
+    if prof.start < 0 or not self.workdir:
       return
-    for k, v in record.items():
-      if isinstance(v, (int, float)) and k != 'step' and v is not None:
-        self.tb.add_scalar(k, v, step)
-    if 'memory' in record:
-      self.tb.add_scalar('memory_max_bytes', max(record['memory']['bytes_in_use']), step)
-    self.tb.flush()
+    if start and at == prof.start:
+      jax.profiler.start_trace(os.path.join(self.workdir, 'profile'))
+    elif not start and at == prof.start + prof.steps:
+      jax.profiler.stop_trace()
+      self.log(f'  profile of steps {prof.start}..{at - 1} written to {self.workdir}/profile '
+               '(open with TensorBoard or https://ui.perfetto.dev)')
+
+  def _check_finite(self, step: int, m: dict) -> None:
+    """A non-finite step was skipped inside the step; train.max_bad_steps in a row stop the run."""
+    if m['finite']:
+      self._bad = 0
+      return
+    self._bad += 1
+    limit = self.cfg.train.max_bad_steps
+    self.console.warn(f'step {step}: non-finite loss {float(m["loss"])} / grad norm {float(m["grad_norm"])}; '
+                      f'update skipped ({self._bad} in a row, limit train.max_bad_steps={limit})')
+    self.writer.write({'step': step, 'event': 'nonfinite', 'loss': float(m['loss']),
+                       'grad_norm': float(m['grad_norm']), 'consecutive': self._bad})
+    if self._bad >= limit:
+      raise TrainingError(f'stopping at step {step}: {self._bad} consecutive non-finite steps '
+                          f'(loss {float(m["loss"])}, grad norm {float(m["grad_norm"])}); the last '
+                          f'checkpoint holds finite values only')
+
+  def _log_step(self, step: int, stop: int, m: dict, clock: metrics_lib.Clock) -> None:
+    """A metrics record, TensorBoard scalars, the leak check and a console line."""
+    now = time.time()
+    dt = (now - clock.t_last) / max(clock.steps, 1)
+    tok_s = self.plan.tokens_per_step / dt if clock.steps else 0.0
+    # memory_stats() exists only for this process's devices; metrics come from process 0.
+    mem = memory_lib.sample(self.devices)
+    mfu = self.mfu_meter(tok_s) if clock.steps else None
+    record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']), 'grad_norm': float(m['grad_norm']),
+              'tokens_per_sec': tok_s, 'step_time_s': dt, 'tokens': step * self.plan.tokens_per_step,
+              'mfu': mfu, 'memory': mem}
+    self.writer.write(record)
+    self.tb.scalars(step, record)
+    leak = self.leak.update(step, mem['bytes_in_use'])
+    if leak:
+      self.writer.write(leak)
+      self.console.warn(leak['message'])
+    mfu_txt = f'  MFU {mfu:.1%}' if mfu is not None else ''
+    self.log(f'step {step:>6}/{stop}  loss {float(m["loss"]):.4f}  lr {float(m["lr"]):.2e}  '
+             f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step{mfu_txt}  '
+             f'mem {metrics_lib.fmt_bytes(max(mem["bytes_in_use"]))}/dev  '
+             f'ETA {metrics_lib.fmt_duration((stop - step) * dt)}')
+    clock.t_last, clock.steps = now, 0
+
+  def _preempted(self, step: int, multi: bool) -> None:
+    """SIGTERM (or a peer's, through JAX's preemption sync): save this step and stop cleanly."""
+    path = self.save(force=True)
+    if self.checkpointer:
+      self.checkpointer.wait()
+    self.writer.write({'step': step, 'event': 'preempted', 'checkpoint': path})
+    self.log(f'SIGTERM: saved step {step} to {path}; run the same command again to resume')
+    if multi and jax.process_index() != 0:  # one line per process: all stopped at the same step
+      print(f'process {jax.process_index()}: preempted, saved step {step}', file=sys.stderr, flush=True)
 
   def _eval_and_log(self, step: int) -> float:
     loss = self.evaluate()
     self.writer.write({'step': step, 'eval_loss': loss})
-    self._tensorboard(step, {'eval_loss': loss})
+    self.tb.scalars(step, {'eval_loss': loss})
     self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits)')
     return loss
 
@@ -319,19 +300,4 @@ class Trainer:
     if self.checkpointer:
       self.checkpointer.close()
     self.writer.close()
-    if self.tb is not None:
-      self.tb.close()
-
-
-def _device_memory_limit(device) -> int | None:
-  """Bytes the device can hold (GPU/TPU allocators report it; CPU does not)."""
-  try:
-    stats = device.memory_stats() or {}
-  except Exception:
-    return None
-  return stats.get('bytes_limit')
-
-
-def _main_thread() -> bool:
-  import threading
-  return threading.current_thread() is threading.main_thread()
+    self.tb.close()
