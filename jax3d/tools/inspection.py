@@ -119,7 +119,7 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
   (see the module docstring for what 'bytes' means; run.CompiledStep.analysis calls this)."""
   cfg, plan, mesh = s.cfg, s.plan, s.mesh
   mem = memory(compiled)
-  mem['peak_estimate'] = memory.pop('total')
+  mem['peak_estimate'] = mem.pop('total')
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
   hlo = parse_hlo(compiled.as_text())
