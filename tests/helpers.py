@@ -54,7 +54,7 @@ def run_steps(cfg, n_steps=3):
   sh = s.batch_sharding
   batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in fixed_batches(cfg, n_steps)]
   init_params = canonical(s, state['params'])
-  train = step_lib.make_train_step(s)
+  train = run.compile_train_step(s)  # the trainer's own compile path
   losses, grads = [], None
   for b in batches:
     state, m = train(state, b)

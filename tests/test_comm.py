@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import canonical, fixed_batches, setup_for, small_cfg
+from jax3d import run
 from jax3d.training import gpu
 from jax3d.training import step as step_lib
 
@@ -26,7 +27,7 @@ def train_steps(cfg, n_steps=3):
   s = setup_for(cfg)
   state = step_lib.make_init(s)(cfg.train.seed)
   sh = s.batch_sharding
-  train = step_lib.make_train_step(s)
+  train = run.compile_train_step(s)
   losses = []
   for b in fixed_batches(cfg, n_steps):
     state, m = train(state, {k: jax.device_put(v, sh) for k, v in b.items()})
@@ -36,7 +37,6 @@ def train_steps(cfg, n_steps=3):
 
 @functools.lru_cache(maxsize=None)
 def inspected(**over):
-  from jax3d import run
   return run.inspect(small_cfg(**over))
 
 

@@ -1,13 +1,12 @@
-"""A run's report: figures and a short markdown page from WORKDIR/metrics.jsonl.
+"""Reading WORKDIR/metrics.jsonl and turning it into figures and a markdown page (the library of
+`python -m jax3d.report`).
 
-  python -m jax3d.report runs/tiny        # writes runs/tiny/report/{report.md, *.png}
-
-metrics.jsonl holds one JSON object per line: training records (step, loss, lr, grad_norm,
-tokens_per_sec, step_time_s, tokens, mfu, memory), eval records (step, eval_loss) and events
-({'event': 'start' | 'memory_leak' | 'nonfinite', ...}). A resumed run appends to the same file
-from its checkpoint's step on, so a record superseded by a later run of the same step is dropped:
-at each 'start' event, what the earlier run logged after the resume point is forgotten, and for
-any step the last record wins.
+`load` keeps one record per step, the latest run's: the file is appended to by every (re)start, so
+at each 'start' event what an earlier run logged after the resume point is forgotten, and for any
+step the last record wins; a half-written last line (a killed run) is counted, not fatal.
+`figures` writes the PNGs (loss and held-out loss against steps and tokens, throughput and MFU,
+step time, memory per device); `markdown` the page; `write_report` both, into WORKDIR/report/.
+Record kinds are described in jax3d/training/metrics.py.
 """
 from __future__ import annotations
 
