@@ -24,7 +24,6 @@ import json
 import sys
 
 from jax3d import cli
-from jax3d.tools.inspection import render
 
 FLAGS = {'json': cli.Flag(bool, False, 'print the result as one JSON object')}
 
@@ -36,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     return args
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   from jax3d import config as config_lib, run
+  from jax3d.tools.inspection import render
   try:
     result = run.inspect(args.cfg)
   except config_lib.ConfigError as e:
