@@ -19,11 +19,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from jax3d.tools.sampling import sample  # the API function `sample` (light: imports no jax)
 
 if TYPE_CHECKING:  # at run time `Trainer` is imported on first use (module __getattr__ below)
+  import jax
+  import ml_collections
+
+  from jax3d.run import Setup
+  from jax3d.tools.costmodel import Hardware
   from jax3d.training.trainer import Trainer
 
 __all__ = ['use_fake_cpu_devices', 'load_config', 'build', 'Trainer', 'placement', 'sharding_table',
@@ -61,7 +67,8 @@ def _backend_started() -> bool:
     return False
 
 
-def load_config(name_or_path: str = 'tiny', overrides: Mapping[str, Any] | None = None, **kw):
+def load_config(name_or_path: str = 'tiny', overrides: Mapping[str, Any] | None = None,
+                **kw: Any) -> ml_collections.ConfigDict:
   """A config from `configs/NAME.py` (or a path), with overrides, validated keys, locked.
 
   Overrides come as a dict with dotted keys (`{'mesh.tp': 4}`) and/or keywords with `__` for the
@@ -74,9 +81,10 @@ def load_config(name_or_path: str = 'tiny', overrides: Mapping[str, Any] | None 
   return config_lib.load_config(name_or_path, merged)
 
 
-def _with(cfg, **kw):
+def _with(cfg: ml_collections.ConfigDict, **kw: Any) -> ml_collections.ConfigDict:
   """A copy of cfg with `a__b=value` overrides (cfg itself is left as it is)."""
   import copy
+
   from jax3d import config as config_lib
   cfg = copy.deepcopy(cfg)
   for k, v in kw.items():
@@ -87,7 +95,7 @@ def _with(cfg, **kw):
 # ---------------------------------------------------------------------------------------------
 # Building a run
 # ---------------------------------------------------------------------------------------------
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
   # `Trainer` is imported on first use: importing it imports jax and flax.
   if name == 'Trainer':
     from jax3d.training.trainer import Trainer
@@ -95,7 +103,8 @@ def __getattr__(name):
   raise AttributeError(f"module 'jax3d.api' has no attribute {name!r}")
 
 
-def build(cfg, workdir: str | None = None, devices=None, verbose: bool = False):
+def build(cfg: ml_collections.ConfigDict, workdir: str | None = None,
+          devices: Sequence[jax.Device] | None = None, verbose: bool = False) -> Trainer:
   """A `Trainer` whose mesh is built and whose sharded state exists: restored from
   `workdir/checkpoints` when there is a checkpoint (any layout), else initialised from the seed.
 
@@ -113,18 +122,18 @@ def build(cfg, workdir: str | None = None, devices=None, verbose: bool = False):
   return t
 
 
-def placement(trainer) -> list[str]:
+def placement(trainer: Trainer) -> list[str]:
   """One line per device: its (dp, pp, tp) coordinate in the trainer's mesh and which device it
   is. tp varies fastest (neighbouring devices, one NVLink domain), dp slowest (across hosts)."""
   from jax3d.parallel import mesh as mesh_lib
   return [line.strip() for line in mesh_lib.describe_placement(trainer.mesh)]
 
 
-def _path(path) -> str:
+def _path(path: tuple) -> str:
   return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
 
 
-def sharding_table(trainer) -> list[dict]:
+def sharding_table(trainer: Trainer | Setup) -> list[dict]:
   """Every parameter with its global shape, logical axes, PartitionSpec and per-device shape.
 
   Rows are dicts: param ('layers/qkv/kernel'), shape, dtype, logical (the model's axis names),
@@ -134,12 +143,13 @@ def sharding_table(trainer) -> list[dict]:
   """
   import jax
   import numpy as np
+
   from jax3d.model import llama
   s = getattr(trainer, 'setup', trainer)
   rows = []
   flat_shapes = jax.tree_util.tree_flatten_with_path(s.abstract_state['params'])[0]
   flat_names = jax.tree.leaves(llama.param_logical_axes(s.dims), is_leaf=lambda x: isinstance(x, tuple))
-  for (path, a), names in zip(flat_shapes, flat_names):
+  for (path, a), names in zip(flat_shapes, flat_names, strict=True):
     sh = a.sharding
     local = tuple(sh.shard_shape(a.shape))
     rows.append({'param': _path(path), 'shape': tuple(a.shape), 'dtype': str(a.dtype),
@@ -158,7 +168,7 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
                    else str(v))
   cells = [[fmt(r.get(c, '')) for c in columns] for r in rows]
   widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-  line = lambda vals: '  '.join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()
+  line = lambda vals: '  '.join(v.ljust(w) for v, w in zip(vals, widths, strict=True)).rstrip()
   return '\n'.join([line(columns), line(['-' * w for w in widths])] + [line(r) for r in cells])
 
 
@@ -184,7 +194,8 @@ def bubble(pp: int, microbatches: int, repeats: int = 1) -> float:
   return (pp - 1) / (repeats * microbatches + pp - 1)
 
 
-def compiled_memory(source, devices=None, **overrides) -> dict:
+def compiled_memory(source: ml_collections.ConfigDict | Trainer, devices: Sequence[jax.Device] | None = None,
+                    **overrides: Any) -> dict:
   """Bytes per device of the real train step, as XLA compiled it (nothing is allocated).
 
   The step is lowered for abstract inputs and compiled; `memory_analysis()` gives the argument,
@@ -211,24 +222,27 @@ def compiled_memory(source, devices=None, **overrides) -> dict:
 class Plan:
   """The planner's answer for one model on one cluster: `layouts` (dicts, fitting ones first,
   fastest first), `best` (the first fitting one, or None), `flags` (its --config overrides for
-  `python -m jax3d.train`) and `explanation` (why, in the tutorial's terms). `print()` it."""
+  `python -m jax3d.train`), `explanation` (why: tp, then pp, then dp, with the numbers) and `table`
+  (the shortlist as text lines). `print()` it."""
   name: str
-  hardware: Any
-  layouts: list
+  hardware: Hardware
+  layouts: list[dict]
   best: dict | None
   flags: str
-  explanation: list
-  table: list
+  explanation: list[str]
+  table: list[str]
 
   def __str__(self) -> str:
     hw = self.hardware
     head = (f'{self.name} on {hw.nodes} x {hw.gpus_per_node} GPUs of {hw.memory_gb:g} GB: '
             f'{sum(r["fits"] for r in self.layouts)} of {len(self.layouts)} layouts fit')
-    return '\n'.join([head] + self.table + [''] + self.explanation + ([f'  flags: {self.flags}'] if self.flags else []))
+    flags = [f'  flags: {self.flags}'] if self.flags else []
+    return '\n'.join([head] + self.table + [''] + self.explanation + flags)
 
 
-def plan_layouts(config, nodes: int = 1, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
-                 overrides: Mapping[str, Any] | None = None, top: int = 5, **hardware) -> Plan:
+def plan_layouts(config: str | ml_collections.ConfigDict, nodes: int = 1, gpus_per_node: int = 8,
+                 gpu_memory_gb: float = 80.0, overrides: Mapping[str, Any] | None = None, top: int = 5,
+                 **hardware: Any) -> Plan:
   """Ranks every valid (dp, pp, tp, micro-batches, remat, ZeRO-1) layout of a model on a cluster
   by estimated step time among those that fit in memory: the planner of `python -m jax3d.plan`.
 

@@ -14,8 +14,9 @@ Bytes, defined once (all per device, per optimizer step):
                 of a reduce-scatter.
   wire bytes    what a device sends with a ring algorithm on a group of n devices:
                 all-reduce 2(n-1)/n * buffer, all-gather / reduce-scatter / all-to-all
-                (n-1)/n * buffer, collective-permute 1 * buffer. The formulas in
-                shared/docs/formulas.md are wire bytes, so the comparison uses those.
+                (n-1)/n * buffer, collective-permute 1 * buffer. The expected bytes
+                (`expected_comm` in jax3d/tools/inspection.py) are wire bytes, so the
+                comparison uses those.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import json
 import sys
 
 from jax3d import cli
-from jax3d.tools.inspection import render
 
 FLAGS = {'json': cli.Flag(bool, False, 'print the result as one JSON object')}
 
@@ -35,13 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     return args
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   from jax3d import config as config_lib, run
+  from jax3d.tools.inspection import render
   try:
     result = run.inspect(args.cfg)
   except config_lib.ConfigError as e:
     return cli.fail(e)
   if args.flags['json']:
-    print(json.dumps({k: v for k, v in result.items() if k != 'collectives'} |
-                     {'collectives': [{k: v for k, v in c.items() if k != 'op_name'} for c in result['collectives']]}))
+    colls = [{k: v for k, v in c.items() if k != 'op_name'} for c in result['collectives']]
+    print(json.dumps({k: v for k, v in result.items() if k != 'collectives'} | {'collectives': colls}))
   else:
     print(render(result))
   return 0

@@ -3,8 +3,8 @@
   python -m jax3d.plan --config=configs/llama3_70b.py --nodes=8 --gpus-per-node=8 --gpu-memory-gb=80
   ... --json | --emit (the --config.* overrides for jax3d.train) | --verify (XLA's own figure)
 
-The search follows the tutorial's rules (seed digest rows 13-14): tp at most the GPUs of one node
-(tensor parallelism stays on NVLink), pp a divisor of what remains, dp fills the rest; every
+The search (jax3d/tools/planner.py) follows three placement rules: tp at most the GPUs of one
+node (tensor parallelism stays on NVLink), pp a divisor of what remains, dp fills the rest; every
 candidate is priced with `costmodel.estimate`, so "few layers -> more tp" falls out of the bubble.
 When nothing fits, the out-of-memory ladder is printed with this config's numbers.
 """
@@ -25,7 +25,8 @@ FLAGS = {
     'gpu_memory_gb': cli.Flag(float, 80.0, 'memory per GPU, GB', cli.POSITIVE),
     'peak_tflops': cli.Flag(float, Hardware.peak_tflops, 'dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)',
                             cli.POSITIVE),
-    'efficiency': cli.Flag(float, Hardware.efficiency, 'achievable share of peak for the matmuls', cli.POSITIVE),
+    'efficiency': cli.Flag(float, Hardware.efficiency, 'achievable share of peak for the matmuls',
+                           cli.POSITIVE),
     'intra_node_gbps': cli.Flag(float, Hardware.intra_gbps, 'GB/s per GPU per direction inside a node',
                                 cli.POSITIVE),
     'inter_node_gbps': cli.Flag(float, Hardware.inter_gbps, 'GB/s per GPU across nodes', cli.POSITIVE),

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax3d import config as config_lib
 from jax3d.model import llama
-from jax3d.parallel import data_parallel, pipeline, sharding
-from jax3d.parallel import mesh as mesh_lib
+from jax3d.parallel import data_parallel, mesh as mesh_lib, pipeline, sharding
 from jax3d.tools import inspection
 from jax3d.training import optim, step as step_lib
 
@@ -108,7 +108,8 @@ class Setup:
   @functools.cached_property
   def abstract_batch(self) -> dict:
     shape = (self.plan.global_batch, self.plan.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding) for k in ('inputs', 'targets')}
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+            for k in ('inputs', 'targets')}
 
 
 def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -125,7 +126,7 @@ def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
 class CompiledStep:
   """The train step compiled for one Setup: call it as `state, metrics = step(state, batch)`
   (it donates the state). `memory` is XLA's figure per device; `analysis()` adds FLOPs and every
-  collective against the formulas (tools/inspection.py), computed once."""
+  collective against the formulas (jax3d/tools/inspection.py), computed once."""
   setup: Setup
   executable: jax.stages.Compiled
   compile_s: float

@@ -7,7 +7,7 @@ layout: the run's config is read from the checkpoint (unless --config is given) 
 --config.mesh.pp=1 --config.mesh.tp=8). Only the parameters are read, straight into the new
 layout's shardings, with the layer axis permuted from the saved pipeline order.
 
-Decoding (generate.py) runs the layers in canonical order with a KV cache: one forward pass over
+Decoding (jax3d/model/generate.py) runs the layers in canonical order with a KV cache: one forward pass over
 the prompt, then one token per step. Greedy with --greedy (or --temperature=0), else temperature
 with top-k. On a machine without an accelerator 8 fake CPU devices are used (unless XLA_FLAGS
 is set).

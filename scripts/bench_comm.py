@@ -31,6 +31,7 @@ OPTIONS = {
 def measure(path, overrides):
   import jax
   import numpy as np
+
   from jax3d import config as config_lib, run
   s = run.setup(config_lib.load_config(path, overrides))
   plan, state = s.plan, s.abstract_state
@@ -73,7 +74,8 @@ def main(argv=None):
           f'{mb(r["residual_bytes"]):>9s} {mb(r["argument_bytes"]):>9s} {mb(r["peak_bytes"]):>9s}  '
           f'{mb(r["dp_wire_bytes"]):>8s} ({ratio:.3f})  {axes}', flush=True)
   with open(out, 'w') as f:
-    json.dump({'config': path, 'overrides': over, 'layout': rows['plain']['layout'], 'options': rows}, f, indent=1)
+    json.dump({'config': path, 'overrides': over, 'layout': rows['plain']['layout'], 'options': rows}, f,
+              indent=1)
   print(f'wrote {out}')
 
 

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     added = []
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   import jax
+
   from jax3d import config as config_lib, run
   from jax3d.model import formulas as flops
 

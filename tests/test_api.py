@@ -107,7 +107,7 @@ def test_sharding_table_matches_the_state(trained):
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   flat_sh = jax.tree.leaves(shardings)
   assert len(rows) == len(flat) == 9
-  for (path, arr), sh in zip(flat, flat_sh):
+  for (path, arr), sh in zip(flat, flat_sh, strict=True):
     r = rows['/'.join(k.key for k in path)]
     assert r['spec'] == sh.spec == arr.sharding.spec
     assert r['shape'] == arr.shape

@@ -16,13 +16,15 @@ CASES = [
     # (overrides, words the one line must contain)
     (['--config.mesh.dp=3'], ['mesh dp*pp*tp', '3*2*2 = 12', '8 devices']),
     (['--config.mesh.dp=-1', '--config.mesh.tp=-1'], ['mesh.dp=-1 and mesh.tp=-1', 'at most one']),
-    (['--config.mesh.dp=-1', '--config.mesh.pp=3', '--config.mesh.tp=1'], ['mesh.dp=-1 cannot be filled', '3']),
+    (['--config.mesh.dp=-1', '--config.mesh.pp=3', '--config.mesh.tp=1'],
+     ['mesh.dp=-1 cannot be filled', '3']),
     (['--config.mesh.dp=1', '--config.mesh.pp=1', '--config.mesh.tp=8', '--config.model.n_heads=8'],
      ['model.n_kv_heads=2', 'mesh.tp=8']),
     (['--config.model.n_heads=6', '--config.model.n_kv_heads=6', '--config.model.d_model=384',
       '--config.mesh.dp=2', '--config.mesh.pp=1', '--config.mesh.tp=4'], ['model.n_heads=6', 'mesh.tp=4']),
     (['--config.model.d_ff=771'], ['model.d_ff=771', 'mesh.tp=2']),
-    (['--config.model.vocab_multiple=1', '--config.model.vocab_size=257'], ['model.vocab_size=257', 'padded to 257']),
+    (['--config.model.vocab_multiple=1', '--config.model.vocab_size=257'],
+     ['model.vocab_size=257', 'padded to 257']),
     (['--config.model.n_layers=3'], ['model.n_layers=3', 'mesh.pp*pipeline.repeats = 2*1 = 2']),
     (['--config.train.global_batch_size=20'], ['train.global_batch_size=20', '2*4*1 = 8']),
     (['--config.train.grad_accum=3'], ['train.global_batch_size=16', '2*4*3 = 24']),
@@ -36,8 +38,9 @@ CASES = [
     (['--config.pipeline.microbatches=0'], ['pipeline.microbatches=0', '>= 1']),
     (['--config.pipeline.microbatches=3', '--config.train.global_batch_size=15'],
      ['train.global_batch_size=15', '2*3*1 = 6', 'split over dp']),
-    (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=2', '--config.pipeline.microbatches=1',
-      '--config.train.global_batch_size=16'], ['pipeline.microbatches=1', 'circular', 'mesh.pp=2']),
+    (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=2',
+      '--config.pipeline.microbatches=1', '--config.train.global_batch_size=16'],
+     ['pipeline.microbatches=1', 'circular', 'mesh.pp=2']),
     (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=3'],
      ['model.n_layers=4', '2*3 = 6']),
     (['--config.pipeline.schedule=1f1b'], ["pipeline.schedule='1f1b'", 'gpipe, circular']),
@@ -180,7 +183,8 @@ def test_flag_spellings_and_types():
   assert (f['gpus_per_node'], f['gpu_memory_gb'], f['json'], f['fixed'], f['emit'], f['nodes']) == (
       4, 40.0, True, False, False, 1)
   assert type(f['gpu_memory_gb']) is float and args.config_name == 'tiny'
-  assert args.overrides == {'mesh.tp': '4', 'mesh.pp': '1'} and args.cfg.mesh.tp == 4 and args.positional == []
+  assert (args.overrides == {'mesh.tp': '4', 'mesh.pp': '1'} and args.cfg.mesh.tp == 4
+          and args.positional == [])
 
 
 def test_train_declares_every_distributed_flag():

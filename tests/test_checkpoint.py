@@ -13,8 +13,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jax3d import config as config_lib
-from jax3d.training import checkpoint as ckpt_lib
 from jax3d.parallel import pipeline
+from jax3d.training import checkpoint as ckpt_lib
 from jax3d.training.trainer import Trainer, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +48,8 @@ def losses(workdir):
 
 def read_ckpt(workdir, step):
   mgr = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'), item_names=('state', 'meta'))
-  r = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+  r = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                meta=ocp.args.JsonRestore()))
   mgr.close()
   return r['state'], r['meta']
 
@@ -56,7 +57,8 @@ def read_ckpt(workdir, step):
 def cli(workdir, *args, timeout=300, **kw):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
   return subprocess.Popen([sys.executable, '-m', 'jax3d.train', f'--workdir={workdir}', *CLI_SMALL, *args],
-                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          **kw)
 
 
 RESUME_SCRIPT = """
@@ -73,7 +75,8 @@ t.close()
 
 def run_python(code):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
-  r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   return r.stdout
 
@@ -97,7 +100,8 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize('target', [pytest.param((8, 1, 1, 1), marks=pytest.mark.slow), (1, 8, 1, 8),
-                                    pytest.param((1, 2, 4, 2), marks=pytest.mark.slow), (2, 2, 2, 'circular')])
+                                    pytest.param((1, 2, 4, 2), marks=pytest.mark.slow),
+                                    (2, 2, 2, 'circular')])
 def test_resume_onto_another_layout(tmp_path, target):
   src = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
   src.train(steps=3)
@@ -117,7 +121,7 @@ def test_resume_onto_another_layout(tmp_path, target):
   assert 'resumed' in dst.init_state()
   chex.assert_trees_all_equal(canonical_state(dst), saved)
   want = dst.setup.state_shardings
-  for arr, sh in zip(jax.tree.leaves(dst.state), jax.tree.leaves(want)):
+  for arr, sh in zip(jax.tree.leaves(dst.state), jax.tree.leaves(want), strict=True):
     assert arr.sharding.is_equivalent_to(sh, arr.ndim)
   dst.train(steps=1)
   np.testing.assert_allclose(losses(str(tmp_path))[4], ref_loss, rtol=1e-5)
@@ -141,7 +145,8 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path, capsys):
   assert "checkpoints/4" in capsys.readouterr().err
   t2.close()
   # a deleted file: the step folder of 2 loses its metadata
-  meta_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'checkpoints' / '2' / 'state') for f in fs]
+  meta_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'checkpoints' / '2' / 'state')
+                for f in fs]
   for f in meta_files:
     os.remove(f)
   t3 = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
@@ -160,7 +165,8 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
   with pytest.raises(ckpt_lib.CheckpointError) as e:
     other.init_state()
   msg = str(e.value)
-  assert 'params/layers/gate_up/kernel: checkpoint (8, 64, 2, 128) float32, config (8, 64, 2, 256) bfloat16' in msg
+  assert ('params/layers/gate_up/kernel: checkpoint (8, 64, 2, 128) float32, '
+          'config (8, 64, 2, 256) bfloat16') in msg
   assert 'params/embed/embedding: checkpoint (256, 64) float32, config (256, 64) bfloat16' in msg
   other.close()
 
@@ -219,16 +225,18 @@ def test_nan_steps_are_skipped_logged_and_stop_the_run(tmp_path):
   records = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
   assert any(r.get('event') == 'nonfinite' and r['step'] == 3 for r in records)
   t.train(steps=1)  # step 4 trains again
-  assert not np.allclose(jax.device_get(t.state['params'])['head']['out']['kernel'], before['head']['out']['kernel'])
+  assert not np.allclose(jax.device_get(t.state['params'])['head']['out']['kernel'],
+                         before['head']['out']['kernel'])
   t.close()
-  t = Trainer(cfg_for(2, 2, 2, m=2, train__inject_nan_at='6,7,8', train__max_bad_steps=3, checkpoint__every=1),
-              workdir=str(tmp_path / 'b'), console=False)
+  t = Trainer(cfg_for(2, 2, 2, m=2, train__inject_nan_at='6,7,8', train__max_bad_steps=3,
+                      checkpoint__every=1), workdir=str(tmp_path / 'b'), console=False)
   with pytest.raises(TrainingError, match='stopping at step 8: 3 consecutive non-finite steps'):
     t.train()
   t.close()
   for step in sorted(int(s) for s in os.listdir(tmp_path / 'b' / 'checkpoints') if s.isdigit()):
     state, _ = read_ckpt(str(tmp_path / 'b'), step)
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state) if np.issubdtype(np.asarray(x).dtype, np.floating))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state)
+               if np.issubdtype(np.asarray(x).dtype, np.floating))
 
 
 def test_nan_stop_exit_status_is_3(tmp_path):

@@ -1,4 +1,4 @@
-"""Communication and memory options (issue 8): ZeRO-1, 16-/8-bit dp gradient reduction, GPU flags.
+"""Communication and memory options: ZeRO-1, 16-/8-bit dp gradient reduction, GPU flags.
 
 Bytes and memory come from the compiled train step (jax3d.inspect: the optimised HLO's
 collectives and compiled.memory_analysis()), never from a formula.
@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import canonical, fixed_batches, setup_for, small_cfg
 from jax3d import run
-from jax3d.training import gpu
-from jax3d.training import step as step_lib
+from jax3d.training import gpu, step as step_lib
+
+from helpers import canonical, fixed_batches, setup_for, small_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT_222 = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}
@@ -35,7 +35,7 @@ def train_steps(cfg, n_steps=3):
   return np.array(losses), canonical(s, state['params'])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inspected(**over):
   return run.inspect(small_cfg(**over))
 

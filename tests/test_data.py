@@ -14,7 +14,8 @@ def corpus():
 
 
 def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
-  cfg = config_lib.load_config('tiny', {'model.n_kv_heads': 4, 'model.n_layers': 8, 'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp,
+  cfg = config_lib.load_config('tiny', {'model.n_kv_heads': 4, 'model.n_layers': 8,
+                                        'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp,
                                         'pipeline.microbatches': 1, 'train.global_batch_size': batch})
   s = run.setup(cfg, jax.devices()[:n])
   sh = s.batch_sharding

@@ -10,7 +10,7 @@ from helpers import run_steps, small_cfg
 RTOL, ATOL = 1e-5, 1e-7
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(**key):
   return run_steps(small_cfg(**dict(key)))
 

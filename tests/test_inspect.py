@@ -1,5 +1,6 @@
 """jax3d.inspect: the HLO reader on known inputs, then the tiny model's (2,2,2) step against
-shared/docs/formulas.md. Bytes are per device per optimizer step (see jax3d/inspect.py)."""
+the expected bytes of `expected_comm` (jax3d/tools/inspection.py). Bytes are per device per
+optimizer step (see jax3d/inspect.py)."""
 import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')

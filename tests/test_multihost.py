@@ -102,7 +102,7 @@ class Run:
       rc = self.p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
       self.kill()
-      raise AssertionError(f'still running after {timeout} s:\n{self.text[-4000:]}')
+      raise AssertionError(f'still running after {timeout} s:\n{self.text[-4000:]}') from None
     self.thread.join(timeout=10)
     return rc
 
@@ -189,7 +189,7 @@ def test_two_processes_match_one_process(reference, two_proc):
   assert not re.search(r'^\[p1\] step ', out, re.M)
   place = re.findall(r'^\[p0\]\s+\(dp=(\d), pp=(\d), tp=(\d)\) -> host \S+ process (\d)', out, re.M)
   assert len(place) == 8, out
-  for dp, pp, tp, proc in place:
+  for dp, _pp, _tp, proc in place:
     assert int(proc) == int(dp), place  # dp outermost = one host per dp index here
   # The launcher reports every process.
   assert 'process 0 (pid' in out and 'process 1 (pid' in out
@@ -314,8 +314,10 @@ def test_resolve_reads_flags_environment_and_launchers(monkeypatch):
       monkeypatch.delenv(k)
   flags = dict(distributed.FLAGS)
   assert not distributed.resolve(flags).multi
-  inf = distributed.resolve(dict(flags, coordinator='h:1', num_processes='2', process_id='1', init_timeout='7'))
-  assert (inf.multi, inf.how, inf.num_processes, inf.process_id, inf.init_timeout) == (True, 'explicit', 2, 1, 7)
+  inf = distributed.resolve(dict(flags, coordinator='h:1', num_processes='2', process_id='1',
+                                 init_timeout='7'))
+  assert ((inf.multi, inf.how, inf.num_processes, inf.process_id, inf.init_timeout)
+          == (True, 'explicit', 2, 1, 7))
   monkeypatch.setenv('JAX_COORDINATOR_ADDRESS', 'h:2')
   monkeypatch.setenv('JAX_NUM_PROCESSES', '4')
   monkeypatch.setenv('JAX_PROCESS_ID', '0')

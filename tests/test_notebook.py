@@ -25,6 +25,7 @@ def _kernel_env() -> dict:
 def test_notebook_uses_only_the_public_api():
   """The tutorial teaches the public API: `import jax3d` and names it exports, no submodules."""
   import nbformat
+
   import jax3d
   nb = nbformat.read(NOTEBOOK, as_version=4)
   src = '\n'.join(c.source for c in nb.cells if c.cell_type == 'code')

@@ -20,7 +20,8 @@ def layer_fn(p, x_btd):
 def make(p, m, v, seed=0):
   L = p * v * 2
   k = jax.random.split(jax.random.key(seed), 4)
-  layers = {'w1': jax.random.normal(k[0], (L, D, D)) / D**0.5, 'w2': jax.random.normal(k[1], (L, D, D)) / D**0.5,
+  layers = {'w1': jax.random.normal(k[0], (L, D, D)) / D**0.5,
+            'w2': jax.random.normal(k[1], (L, D, D)) / D**0.5,
             's': jax.random.uniform(k[2], (L, 1))}
   x = jax.random.normal(k[3], (m, B, T, D))
   return layers, x

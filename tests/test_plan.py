@@ -15,8 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jax3d import config
-from jax3d.tools import planner as plan
-from jax3d.tools import costmodel  # noqa: E402
+from jax3d.tools import costmodel, planner as plan
 
 CPU = costmodel.Hardware(flash_attention=False)
 
@@ -109,8 +108,8 @@ def test_json_and_emit():
   assert rows[0]['step_time_s'] <= rows[1]['step_time_s'] <= rows[2]['step_time_s']
   r = cli('--config=configs/tiny.py', '--emit')
   best = rows[0]
-  assert r.returncode == 0 and r.stdout.startswith(f'--config.mesh.dp={best["dp"]} '
-                                                   f'--config.mesh.pp={best["pp"]} --config.mesh.tp={best["tp"]}')
+  assert r.returncode == 0 and r.stdout.startswith(
+      f'--config.mesh.dp={best["dp"]} --config.mesh.pp={best["pp"]} --config.mesh.tp={best["tp"]}')
 
 
 def test_misfit_reason_and_oom_ladder():

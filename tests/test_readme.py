@@ -56,7 +56,8 @@ def test_readme_has_runnable_blocks():
 @pytest.mark.parametrize('line,script', _blocks() or [pytest.param(0, '', marks=pytest.mark.skip(
     reason='no runnable block in README.md (test_readme_has_runnable_blocks fails)'))])
 def test_readme_block_runs(line, script):
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}  # as a reader's shell
+  # as a reader's shell
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
   env['PYTHONPATH'] = os.pathsep.join([ROOT, env.get('PYTHONPATH', '')])
   # `python` and `pytest` in a block are the interpreter running the tests (its venv).
   env['PATH'] = os.pathsep.join([os.path.dirname(sys.executable), env.get('PATH', '')])

@@ -19,8 +19,7 @@ import pytest
 
 import jax3d
 from jax3d import sample as sample_lib
-from jax3d.model import generate as gen_lib
-from jax3d.model import llama as model_lib
+from jax3d.model import generate as gen_lib, llama as model_lib
 from jax3d.parallel import pipeline
 from jax3d.tools import sampling
 

@@ -1,6 +1,6 @@
 """The model's counting formulas, in one place: parameters, FLOPs per token, MFU.
 
-Parameters (`dims` is a model.Dims, or anything with its fields and `head_dim`):
+Parameters (`dims` is a jax3d.model.llama.Dims, or anything with its fields and `head_dim`):
 
   per layer        2*d (two RMSNorm scales) + d*hd*(2*n + 2*k) (q, o; k, v) + 3*d*f (gate, up, down)
   embedding/head   2*V*d (input table, output projection) + d (final norm)
@@ -26,6 +26,13 @@ bf16 peak or less), so its MFU against the bf16 peak is low by construction.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # llama imports this module: its types only for the annotations
+  import jax
+
+  from jax3d.model.llama import Dims
+
 # (substring of jax's device.device_kind, dense bf16 TFLOP/s per device). First match wins, so
 # the more specific names come first.
 PEAK_TFLOPS = (
@@ -48,47 +55,47 @@ PEAK_TFLOPS = (
 )
 
 
-def layer_params(dims, tp: int = 1) -> int:
+def layer_params(dims: Dims, tp: int = 1) -> int:
   """Parameters of one decoder layer on one of `tp` shards: the matrices split, the norms whole."""
   d, hd = dims.d_model, dims.head_dim
   matrices = d * hd * (2 * dims.n_heads + 2 * dims.n_kv_heads) + 3 * d * dims.d_ff
   return matrices // tp + 2 * d
 
 
-def embed_head_params(dims, tp: int = 1, padded: bool = False) -> int:
+def embed_head_params(dims: Dims, tp: int = 1, padded: bool = False) -> int:
   """Embedding table, output projection (vocabulary rows split over `tp`) and the final norm; with
   `padded` the padded vocabulary (what is stored), else the real one."""
   vocab = dims.vocab_padded if padded else dims.vocab_size
   return 2 * vocab * dims.d_model // tp + dims.d_model
 
 
-def param_count(dims) -> int:
+def param_count(dims: Dims) -> int:
   """Parameters of the real model (padded vocabulary rows excluded)."""
   return dims.n_layers * layer_params(dims) + embed_head_params(dims)
 
 
-def model_params(dims) -> int:
+def model_params(dims: Dims) -> int:
   """P of the MFU numerator: every parameter except the input embedding table (a lookup)."""
   return param_count(dims) - dims.vocab_size * dims.d_model
 
 
-def attention_flops_per_token(dims, seq_len: int) -> float:
+def attention_flops_per_token(dims: Dims, seq_len: int) -> float:
   """The 12 * L * h * s term: attention scores and weighted sum, forward + backward."""
   return 12.0 * dims.n_layers * dims.d_model * seq_len
 
 
-def flops_per_token(dims, seq_len: int) -> float:
+def flops_per_token(dims: Dims, seq_len: int) -> float:
   """Training FLOPs per token, 6 * P + 12 * L * h * s (forward + backward, no recompute)."""
   return 6.0 * model_params(dims) + attention_flops_per_token(dims, seq_len)
 
 
-def stage_forward_flops(dims, n_layers: int, tokens: int) -> float:
+def stage_forward_flops(dims: Dims, n_layers: int, tokens: int) -> float:
   """Forward FLOPs of `n_layers` decoder layers over `tokens` tokens (2 per weight per token;
   attention's scores are not counted): what one pipeline stage computes."""
   return 2.0 * n_layers * layer_params(dims) * tokens
 
 
-def peak_flops(device=None, override_tflops: float = 0.0) -> float | None:
+def peak_flops(device: jax.Device | None = None, override_tflops: float = 0.0) -> float | None:
   """Peak FLOP/s of one device: the override if > 0, else the table, else None (CPU, unknown)."""
   if override_tflops and override_tflops > 0:
     return float(override_tflops) * 1e12
@@ -113,11 +120,12 @@ class MFUMeter:
   """What the trainer needs per log line: built once from the config, called with tokens/s.
 
     meter = formulas.MFUMeter(setup.dims, cfg.train.seq_len, jax.devices()[0], plan.n_devices,
-                           cfg.hardware.peak_tflops)
+                              cfg.hardware.peak_tflops)
     record['mfu'] = meter(tokens_per_sec)      # float or None
   """
 
-  def __init__(self, dims, seq_len: int, device, n_devices: int, override_tflops: float = 0.0):
+  def __init__(self, dims: Dims, seq_len: int, device: jax.Device | None, n_devices: int,
+               override_tflops: float = 0.0) -> None:
     self.per_token = flops_per_token(dims, seq_len)
     self.peak = peak_flops(device, override_tflops)
     self.n_devices = n_devices

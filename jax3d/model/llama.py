@@ -1,9 +1,10 @@
 """A Llama-style decoder in Flax: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
 
-The model speaks logical axes only (see sharding.py); tensor parallelism is the Megatron layout
-expressed as annotations: Q/K/V and gate/up are column-parallel (heads, mlp on tp), the output
-and down projections row-parallel, so XLA inserts exactly one all-reduce after attention and one
-after the MLP. Embedding and head are vocabulary-parallel; the loss never gathers the logits.
+The model speaks logical axes only (see jax3d/parallel/sharding.py); tensor parallelism is the
+Megatron layout expressed as annotations: Q/K/V and gate/up are column-parallel (heads, mlp on tp),
+the output and down projections row-parallel, so XLA inserts exactly one all-reduce after attention
+and one after the MLP. Embedding and head are vocabulary-parallel; the loss never gathers the
+logits.
 
 Layer weights are stacked on a leading `layers` axis, ready for `lax.scan` and pipeline stages.
 
@@ -18,12 +19,16 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import config as config_lib
 from jax3d.model import formulas
 from jax3d.parallel.sharding import constrain
+
+PyTree = Any  # nested dicts of arrays (or of their abstract shapes)
+KVCache = tuple[jax.Array, jax.Array]  # one layer's (keys [b, s, k, h], values [b, s, k, h])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,7 @@ class Dims:
     return self.d_model // self.n_heads
 
   @staticmethod
-  def from_config(cfg, plan=None) -> Dims:
+  def from_config(cfg: ml_collections.ConfigDict, plan: config_lib.RunPlan | None = None) -> Dims:
     """The model of `cfg`; the padded vocabulary comes from `plan` when given (the same number)."""
     m = cfg.model
     vocab_padded = plan.vocab_padded if plan is not None else config_lib.padded_vocab(m)
@@ -76,7 +81,7 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.dims.dtype)
 
 
-def rope(x_btnh, theta: float, positions_t=None):
+def rope(x_btnh: jax.Array, theta: float, positions_t: jax.Array | None = None) -> jax.Array:
   """Rotary position embedding (half-split form), computed in fp32. `positions_t` (int, [t]) are
   the tokens' positions; None means 0..t-1 (then the angles are constants of the trace)."""
   t, h = x_btnh.shape[1], x_btnh.shape[-1]
@@ -88,7 +93,8 @@ def rope(x_btnh, theta: float, positions_t=None):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
 
 
-def cached_attention(q_btnh, k_bskh, v_bskh, positions_t):
+def cached_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+                     positions_t: jax.Array) -> jax.Array:
   """Causal attention, in fp32, of queries at `positions_t` over a KV cache of s entries: the query
   at position p sees entries 0..p, so entries past the last query (not yet written) are ignored."""
   b, t, n, h = q_btnh.shape
@@ -147,7 +153,7 @@ class Block(nn.Module):
       positions_t = jnp.arange(t) if positions_t is None else positions_t
       cache = tuple(jax.lax.dynamic_update_slice_in_dim(c_bskh, new_btkh.astype(c_bskh.dtype),
                                                         positions_t[0], axis=1)
-                    for c_bskh, new_btkh in zip(cache, (k_btkh, v_btkh)))
+                    for c_bskh, new_btkh in zip(cache, (k_btkh, v_btkh), strict=True))
       o_btnh = cached_attention(q_btnh, *cache, positions_t)
     o_rnh = checkpoint_name(constrain(o_btnh.reshape(b * t, n, h), ('batch', 'heads', 'head_dim')),
                             'attn_out')
@@ -195,7 +201,7 @@ class Head(nn.Module):
     return constrain(logits_btv, ('batch_all', 'seq', 'vocab'))
 
 
-def cross_entropy_sum(logits_btv, targets_bt):
+def cross_entropy_sum(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
   """Sum of token losses. Vocab-parallel: max, sum-exp and the target logit are reduced over the
   vocab shards (tp); the full-vocabulary logits are never gathered on one device."""
   lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
@@ -211,7 +217,7 @@ def _unboxed_init(module, key, *args):
   return nn.unbox(module.init(key, *args)['params'])
 
 
-def init_params(key, dims: Dims, layer_order: np.ndarray):
+def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   """All parameters. Layer j of the stack holds canonical layer `layer_order[j]`, whose values come
   from that layer's own key, so the values never depend on the layout (pipeline order, sharding)."""
   k_embed, k_layers, k_head = jax.random.split(key, 3)
@@ -225,7 +231,7 @@ def init_params(key, dims: Dims, layer_order: np.ndarray):
   }
 
 
-def param_logical_axes(dims: Dims):
+def param_logical_axes(dims: Dims) -> PyTree:
   """The same tree as `init_params`, with each leaf's logical axis names (a tuple)."""
   tok = jnp.zeros((1, 1), jnp.int32)
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
@@ -240,14 +246,17 @@ def param_logical_axes(dims: Dims):
   return {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x)}
 
 
-def block_apply(dims: Dims, layer_params, x_btd, positions_t=None, cache=None):
+def block_apply(dims: Dims, layer_params: PyTree, x_btd: jax.Array, positions_t: jax.Array | None = None,
+                cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
   """One layer: x, or (x, new cache) when a KV cache is given (see Block)."""
   return Block(dims).apply({'params': layer_params}, x_btd, positions_t, cache)
 
 
-def embed_apply(dims: Dims, params, tokens_bt):
+def embed_apply(dims: Dims, params: PyTree, tokens_bt: jax.Array) -> jax.Array:
+  """Token embeddings [b, t, d] of `tokens_bt` (the `embed` part of the full parameter tree)."""
   return Embed(dims).apply({'params': params['embed']}, tokens_bt)
 
 
-def head_apply(dims: Dims, params, x_btd):
+def head_apply(dims: Dims, params: PyTree, x_btd: jax.Array) -> jax.Array:
+  """fp32 logits [b, t, v_padded] of `x_btd` (the `head` part of the full parameter tree)."""
   return Head(dims).apply({'params': params['head']}, x_btd)

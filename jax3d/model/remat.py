@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 
 POLICIES = {
@@ -19,14 +21,14 @@ POLICIES = {
 }
 
 
-def wrap_layer(fn, policy: str):
+def wrap_layer(fn: Callable, policy: str) -> Callable:
   """The layer function under the named policy (unchanged for 'none')."""
   if policy == 'none':
     return fn
   return jax.checkpoint(fn, policy=POLICIES[policy], prevent_cse=False)
 
 
-def wrap_iteration(fn, policy: str):
+def wrap_iteration(fn: Callable, policy: str) -> Callable:
   """The pipeline iteration under 'full' keeps only its carry; other policies act per layer."""
   if policy != 'full':
     return fn

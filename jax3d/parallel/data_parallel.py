@@ -1,8 +1,9 @@
 """Data parallelism, all of it: the replicas, ZeRO-1, and the compressed gradient reduction.
 
-By default data parallelism is the compiler's: the batch is sharded over dp (sharding.py), the
-weights are replicated, and XLA sums the weight gradients over dp once per step (the pipeline loop
-is manual over dp so that this sum happens after it, not once per iteration; pipeline.py). Two
+By default data parallelism is the compiler's: the batch is sharded over dp
+(jax3d/parallel/sharding.py), the weights are replicated, and XLA sums the weight gradients over
+dp once per step (the pipeline loop is manual over dp so that this sum happens after it, not once
+per iteration; jax3d/parallel/pipeline.py). Two
 settings make the reduction explicit, done here by hand (`explicit`):
 
   train.shard_optimizer=True   ZeRO-1. Adam's moments are sharded over dp on the first dimension of
@@ -48,7 +49,8 @@ different dp cannot reuse it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax3d.config import RunPlan
 from jax3d.parallel.sharding import DP, PP, TP
 
+PyTree = Any  # nested dicts of arrays (or of their abstract shapes / shardings)
 AXIS = DP
 BLOCK = 256  # int8 block length (elements of one axis sharing a scale)
 
@@ -66,15 +69,16 @@ def _spec_tuple(spec: P, ndim: int) -> tuple:
   return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
 
 
-def zero_dim(shape, spec: P, dp: int) -> int | None:
+def zero_dim(shape: tuple[int, ...], spec: P, dp: int) -> int | None:
   """The dimension ZeRO-1 shards over dp: the first one replicated and divisible by dp."""
-  for i, (n, ax) in enumerate(zip(shape, _spec_tuple(spec, len(shape)))):
+  for i, (n, ax) in enumerate(zip(shape, _spec_tuple(spec, len(shape)), strict=True)):
     if ax is None and n % dp == 0 and n >= dp:
       return i
   return None
 
 
-def zero_spec(shape, spec: P, dp: int) -> P:
+def zero_spec(shape: tuple[int, ...], spec: P, dp: int) -> P:
+  """`spec` with dp added on the leaf's `zero_dim` (unchanged when it has none)."""
   k = zero_dim(shape, spec, dp)
   t = list(_spec_tuple(spec, len(shape)))
   if k is not None:
@@ -82,17 +86,19 @@ def zero_spec(shape, spec: P, dp: int) -> P:
   return P(*t)
 
 
-def zero_shardings(abstract_params, params_sh, mesh, dp: int):
+def zero_shardings(abstract_params: PyTree, params_sh: PyTree, mesh: Mesh, dp: int) -> PyTree:
   """Parameter shardings with dp added on each leaf's `zero_dim` (the ZeRO-1 layout)."""
   return jax.tree.map(lambda a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp)),
                       abstract_params, params_sh)
 
 
-def residual_shardings(params_sh, mesh):
+def residual_shardings(params_sh: PyTree, mesh: Mesh) -> PyTree:
+  """The int8 residual's shardings: each parameter's, with a trailing axis over dp."""
   return jax.tree.map(lambda sh: NamedSharding(mesh, P(*sh.spec, AXIS)), params_sh)
 
 
-def init_residual(params, dp: int):
+def init_residual(params: PyTree, dp: int) -> PyTree:
+  """A zero int8 residual: each parameter's shape with a trailing axis of size dp, fp32."""
   return jax.tree.map(lambda a: jnp.zeros((*a.shape, dp), jnp.float32), params)
 
 
@@ -102,7 +108,7 @@ def _block_axis(ndim: int, k: int | None) -> int:
   return ndim - 1 if k != ndim - 1 else ndim - 2
 
 
-def quantize(h, k: int | None):
+def quantize(h: jax.Array, k: int | None) -> tuple[jax.Array, jax.Array, int | None, Callable]:
   """int8 values and fp32 per-block scales of h (ndim >= 2); blocks along `_block_axis` (BLOCK
   elements, or the whole axis when BLOCK does not divide it). Returns (q, scale, k_blocked,
   restore): q and scale in a blocked shape (axis a split into [n_blocks, block] when there are
@@ -190,17 +196,19 @@ def _shard_shape(shape, k, n):
   return tuple(d // n if i == k else d for i, d in enumerate(shape))
 
 
-def reduce(grads, residual, dims, dtype: str, n: int, shard: bool):
+def reduce(grads: PyTree, residual: PyTree | None, dims: PyTree, dtype: str, n: int,
+           shard: bool) -> tuple[PyTree, PyTree | None]:
   """The dp sum of every gradient leaf (inside a shard_map manual over dp).
 
   grads: varying per-rank gradients; residual: the int8 error-feedback tree (local [..., 1]) or
-  None; dims: a tree of `zero_dim`s (None for none). Returns (reduced grads, new residual or None):
-  full arrays, or under `shard` the rank's slice along its zero_dim (the ZeRO-1 layout)."""
+  None; dims: a tree of `zero_dim`s (-1 for none, as `dims_tree` gives). Returns (reduced grads,
+  new residual or None): full arrays, or under `shard` the rank's slice along its zero_dim (the
+  ZeRO-1 layout)."""
   leaves, tdef = jax.tree.flatten(grads)
   dim_leaves = tdef.flatten_up_to(dims)
   res_leaves = (tdef.flatten_up_to(residual) if residual is not None else [None] * len(leaves))
   out, new_res = [], []
-  for g, k, r in zip(leaves, dim_leaves, res_leaves):
+  for g, k, r in zip(leaves, dim_leaves, res_leaves, strict=True):
     k = None if k < 0 else k
     r_local = None if r is None else r[..., 0]
     red, nr = _reduce_leaf(g.astype(jnp.float32), r_local, dtype, k, n, shard)
@@ -210,7 +218,7 @@ def reduce(grads, residual, dims, dtype: str, n: int, shard: bool):
   return reduced, (tdef.unflatten(new_res) if residual is not None else None)
 
 
-def dims_tree(abstract_params, params_sh, dp: int):
+def dims_tree(abstract_params: PyTree, params_sh: PyTree, dp: int) -> PyTree:
   """Each leaf's `zero_dim`, -1 for none (a None would not be a pytree leaf)."""
   def k(a, sh):
     d = zero_dim(a.shape, sh.spec, dp)

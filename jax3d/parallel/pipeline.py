@@ -26,12 +26,13 @@ and a plain P('pp') sharding of the layer axis gives each stage exactly its chun
 Gradients over dp. The loop is manual over dp too: the weights are marked dp-varying at its
 entry, so their gradient sum over dp (the transpose of that mark) happens once per step, after
 the loop, not once per iteration. When the caller is already inside a shard_map manual over dp
-and pp (data_parallel.py's explicit reduction, `manual=True`), the loop runs without one of its
-own and the caller's rows are this device's (`local_rows`).
+and pp (the explicit reduction of jax3d/parallel/data_parallel.py, `manual=True`), the loop runs
+without one of its own and the caller's rows are this device's (`local_rows`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-
-DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (parallel/mesh.py builds the mesh with them)
+DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (jax3d/parallel/mesh.py builds the mesh with them)
 
 Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 

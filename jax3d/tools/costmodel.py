@@ -1,4 +1,5 @@
-"""Memory and step-time estimates of one layout, from the formulas in docs (Megatron, Korthikanti).
+"""Memory and step-time estimates of one layout, from the published formulas (Megatron-LM;
+Korthikanti et al. for activations).
 
 The estimate models what jax3d's step really does, so that it can be checked against XLA's own
 figure (`python -m jax3d.plan --verify`) and printed by the trainer before the first step:
@@ -8,27 +9,34 @@ figure (`python -m jax3d.plan --verify`) and printed by the trainer before the f
     `train.shard_optimizer` (ZeRO-1).
   - one more copy of the parameters for the optimizer step's new values (kept beside the old
     ones until the finite-check select); calibrated against XLA's figure, see `plan --verify`.
-  - activations of the SPMD GPipe pipeline (pipeline.py): its scan keeps the residuals of every one
-    of its v*m+p-1 iterations (bubble iterations included) for the backward pass. What one layer
-    keeps is read off the real layer (`jax.ad_checkpoint` residuals of `model.Block` at the
-    tp-local shapes, under the remat policy), so it follows the code, GQA and SwiGLU included; it
-    agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t)) where the layer is Megatron's.
-    With remat 'full' an iteration keeps only its carry (its input, the stage-0 queue and the
-    outputs: (2m+1) micro-batches).
+  - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
+    residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
+    pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
+    `jax3d.model.llama.Block` at the tp-local shapes, under the remat policy), so it follows the
+    code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    where the layer is Megatron's. With remat 'full' an iteration keeps only its carry (its input,
+    the stage-0 queue and the outputs: (2m+1) micro-batches).
   - step time: compute at `efficiency` of peak, tp/pp/dp traffic over the links each axis is
-    placed on (mesh.py: tp inside a node, then pp, dp outermost), the dp all-reduce partly hidden
-    behind the backward pass, and the bubble as wasted compute: executed/useful = (v*m+p-1)/(v*m).
+    placed on (jax3d/parallel/mesh.py: tp inside a node, then pp, dp outermost), the dp all-reduce
+    partly hidden behind the backward pass, and the bubble as wasted compute:
+    executed/useful = (v*m+p-1)/(v*m).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
+
+if TYPE_CHECKING:
+  import ml_collections
+
+  from jax3d.model.llama import Dims
 
 GB = 1e9
 BYTES = {'float32': 4, 'bfloat16': 2, 'int8': 1}
@@ -100,8 +108,8 @@ class Estimate:
 # ---------------------------------------------------------------------------------------------
 # What one layer keeps for the backward pass, read off the real layer.
 # ---------------------------------------------------------------------------------------------
-def layer_residual_bytes(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param,
-                         flash, batch) -> float:
+def layer_residual_bytes(d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, seq: int, tp: int,
+                         policy: str, compute: str, param: str, flash: bool, batch: int) -> float:
   """Bytes one tp shard of one layer keeps for its backward pass, inputs and weights included
   (in the pipeline both are per-iteration values). Linear in the rows: traced at 1 and 2 rows."""
   one, two = (_traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param,
@@ -118,8 +126,7 @@ def _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compu
   import flax.linen as nn
   import jax
 
-  from jax3d.model import llama as model_lib
-  from jax3d.model import remat
+  from jax3d.model import llama as model_lib, remat
 
   @dataclasses.dataclass(frozen=True)
   class ShardDims(model_lib.Dims):  # one tp shard: n/tp heads of the full head size
@@ -157,19 +164,19 @@ def _saved_residuals(f, *args) -> list:
 # ---------------------------------------------------------------------------------------------
 # The estimate
 # ---------------------------------------------------------------------------------------------
-def _dims(cfg, plan: RunPlan | None = None):
+def _dims(cfg: ml_collections.ConfigDict, plan: RunPlan | None = None) -> Dims:
   from jax3d.model import llama as model_lib  # imported when needed: flax and jax are heavy
   return model_lib.Dims.from_config(cfg, plan)
 
 
-def local_params(cfg, plan: RunPlan) -> dict:
+def local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   """Parameters held by one device: layer matrices over pp*tp, norms over pp, embed/head over tp."""
   dims = _dims(cfg, plan)
   return {'layers': dims.n_layers // plan.pp * formulas.layer_params(dims, plan.tp),
           'embed_head': formulas.embed_head_params(dims, plan.tp, padded=True)}
 
 
-def estimate(cfg, plan: RunPlan, gpu_memory_bytes: float | None = None,
+def estimate(cfg: ml_collections.ConfigDict, plan: RunPlan, gpu_memory_bytes: float | None = None,
              hw: Hardware | None = None) -> Estimate:
   """Memory per device and step time of `cfg` on the layout `plan` (see the module docstring).
 
@@ -207,7 +214,8 @@ def estimate(cfg, plan: RunPlan, gpu_memory_bytes: float | None = None,
                'optimizer': 2 * n_local * pb / (dp if t.shard_optimizer else 1),
                'activations': acts, 'head': head,
                # The optimizer step's new values exist beside the old ones until the finite-check
-               # select (step.train_step) picks one: about one more copy of the parameters.
+               # select (train_step in jax3d/training/step.py) picks one: about one more copy of the
+               # parameters.
                'update': n_local * pb}
 
   # --- time ---------------------------------------------------------------------------------
@@ -244,6 +252,6 @@ def estimate(cfg, plan: RunPlan, gpu_memory_bytes: float | None = None,
                   device_memory_bytes=gpu_memory_bytes)
 
 
-def param_count(cfg) -> int:
+def param_count(cfg: ml_collections.ConfigDict) -> int:
   """The real model's parameters (padded vocabulary rows excluded): formulas.param_count."""
   return formulas.param_count(_dims(cfg))

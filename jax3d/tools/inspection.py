@@ -1,8 +1,9 @@
 """What a compiled train step costs, per device per step, against the formulas: memory (XLA's
 `memory_analysis`), FLOPs (the HLO's matmuls times their loops' trip counts) and the collectives of
-each mesh axis (tools/hlo.py), compared with shared/docs/formulas.md (`expected_comm`, `checks`).
+each mesh axis (jax3d/tools/hlo.py), compared with the communication formulas of `expected_comm`
+(`checks`).
 
-Bytes, as in tools/hlo.py: buffer bytes are the HLO shape one device holds; wire bytes what a
+Bytes, as in jax3d/tools/hlo.py: buffer bytes are the HLO shape one device holds; wire bytes what a
 device sends with a ring algorithm (the formulas are wire bytes).
 """
 from __future__ import annotations
@@ -78,8 +79,8 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   dp   gradient bytes all-reduced over any group that includes dp, against P_local."""
   total = lambda pred, key='wire_bytes': sum(c[key] for c in colls if pred(c))
   tp_layers = lambda c: c['axes'] == 'tp' and c['in_layers']
-  dp_grads = lambda c: 'dp' in c['axes'].split('+') and c['kind'] in (  # (all-to-all: gradcomm.py)
-      'all-reduce', 'reduce-scatter', 'all-to-all')
+  dp_grads = lambda c: 'dp' in c['axes'].split('+') and c['kind'] in (
+      'all-reduce', 'reduce-scatter', 'all-to-all')  # all-to-all: jax3d/parallel/data_parallel.py
   out = [
       {'axis': 'tp', 'what': 'tp all-reduces in the layers (fwd+bwd)', 'measured': total(tp_layers),
        'formula': e['tp']['formula'], 'spmd': e['tp']['spmd']},
@@ -153,7 +154,7 @@ def _mb(x: float) -> str:
 
 
 def summary_lines(r: dict) -> list[str]:
-  """A few lines for train.py's start-up banner."""
+  """A few lines for the trainer's start-up banner (Trainer.compile in jax3d/training/trainer.py)."""
   m, c = r['memory_bytes'], r['comm_bytes']
   lines = [f"per device: args {_mb(m['argument'])}, temp {_mb(m['temp'])}, out {_mb(m['output'])} "
            f"(aliased {_mb(m['alias'])}), peak ~{_mb(m['peak_estimate'])}",

@@ -1,17 +1,20 @@
 """The planner: every valid (dp, pp, tp, micro-batches, remat, ZeRO-1) layout of a config on a GPU
-cluster, priced by the cost model, ranked, explained in the tutorial's terms; the out-of-memory
-ladder; and an ahead-of-time compile of the winner (`verify`).
+cluster, priced by the cost model (jax3d/tools/costmodel.py), ranked, explained (tp, then pp, then
+dp, with the numbers); the out-of-memory ladder; and an ahead-of-time compile of the winner
+(`verify`).
 
-The search follows the tutorial's rules (seed digest rows 13-14): tp at most the GPUs of one node
-(tensor parallelism stays on NVLink), pp a divisor of what remains, dp fills the rest; every
-candidate is priced with `costmodel.estimate`, so "few layers -> more tp" falls out of the bubble.
-`python -m jax3d.plan` prints what this module computes.
+The search follows three placement rules: tp at most the GPUs of one node (tensor parallelism
+stays on NVLink), pp a divisor of what remains, dp fills the rest; every candidate is priced with
+`costmodel.estimate`, so "few layers -> more tp" falls out of the bubble. `python -m jax3d.plan`
+(jax3d/plan.py) prints what this module computes.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import ml_collections
 
@@ -30,7 +33,7 @@ class Candidate:
   est: costmodel.Estimate
 
   @property
-  def plan(self):
+  def plan(self) -> RunPlan:
     return self.est.plan
 
   def row(self) -> dict:
@@ -49,22 +52,30 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cfg, hw: Hardware, policies=POLICIES, zero1=(False, True)):
-  """Every layout the rules allow that config.validate accepts: (overrides, plan) pairs."""
+def _batch_splits(batch: int, dp: int, pp: int) -> list[tuple[int, int]]:
+  """(grad_accum, micro-batches) pairs that split `batch` sequences over dp: up to 64 of each, and
+  one micro-batch without a pipeline."""
+  return [(ga, mb) for ga in (1, 2, 4, 8, 16, 32, 64) if batch % (ga * dp) == 0
+          for mb in ([1] if pp == 1 else _divisors(batch // (ga * dp))) if mb <= 64]
+
+
+def layouts(cfg: ml_collections.ConfigDict, hw: Hardware, policies: Sequence[str] = POLICIES,
+            zero1: Sequence[bool] = (False, True),
+            ) -> Iterator[tuple[dict, RunPlan, ml_collections.ConfigDict]]:
+  """Every layout the rules allow that config.validate accepts: (overrides, plan, config) triples.
+  The config is one working copy of `cfg`, set to the next layout's values on the next iteration."""
   n, m = hw.n_devices, cfg.model
   work = copy.deepcopy(cfg)
   for tp in [t for t in _divisors(hw.gpus_per_node) if n % t == 0]:  # rule: tp <= GPUs per node
     for pp in [p for p in _divisors(n // tp) if m.n_layers % p == 0]:  # rule: pp divides the rest
       dp = n // (tp * pp)  # rule: dp fills the rest
-      batch = cfg.train.global_batch_size
-      for ga, mb in [(ga, mb) for ga in (1, 2, 4, 8, 16, 32, 64) if batch % (ga * dp) == 0
-                     for mb in ([1] if pp == 1 else _divisors(batch // (ga * dp))) if mb <= 64]:
+      for ga, mb in _batch_splits(cfg.train.global_batch_size, dp, pp):
         reps = [1] + ([r for r in _divisors(m.n_layers // pp) if 1 < r <= 8] if mb >= pp > 1 else [])
         for v in reps:
           for remat in policies:
             for z in (zero1 if dp > 1 else (False,)):
               o = dict(zip(LAYOUT_KEYS, (dp, pp, tp, mb, v, 'circular' if v > 1 else 'gpipe', remat, z,
-                                         ga)))
+                                         ga), strict=True))
               for k, val in o.items():
                 set_key(work, k, val)
               try:
@@ -73,8 +84,9 @@ def layouts(cfg, hw: Hardware, policies=POLICIES, zero1=(False, True)):
                 continue
 
 
-def search(cfg, hw: Hardware, **kw) -> list[Candidate]:
-  """All valid layouts, priced; fitting ones first, fastest first (ties: more tp, less pp)."""
+def search(cfg: ml_collections.ConfigDict, hw: Hardware, **kw: Any) -> list[Candidate]:
+  """All valid layouts, priced; fitting ones first, fastest first (ties: more tp, less pp). `kw`
+  (policies, zero1) narrows the layouts (see `layouts`)."""
   out = [Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)) for o, plan, c in layouts(cfg, hw, **kw)]
   if not out:
     m = cfg.model
@@ -87,7 +99,8 @@ def search(cfg, hw: Hardware, **kw) -> list[Candidate]:
   return out
 
 
-def apply(cfg, overrides: dict):
+def apply(cfg: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """A copy of cfg with `overrides` ({dotted key: value}) set (cfg itself is left as it is)."""
   cfg = copy.deepcopy(cfg)
   for k, v in overrides.items():
     set_key(cfg, k, v)
@@ -97,8 +110,10 @@ def apply(cfg, overrides: dict):
 # ---------------------------------------------------------------------------------------------
 # Explanations
 # ---------------------------------------------------------------------------------------------
-def explain(cfg, best: Candidate, ranked: list[Candidate], hw: Hardware) -> list[str]:
-  """The winner in the tutorial's terms: tp first, then pp, then dp = N/(tp*pp)."""
+def explain(cfg: ml_collections.ConfigDict, best: Candidate, ranked: list[Candidate],
+            hw: Hardware) -> list[str]:
+  """Why the winner: tp first (fill a node), then pp (a divisor of the rest), then dp = N/(tp*pp),
+  its memory, and what the best layout with less tp would cost."""
   p, e, m, n = best.plan, best.est, cfg.model, hw.n_devices
   where = 'on NVLink inside one node' if p.tp <= hw.gpus_per_node else 'ACROSS nodes'
   weights = costmodel.param_count(cfg) * costmodel.BYTES[cfg.train.param_dtype] * 4
@@ -126,8 +141,10 @@ def explain(cfg, best: Candidate, ranked: list[Candidate], hw: Hardware) -> list
   return lines
 
 
-def oom_ladder(cfg, plan, device_memory_bytes: float, hw: Hardware | None = None) -> list[str]:
-  """The tutorial's out-of-memory ladder, each rung priced for this config and layout."""
+def oom_ladder(cfg: ml_collections.ConfigDict, plan: RunPlan, device_memory_bytes: float,
+               hw: Hardware | None = None) -> list[str]:
+  """The out-of-memory ladder, each rung priced for this config and layout: recompute activations,
+  drop needless copies, smaller micro-batches, more pp or tp, bf16, ZeRO-1, then more nodes."""
   hw = hw or Hardware(nodes=max(plan.n_devices // 8, 1), gpus_per_node=min(plan.n_devices, 8),
                       memory_gb=device_memory_bytes / GB)
   base = estimate(cfg, plan, device_memory_bytes, hw)
@@ -173,7 +190,7 @@ def oom_ladder(cfg, plan, device_memory_bytes: float, hw: Hardware | None = None
   return lines
 
 
-def smallest_cluster(cfg, hw: Hardware) -> str:
+def smallest_cluster(cfg: ml_collections.ConfigDict, hw: Hardware) -> str:
   """The fewest nodes (doubling) of this kind on which some layout fits."""
   nodes = 1
   while nodes <= 4096:
@@ -197,6 +214,7 @@ def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
   """Ahead-of-time compile of the real train step of `cfg` on plan.n_devices CPU devices (nothing
   is allocated): XLA's bytes per device beside the estimate's."""
   import jax
+
   from jax3d import run
   devices = jax.devices('cpu')
   if len(devices) < plan.n_devices:
@@ -208,8 +226,8 @@ def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
   note = (['(XLA:CPU computes bf16 matmuls in float32, converting around each dot: with bf16 compute '
            'its temporaries exceed a GPU\'s, and the GPU-minded estimate comes out below them)']
           if cfg.train.compute_dtype == 'bfloat16' else [])
-  return note + [f'XLA (compiled on {plan.n_devices} CPU devices): {total / GB:.4f} GB per device = arguments '
-                 f'{m["argument"] / GB:.4f} + temporaries {m["temp"] / GB:.4f} + '
+  return note + [f'XLA (compiled on {plan.n_devices} CPU devices): {total / GB:.4f} GB per device = '
+                 f'arguments {m["argument"] / GB:.4f} + temporaries {m["temp"] / GB:.4f} + '
                  f'outputs {m["output"] / GB:.4f} - aliased {m["alias"] / GB:.4f}',
                  f'estimate: {est.total_bytes / GB:.4f} GB per device ({est.total_bytes / total - 1:+.1%})']
 
@@ -227,13 +245,15 @@ def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
 
 
 def table(cands: list[Candidate]) -> list[str]:
+  """The candidates as a text table, one numbered line each under a header line."""
   head = (f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"ga":>3} {"remat":>5} {"zero1":>5} '
           f'{"GB/GPU":>7} {"step s":>8} {"bubble":>6} {"tokens/s":>10} {"MFU":>5}')
   lines = [head]
   for i, c in enumerate(cands, 1):
     r = c.row()
     lines.append(f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["microbatches"]:>4} '
-                 f'{r["repeats"]:>2} {r["grad_accum"]:>3} {r["remat"]:>5} {"yes" if r["shard_optimizer"] else "no":>5} '
+                 f'{r["repeats"]:>2} {r["grad_accum"]:>3} {r["remat"]:>5} '
+                 f'{"yes" if r["shard_optimizer"] else "no":>5} '
                  f'{r["memory_gb"]:>7.1f} {r["step_time_s"]:>8.3g} {r["bubble"]:>6.1%} '
                  f'{r["tokens_per_s"]:>10,} {r["mfu"]:>5.1%}')
   return lines

@@ -38,6 +38,6 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
   parts.append(optax.adamw(schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay,
                            mask=_decay_mask))
   # Non-finite gradients: the update is skipped (params and moments unchanged). The run itself
-  # stops after train.max_bad_steps in a row (training/trainer.py); the large limit here keeps optax from
-  # ever applying a non-finite update on its own.
+  # stops after train.max_bad_steps in a row (jax3d/training/trainer.py); the large limit here
+  # keeps optax from ever applying a non-finite update on its own.
   return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=10**9)

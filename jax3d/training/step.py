@@ -4,15 +4,16 @@ Data flow of one step (`loss_sum`):
   tokens [B, T] (batch over dp*pp) -> embed (vocab-parallel) -> pipeline.apply: micro-batches
   through the stages over pp (tp inside each stage) -> head (batch over dp*pp, vocab over tp)
   -> vocab-parallel cross-entropy. The gradients are summed over dp by the compiler, or by hand
-  (data_parallel.py) for ZeRO-1 and 16-/8-bit reductions. `train.grad_accum` chunks run
+  (jax3d/parallel/data_parallel.py) for ZeRO-1 and 16-/8-bit reductions. `train.grad_accum` chunks run
   sequentially in a scan, their gradients summed.
 
-Every function takes the run's `Setup` (build.py), which holds the config, plan, mesh, model
+Every function takes the run's `Setup` (jax3d/run.py), which holds the config, plan, mesh, model
 dims, optimizer, logical rules and the shardings, computed once.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from jax3d.model import llama
 from jax3d.parallel import data_parallel, pipeline, sharding
 
 if TYPE_CHECKING:
-  from jax3d.build import Setup
+  from jax3d.run import Setup
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -80,7 +81,7 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
 def init_state(key: jax.Array, s: Setup) -> State:
   params = llama.init_params(key, s.dims, s.layer_order)
   state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': s.tx.init(params)}
-  if s.has_residual:  # int8 error feedback: one residual per dp rank (data_parallel.py)
+  if s.has_residual:  # int8 error feedback: one residual per dp rank (jax3d/parallel/data_parallel.py)
     state['grad_residual'] = data_parallel.init_residual(params, s.plan.dp)
   return state
 
@@ -151,7 +152,8 @@ def make_init(s: Setup) -> MeshJit:
 
 
 def make_train_step(s: Setup) -> MeshJit:
-  return MeshJit(lambda st, b: train_step(st, b, s), s.mesh, in_shardings=(s.state_shardings, s.batch_shardings),
+  return MeshJit(lambda st, b: train_step(st, b, s), s.mesh,
+                 in_shardings=(s.state_shardings, s.batch_shardings),
                  out_shardings=(s.state_shardings, NamedSharding(s.mesh, P())), donate_argnums=(0,))
 
 

@@ -17,24 +17,23 @@ import signal
 import sys
 import threading
 import time
-
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import ml_collections
 import numpy as np
 
-from jax3d import run
-from jax3d import config as config_lib
-from jax3d.model import formulas as flops_lib
-from jax3d.model import generate as gen_lib
+from jax3d import config as config_lib, run
+from jax3d.model import formulas as flops_lib, generate as gen_lib
 from jax3d.tools import costmodel, inspection, planner
-from jax3d.training import checkpoint as ckpt_lib
-from jax3d.training import data as data_lib
-from jax3d.training import distributed
-from jax3d.training import memory as memory_lib
-from jax3d.training import metrics as metrics_lib
-from jax3d.training import step as step_lib
+from jax3d.training import (
+  checkpoint as ckpt_lib,
+  data as data_lib,
+  distributed,
+  memory as memory_lib,
+  metrics as metrics_lib,
+  step as step_lib,
+)
 
 
 class TrainingError(RuntimeError):
@@ -63,7 +62,8 @@ class Trainer:
     self.devices = list(self.mesh.devices.flat)
     self.mfu_meter = flops_lib.MFUMeter(self.setup.dims, cfg.train.seq_len, self.devices[0],
                                         self.plan.n_devices, cfg.hardware.peak_tflops)
-    self.leak = memory_lib.LeakDetector(window=cfg.log.leak_window, threshold_mb_per_step=cfg.log.leak_mb_per_step)
+    self.leak = memory_lib.LeakDetector(window=cfg.log.leak_window,
+                                        threshold_mb_per_step=cfg.log.leak_mb_per_step)
     self.tb = metrics_lib.TensorBoard(workdir if cfg.log.tensorboard else None)
 
   # ------------------------------------------------------------------ set-up
@@ -73,7 +73,7 @@ class Trainer:
 
   @property
   def compiled_info(self) -> dict | None:
-    """Memory, FLOPs and collectives of the compiled step (tools/inspection.py), once compiled."""
+    """Memory, FLOPs and collectives of the compiled step (jax3d/tools/inspection.py), once compiled."""
     return self.compiled.analysis() if self.compiled is not None else None
 
   def log(self, msg: str = '') -> None:
@@ -203,8 +203,8 @@ class Trainer:
         self._check_finite(step, m)
         if step % cfg.log.every == 0 or step == stop:
           self._log_step(step, stop, m, clock)
-        self.console.progress(step, start, float(m['loss']), plan.tokens_per_step / max(time.time() - t0, 1e-9),
-                              time.time() - t0)
+        self.console.progress(step, start, float(m['loss']),
+                              plan.tokens_per_step / max(time.time() - t0, 1e-9), time.time() - t0)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != stop:
           self._eval_and_log(step)
           clock.t_last = time.time()
@@ -263,9 +263,9 @@ class Trainer:
     # memory_stats() exists only for this process's devices; metrics come from process 0.
     mem = memory_lib.sample(self.devices)
     mfu = self.mfu_meter(tok_s) if clock.steps else None
-    record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']), 'grad_norm': float(m['grad_norm']),
-              'tokens_per_sec': tok_s, 'step_time_s': dt, 'tokens': step * self.plan.tokens_per_step,
-              'mfu': mfu, 'memory': mem}
+    record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']),
+              'grad_norm': float(m['grad_norm']), 'tokens_per_sec': tok_s, 'step_time_s': dt,
+              'tokens': step * self.plan.tokens_per_step, 'mfu': mfu, 'memory': mem}
     self.writer.write(record)
     self.tb.scalars(step, record)
     leak = self.leak.update(step, mem['bytes_in_use'])
