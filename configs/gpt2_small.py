@@ -1,4 +1,5 @@
 """GPT-2 small class (124M parameters with GPT-2's vocabulary), Llama-style blocks."""
+
 from jax3d.config import base_config
 
 

@@ -1,4 +1,5 @@
 """Llama 3 70B shapes (for GPU clusters and planning): 80 layers, d 8192, GQA 64/8, d_ff 28672."""
+
 from jax3d.config import base_config
 
 

@@ -1,4 +1,5 @@
 """Llama 3 8B shapes (for GPU runs and planning): 32 layers, d 4096, GQA 32/8, d_ff 14336, vocab 128256."""
+
 from jax3d.config import base_config
 
 

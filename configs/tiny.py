@@ -1,8 +1,9 @@
 """The CPU default: a byte-level Llama on the standard library's source, learns in minutes on 2 cores.
 
-  python -m jax3d.train                       # this config, workdir runs/tiny
-  python -m jax3d.train --config.mesh.tp=4 --config.mesh.pp=1
+python -m jax3d.train                       # this config, workdir runs/tiny
+python -m jax3d.train --config.mesh.tp=4 --config.mesh.pp=1
 """
+
 from jax3d.config import base_config
 
 

@@ -17,6 +17,7 @@ Why lazy: `import jax3d` must not start jax's backend (fake CPU devices are fixe
 and must not import the command modules (`python -m jax3d.plan` would then run a second copy of
 an already-imported module). Submodules (`jax3d.plan`, `jax3d.training`, ...) load on first access.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,8 +25,20 @@ import typing as _typing  # private name: dir(jax3d) lists the package's globals
 
 __version__ = '0.1.0'
 
-_API = ('use_fake_cpu_devices', 'load_config', 'build', 'Trainer', 'placement', 'sharding_table',
-        'format_table', 'bubble', 'compiled_memory', 'plan_layouts', 'Plan', 'losses')
+_API = (
+  'use_fake_cpu_devices',
+  'load_config',
+  'build',
+  'Trainer',
+  'placement',
+  'sharding_table',
+  'format_table',
+  'bubble',
+  'compiled_memory',
+  'plan_layouts',
+  'Plan',
+  'losses',
+)
 __all__ = list(_API) + ['sample']
 
 

@@ -14,6 +14,7 @@ Nothing here imports jax at module import time, and nothing touches a device unt
 that needs one is called: `use_fake_cpu_devices` only works before jax starts its backend, so
 `import jax3d` must not start it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,21 @@ if TYPE_CHECKING:  # at run time `Trainer` is imported on first use (module __ge
   from jax3d.tools.costmodel import Hardware
   from jax3d.training.trainer import Trainer
 
-__all__ = ['use_fake_cpu_devices', 'load_config', 'build', 'Trainer', 'placement', 'sharding_table',
-           'format_table', 'bubble', 'compiled_memory', 'plan_layouts', 'Plan', 'sample', 'losses']
+__all__ = [
+  'use_fake_cpu_devices',
+  'load_config',
+  'build',
+  'Trainer',
+  'placement',
+  'sharding_table',
+  'format_table',
+  'bubble',
+  'compiled_memory',
+  'plan_layouts',
+  'Plan',
+  'sample',
+  'losses',
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,27 +62,33 @@ def use_fake_cpu_devices(n: int = 8) -> int:
   kept (they chose their devices). On a GPU machine the GPUs stay the default devices.
   """
   from jax3d.parallel import mesh as mesh_lib
+
   mesh_lib.use_fake_cpu_devices(n)
   if 'jax' in sys.modules and _backend_started():
     import jax
+
     have = len(jax.devices('cpu'))
     if have != n and f'device_count={n}' not in os.environ.get('XLA_FLAGS', ''):
-      raise RuntimeError(f'jax has already started with {have} CPU device(s); call '
-                         f'jax3d.use_fake_cpu_devices({n}) before anything uses jax devices '
-                         '(restart the kernel or interpreter)')
+      raise RuntimeError(
+        f'jax has already started with {have} CPU device(s); call '
+        f'jax3d.use_fake_cpu_devices({n}) before anything uses jax devices '
+        '(restart the kernel or interpreter)'
+      )
   return n
 
 
 def _backend_started() -> bool:
   try:
     from jax._src import xla_bridge
+
     return bool(xla_bridge.backends_are_initialized())
   except Exception:  # a jax without this helper: assume not started, the flag is then in time
     return False
 
 
-def load_config(name_or_path: str = 'tiny', overrides: Mapping[str, Any] | None = None,
-                **kw: Any) -> ml_collections.ConfigDict:
+def load_config(
+  name_or_path: str = 'tiny', overrides: Mapping[str, Any] | None = None, **kw: Any
+) -> ml_collections.ConfigDict:
   """A config from `configs/NAME.py` (or a path), with overrides, validated keys, locked.
 
   Overrides come as a dict with dotted keys (`{'mesh.tp': 4}`) and/or keywords with `__` for the
@@ -76,6 +96,7 @@ def load_config(name_or_path: str = 'tiny', overrides: Mapping[str, Any] | None 
   the valid ones, so a typo never silently trains the default.
   """
   from jax3d import config as config_lib
+
   merged = dict(overrides or {})
   merged.update({k.replace('__', '.'): v for k, v in kw.items()})
   return config_lib.load_config(name_or_path, merged)
@@ -86,6 +107,7 @@ def _with(cfg: ml_collections.ConfigDict, **kw: Any) -> ml_collections.ConfigDic
   import copy
 
   from jax3d import config as config_lib
+
   cfg = copy.deepcopy(cfg)
   for k, v in kw.items():
     config_lib.set_key(cfg, k.replace('__', '.'), v)
@@ -99,12 +121,17 @@ def __getattr__(name: str) -> Any:
   # `Trainer` is imported on first use: importing it imports jax and flax.
   if name == 'Trainer':
     from jax3d.training.trainer import Trainer
+
     return Trainer
   raise AttributeError(f"module 'jax3d.api' has no attribute {name!r}")
 
 
-def build(cfg: ml_collections.ConfigDict, workdir: str | None = None,
-          devices: Sequence[jax.Device] | None = None, verbose: bool = False) -> Trainer:
+def build(
+  cfg: ml_collections.ConfigDict,
+  workdir: str | None = None,
+  devices: Sequence[jax.Device] | None = None,
+  verbose: bool = False,
+) -> Trainer:
   """A `Trainer` whose mesh is built and whose sharded state exists: restored from
   `workdir/checkpoints` when there is a checkpoint (any layout), else initialised from the seed.
 
@@ -113,6 +140,7 @@ def build(cfg: ml_collections.ConfigDict, workdir: str | None = None,
   what init did; the notebook keeps it off and prints the numbers it shows.
   """
   from jax3d.training.trainer import Trainer
+
   t = Trainer(cfg, workdir=workdir, devices=devices, console=verbose)
   what = t.init_state()
   if verbose:
@@ -126,6 +154,7 @@ def placement(trainer: Trainer) -> list[str]:
   """One line per device: its (dp, pp, tp) coordinate in the trainer's mesh and which device it
   is. tp varies fastest (neighbouring devices, one NVLink domain), dp slowest (across hosts)."""
   from jax3d.parallel import mesh as mesh_lib
+
   return [line.strip() for line in mesh_lib.describe_placement(trainer.mesh)]
 
 
@@ -145,6 +174,7 @@ def sharding_table(trainer: Trainer | Setup) -> list[dict]:
   import numpy as np
 
   from jax3d.model import llama
+
   s = getattr(trainer, 'setup', trainer)
   rows = []
   flat_shapes = jax.tree_util.tree_flatten_with_path(s.abstract_state['params'])[0]
@@ -152,9 +182,17 @@ def sharding_table(trainer: Trainer | Setup) -> list[dict]:
   for (path, a), names in zip(flat_shapes, flat_names, strict=True):
     sh = a.sharding
     local = tuple(sh.shard_shape(a.shape))
-    rows.append({'param': _path(path), 'shape': tuple(a.shape), 'dtype': str(a.dtype),
-                 'logical': tuple(names), 'spec': sh.spec, 'per_device': local,
-                 'bytes_per_device': int(np.prod(local)) * a.dtype.itemsize})
+    rows.append(
+      {
+        'param': _path(path),
+        'shape': tuple(a.shape),
+        'dtype': str(a.dtype),
+        'logical': tuple(names),
+        'spec': sh.spec,
+        'per_device': local,
+        'bytes_per_device': int(np.prod(local)) * a.dtype.itemsize,
+      }
+    )
   return rows
 
 
@@ -163,9 +201,13 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
   if not rows:
     return '(empty)'
   columns = columns or list(rows[0])
-  fmt = lambda v: (f'{v:.4g}' if isinstance(v, float) else
-                   'x'.join(map(str, v)) if isinstance(v, tuple) and all(isinstance(i, int) for i in v)
-                   else str(v))
+  fmt = lambda v: (
+    f'{v:.4g}'
+    if isinstance(v, float)
+    else 'x'.join(map(str, v))
+    if isinstance(v, tuple) and all(isinstance(i, int) for i in v)
+    else str(v)
+  )
   cells = [[fmt(r.get(c, '')) for c in columns] for r in rows]
   widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
   line = lambda vals: '  '.join(v.ljust(w) for v, w in zip(vals, widths, strict=True)).rstrip()
@@ -194,8 +236,9 @@ def bubble(pp: int, microbatches: int, repeats: int = 1) -> float:
   return (pp - 1) / (repeats * microbatches + pp - 1)
 
 
-def compiled_memory(source: ml_collections.ConfigDict | Trainer, devices: Sequence[jax.Device] | None = None,
-                    **overrides: Any) -> dict:
+def compiled_memory(
+  source: ml_collections.ConfigDict | Trainer, devices: Sequence[jax.Device] | None = None, **overrides: Any
+) -> dict:
   """Bytes per device of the real train step, as XLA compiled it (nothing is allocated).
 
   The step is lowered for abstract inputs and compiled; `memory_analysis()` gives the argument,
@@ -205,6 +248,7 @@ def compiled_memory(source: ml_collections.ConfigDict | Trainer, devices: Sequen
   compare, e.g. the memory recomputation saves.
   """
   from jax3d import run
+
   cfg = getattr(source, 'cfg', source)
   if cfg is not source and not overrides:  # a Trainer: its own compiled step
     source.compile()
@@ -224,6 +268,7 @@ class Plan:
   fastest first), `best` (the first fitting one, or None), `flags` (its --config overrides for
   `python -m jax3d.train`), `explanation` (why: tp, then pp, then dp, with the numbers) and `table`
   (the shortlist as text lines). `print()` it."""
+
   name: str
   hardware: Hardware
   layouts: list[dict]
@@ -234,15 +279,23 @@ class Plan:
 
   def __str__(self) -> str:
     hw = self.hardware
-    head = (f'{self.name} on {hw.nodes} x {hw.gpus_per_node} GPUs of {hw.memory_gb:g} GB: '
-            f'{sum(r["fits"] for r in self.layouts)} of {len(self.layouts)} layouts fit')
+    head = (
+      f'{self.name} on {hw.nodes} x {hw.gpus_per_node} GPUs of {hw.memory_gb:g} GB: '
+      f'{sum(r["fits"] for r in self.layouts)} of {len(self.layouts)} layouts fit'
+    )
     flags = [f'  flags: {self.flags}'] if self.flags else []
     return '\n'.join([head] + self.table + [''] + self.explanation + flags)
 
 
-def plan_layouts(config: str | ml_collections.ConfigDict, nodes: int = 1, gpus_per_node: int = 8,
-                 gpu_memory_gb: float = 80.0, overrides: Mapping[str, Any] | None = None, top: int = 5,
-                 **hardware: Any) -> Plan:
+def plan_layouts(
+  config: str | ml_collections.ConfigDict,
+  nodes: int = 1,
+  gpus_per_node: int = 8,
+  gpu_memory_gb: float = 80.0,
+  overrides: Mapping[str, Any] | None = None,
+  top: int = 5,
+  **hardware: Any,
+) -> Plan:
   """Ranks every valid (dp, pp, tp, micro-batches, remat, ZeRO-1) layout of a model on a cluster
   by estimated step time among those that fit in memory: the planner of `python -m jax3d.plan`.
 
@@ -254,19 +307,40 @@ def plan_layouts(config: str | ml_collections.ConfigDict, nodes: int = 1, gpus_p
   name; a package attribute of the same name would shadow it.)
   """
   from jax3d.tools import costmodel, planner
-  cfg = load_config(config, overrides) if isinstance(config, str) else (_with(config, **{
-      k.replace('.', '__'): v for k, v in (overrides or {}).items()}) if overrides else config)
+
+  cfg = (
+    load_config(config, overrides)
+    if isinstance(config, str)
+    else (
+      _with(config, **{k.replace('.', '__'): v for k, v in (overrides or {}).items()})
+      if overrides
+      else config
+    )
+  )
   hw = costmodel.Hardware(nodes=nodes, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb, **hardware)
   ranked = planner.search(cfg, hw)
   rows = [dict(c.row(), overrides=dict(c.overrides)) for c in ranked]
   fit = planner.shortlist(ranked, top)
   name = os.path.basename(str(config)).removesuffix('.py') if isinstance(config, str) else 'model'
   if not fit:
-    return Plan(name, hw, rows, None, '', [f'no layout fits; the smallest needs '
-                                          f'{min(r["memory_gb"] for r in rows):.1f} GB per GPU'], [])
-  return Plan(name, hw, rows, dict(fit[0].row(), overrides=dict(fit[0].overrides)),
-              ' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()),
-              planner.explain(cfg, fit[0], ranked, hw), planner.table(fit))
+    return Plan(
+      name,
+      hw,
+      rows,
+      None,
+      '',
+      [f'no layout fits; the smallest needs {min(r["memory_gb"] for r in rows):.1f} GB per GPU'],
+      [],
+    )
+  return Plan(
+    name,
+    hw,
+    rows,
+    dict(fit[0].row(), overrides=dict(fit[0].overrides)),
+    ' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()),
+    planner.explain(cfg, fit[0], ranked, hw),
+    planner.table(fit),
+  )
 
 
 plan = plan_layouts  # `from jax3d.api import plan`; at package level only `jax3d.plan_layouts`

@@ -16,6 +16,7 @@ Bad input gives one line `error: ...` on stderr that names the flag, its value a
 and exit status 2, before jax starts: nothing here imports jax, and the config file is loaded and
 its overrides checked during parsing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 
 class Check(NamedTuple):
   """A condition on a flag's converted value, and the words that say what is valid."""
+
   ok: Callable[[Any], bool]
   valid: str
 
@@ -43,6 +45,7 @@ def one_of(*values: str) -> Check:
 class Flag(NamedTuple):
   """One declared flag: its type (str, int, float or bool), its default (None: not given), one line
   of help, an optional Check of the converted value, and whether it must be given."""
+
   type: type
   default: Any = None
   help: str = ''
@@ -60,6 +63,7 @@ class Args:
   overrides: the --config.KEY=VALUE pairs as given (strings), already checked against cfg.
   positional: the positional arguments, as many as the command declares.
   """
+
   flags: dict[str, Any]
   cfg: Any = None
   config_path: str | None = None
@@ -70,6 +74,7 @@ class Args:
   def config_name(self) -> str:
     """The config's file name without its extension ('tiny' for the default config)."""
     from jax3d import config as config_lib
+
     path = self.config_path or config_lib.default_config_path()
     return os.path.splitext(os.path.basename(path))[0]
 
@@ -100,25 +105,39 @@ def _convert(name: str, flag: Flag, text: str) -> Any:
   raise UsageError(f'--{name}={text!r} is invalid: expected {_KIND.get(flag.type, flag.type.__name__)}')
 
 
-def help_text(doc: str | None, flags: Mapping[str, Flag] | None = None, config: bool = True,
-              positional: Mapping[str, str] | None = None) -> str:
+def help_text(
+  doc: str | None,
+  flags: Mapping[str, Flag] | None = None,
+  config: bool = True,
+  positional: Mapping[str, str] | None = None,
+) -> str:
   """The command's docstring, then its arguments and flags with their types and defaults."""
   rows = list((positional or {}).items())
   if config:
-    rows += [('--config=PATH', 'config file, or a name in configs/ (default: configs/tiny.py)'),
-             ('--config.KEY=VALUE', 'override one config key (e.g. --config.mesh.tp=4)')]
+    rows += [
+      ('--config=PATH', 'config file, or a name in configs/ (default: configs/tiny.py)'),
+      ('--config.KEY=VALUE', 'override one config key (e.g. --config.mesh.tp=4)'),
+    ]
   for name, f in (flags or {}).items():
     default = '' if f.default is None or f.type is bool else f' (default: {f.default})'
     spec = f'--{name}' if f.type is bool else f'--{name}={f.type.__name__.upper()}'
     rows.append((spec, f.help + (' (required)' if f.required else default)))
   rows.append(('-h, --help', 'this text'))
   width = max(len(spec) for spec, _ in rows) + 2
-  return '\n'.join([(doc or '').strip(), '', 'Arguments and flags:'] +
-                   [f'  {spec:<{width}}{what}'.rstrip() for spec, what in rows])
+  return '\n'.join(
+    [(doc or '').strip(), '', 'Arguments and flags:']
+    + [f'  {spec:<{width}}{what}'.rstrip() for spec, what in rows]
+  )
 
 
-def parse(argv: Sequence[str], doc: str | None, flags: Mapping[str, Flag] | None = None, *,
-          config: bool = True, positional: Mapping[str, str] | None = None) -> Args | int:
+def parse(
+  argv: Sequence[str],
+  doc: str | None,
+  flags: Mapping[str, Flag] | None = None,
+  *,
+  config: bool = True,
+  positional: Mapping[str, str] | None = None,
+) -> Args | int:
   """Reads a command's arguments (see the module docstring). Returns Args, or an exit status after
   printing: 0 for --help (the help on stdout), 2 for bad input (one `error:` line on stderr).
 
@@ -137,6 +156,7 @@ def parse(argv: Sequence[str], doc: str | None, flags: Mapping[str, Flag] | None
     return fail(e)
   if config:
     from jax3d import config as config_lib
+
     try:
       args.cfg = config_lib.load_config(args.config_path, args.overrides)  # set_key converts the types
     except config_lib.ConfigError as e:
@@ -154,7 +174,7 @@ def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dic
     if not arg.startswith('-') or arg == '-':
       args.positional.append(arg)
       continue
-    name, eq, value = arg[2 if arg.startswith('--') else 1:].partition('=')
+    name, eq, value = arg[2 if arg.startswith('--') else 1 :].partition('=')
     is_config = config and (name == 'config' or name.startswith('config.'))
     key = name if is_config else name.replace('-', '_')
     flag = None if is_config else flags.get(key)
@@ -173,7 +193,7 @@ def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dic
     if name == 'config' and is_config:
       args.config_path = value
     elif is_config:
-      args.overrides[name[len('config.'):]] = value
+      args.overrides[name[len('config.') :]] = value
     else:
       converted = _convert(key, flag, value)
       if flag.check is not None and not flag.check.ok(converted):
@@ -185,8 +205,9 @@ def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dic
   if len(args.positional) != len(positional):
     if not positional:
       raise UsageError(f'unexpected argument {args.positional[0]!r}{usage}')
-    raise UsageError(f'expected {" ".join(positional)}, got {len(args.positional)} argument(s) '
-                     f'{args.positional!r}{usage}')
+    raise UsageError(
+      f'expected {" ".join(positional)}, got {len(args.positional)} argument(s) {args.positional!r}{usage}'
+    )
   return args
 
 
@@ -196,5 +217,6 @@ def prepare_devices(n: int = 8) -> None:
   (jax3d/training/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
   from jax3d.parallel.mesh import use_fake_cpu_devices
   from jax3d.training import gpu
+
   use_fake_cpu_devices(n)
   gpu.apply_gpu_flags()

@@ -4,6 +4,7 @@ Every check here runs before jax traces or compiles anything, and raises `Config
 line naming the setting, its value and what would be valid. The command-line tools turn a
 `ConfigError` into exit status 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -120,8 +121,9 @@ def default_config_path() -> str:
   return os.path.join(repo_root(), 'configs', 'tiny.py')
 
 
-def load_config(path: str | None = None,
-                overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+def load_config(
+  path: str | None = None, overrides: Mapping[str, Any] | None = None
+) -> ml_collections.ConfigDict:
   """Loads `configs/NAME.py` (its `get_config()`), applies `{'mesh.tp': 4, ...}`, locks it.
 
   A short name such as 'tiny' is looked up in the repository's `configs/` folder.
@@ -130,8 +132,10 @@ def load_config(path: str | None = None,
   if not os.path.exists(path) and os.path.exists(os.path.join(repo_root(), 'configs', f'{path}.py')):
     path = os.path.join(repo_root(), 'configs', f'{path}.py')
   if not os.path.exists(path):
-    raise ConfigError(f'--config={path}: no such file (try configs/tiny.py, configs/gpt2_small.py, '
-                      'configs/llama3_8b.py or configs/llama3_70b.py)')
+    raise ConfigError(
+      f'--config={path}: no such file (try configs/tiny.py, configs/gpt2_small.py, '
+      'configs/llama3_8b.py or configs/llama3_70b.py)'
+    )
   spec = importlib.util.spec_from_file_location('jax3d_user_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -148,12 +152,12 @@ def set_key(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
   node = cfg
   for i, name in enumerate(parents):
     if not isinstance(node, ml_collections.ConfigDict) or name not in node:
-      raise ConfigError(f'unknown config key {".".join(parents[:i + 1])!r}; valid sections: '
-                        f'{", ".join(sorted(cfg.keys()))}')
+      raise ConfigError(
+        f'unknown config key {".".join(parents[: i + 1])!r}; valid sections: {", ".join(sorted(cfg.keys()))}'
+      )
     node = node[name]
   if leaf not in node:
-    raise ConfigError(f'unknown config key {dotted!r}; valid keys here: '
-                      f'{", ".join(sorted(node.keys()))}')
+    raise ConfigError(f'unknown config key {dotted!r}; valid keys here: {", ".join(sorted(node.keys()))}')
   current = node[leaf]
   if isinstance(value, str) and not isinstance(current, str):
     try:
@@ -166,8 +170,9 @@ def set_key(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
       elif isinstance(current, float):
         value = float(value)
     except ValueError:
-      raise ConfigError(f'{dotted}={value!r} is invalid: expected a {type(current).__name__} '
-                        f'(the default is {current!r})') from None
+      raise ConfigError(
+        f'{dotted}={value!r} is invalid: expected a {type(current).__name__} (the default is {current!r})'
+      ) from None
   with node.unlocked():
     node[leaf] = value
 
@@ -232,13 +237,17 @@ def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int) -> tuple[int, int, i
   fixed = math.prod(v for v in sizes.values() if v != -1)
   if free:
     if n_devices % fixed:
-      raise ConfigError(f'{free[0]}=-1 cannot be filled: the other axes use {fixed} devices, '
-                        f'which does not divide the {n_devices} visible devices')
+      raise ConfigError(
+        f'{free[0]}=-1 cannot be filled: the other axes use {fixed} devices, '
+        f'which does not divide the {n_devices} visible devices'
+      )
     sizes[free[0]] = n_devices // fixed
   total = math.prod(sizes.values())
   if total != n_devices:
-    raise ConfigError(f'mesh dp*pp*tp = {sizes["mesh.dp"]}*{sizes["mesh.pp"]}*{sizes["mesh.tp"]} = '
-                      f'{total}, but {n_devices} devices are visible (use -1 on one axis to fill)')
+    raise ConfigError(
+      f'mesh dp*pp*tp = {sizes["mesh.dp"]}*{sizes["mesh.pp"]}*{sizes["mesh.tp"]} = '
+      f'{total}, but {n_devices} devices are visible (use -1 on one axis to fill)'
+    )
   return sizes['mesh.dp'], sizes['mesh.pp'], sizes['mesh.tp']
 
 
@@ -256,8 +265,16 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
     _fail('train.grad_reduce_dtype', t.grad_reduce_dtype, f'one of {", ".join(GRAD_REDUCE_DTYPES)}')
   if t.attention not in ATTENTION_IMPLS:
     _fail('train.attention', t.attention, f'one of {", ".join(ATTENTION_IMPLS)}')
-  for key in ('n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'd_ff', 'vocab_size', 'max_seq_len',
-              'vocab_multiple'):
+  for key in (
+    'n_layers',
+    'd_model',
+    'n_heads',
+    'n_kv_heads',
+    'd_ff',
+    'vocab_size',
+    'max_seq_len',
+    'vocab_multiple',
+  ):
     if not isinstance(m[key], int) or m[key] < 1:
       _fail(f'model.{key}', m[key], 'a positive integer')
   for key in ('global_batch_size', 'seq_len', 'grad_accum', 'max_bad_steps'):
@@ -270,8 +287,11 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   if not isinstance(p_.repeats, int) or p_.repeats < 1:
     _fail('pipeline.repeats', p_.repeats, 'an integer >= 1')
   if p_.schedule == 'gpipe' and p_.repeats != 1:
-    _fail('pipeline.repeats', p_.repeats, "repeats > 1 is the circular schedule: set "
-          "--config.pipeline.schedule=circular (or repeats=1 for GPipe)")
+    _fail(
+      'pipeline.repeats',
+      p_.repeats,
+      'repeats > 1 is the circular schedule: set --config.pipeline.schedule=circular (or repeats=1 for GPipe)',
+    )
   try:
     nan_steps = tuple(int(x) for x in str(t.inject_nan_at).split(',') if x.strip())
   except ValueError:
@@ -281,8 +301,11 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   if m.d_model % m.n_heads:
     _fail('model.d_model', m.d_model, f'a multiple of model.n_heads={m.n_heads}')
   if (m.d_model // m.n_heads) % 2:
-    _fail('model.d_model', m.d_model, f'd_model/n_heads must be even for rotary embeddings '
-          f'(it is {m.d_model // m.n_heads})')
+    _fail(
+      'model.d_model',
+      m.d_model,
+      f'd_model/n_heads must be even for rotary embeddings (it is {m.d_model // m.n_heads})',
+    )
   if m.n_heads % m.n_kv_heads:
     _fail('model.n_kv_heads', m.n_kv_heads, f'a divisor of model.n_heads={m.n_heads}')
   if t.seq_len > m.max_seq_len:
@@ -294,23 +317,44 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
       _fail(f'model.{key}', m[key], f'must be divisible by mesh.tp={tp}')
   vocab_padded = padded_vocab(m)
   if vocab_padded % tp:
-    _fail('model.vocab_size', m.vocab_size, f'padded to {vocab_padded} (model.vocab_multiple='
-          f'{m.vocab_multiple}), which mesh.tp={tp} does not divide; pick a vocab_multiple divisible by tp')
+    _fail(
+      'model.vocab_size',
+      m.vocab_size,
+      f'padded to {vocab_padded} (model.vocab_multiple='
+      f'{m.vocab_multiple}), which mesh.tp={tp} does not divide; pick a vocab_multiple divisible by tp',
+    )
   v = p_.repeats
   if m.n_layers % (pp * v):
-    _fail('model.n_layers', m.n_layers,
-          f'must be divisible by mesh.pp*pipeline.repeats = {pp}*{v} = {pp * v}')
+    _fail(
+      'model.n_layers', m.n_layers, f'must be divisible by mesh.pp*pipeline.repeats = {pp}*{v} = {pp * v}'
+    )
   if v > 1 and p_.microbatches < pp:
-    _fail('pipeline.microbatches', p_.microbatches, f'the circular schedule (repeats={v}) needs '
-          f'microbatches >= mesh.pp={pp}')
+    _fail(
+      'pipeline.microbatches',
+      p_.microbatches,
+      f'the circular schedule (repeats={v}) needs microbatches >= mesh.pp={pp}',
+    )
   per = dp * p_.microbatches * t.grad_accum
   if t.global_batch_size % per:
-    _fail('train.global_batch_size', t.global_batch_size, f'must be divisible by mesh.dp*'
-          f'pipeline.microbatches*train.grad_accum = {dp}*{p_.microbatches}*{t.grad_accum} = {per} '
-          f'(each micro-batch is split over dp)')
-  return RunPlan(dp=dp, pp=pp, tp=tp, microbatches=p_.microbatches, repeats=v, grad_accum=t.grad_accum,
-                 global_batch=t.global_batch_size, seq_len=t.seq_len, vocab_padded=vocab_padded,
-                 nan_steps=nan_steps)
+    _fail(
+      'train.global_batch_size',
+      t.global_batch_size,
+      f'must be divisible by mesh.dp*'
+      f'pipeline.microbatches*train.grad_accum = {dp}*{p_.microbatches}*{t.grad_accum} = {per} '
+      f'(each micro-batch is split over dp)',
+    )
+  return RunPlan(
+    dp=dp,
+    pp=pp,
+    tp=tp,
+    microbatches=p_.microbatches,
+    repeats=v,
+    grad_accum=t.grad_accum,
+    global_batch=t.global_batch_size,
+    seq_len=t.seq_len,
+    vocab_padded=vocab_padded,
+    nan_steps=nan_steps,
+  )
 
 
 def padded_vocab(model_cfg: ml_collections.ConfigDict) -> int:

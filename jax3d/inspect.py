@@ -8,16 +8,10 @@ text for the collectives, and the HLO's matmuls for FLOPs. XLA's own `cost_analy
 while loop's body once, whatever its trip count, so it under-counts a scanned model; we report it
 but multiply every op (matmul or collective) by the trip counts of the loops around it.
 
-Bytes, defined once (all per device, per optimizer step):
-  buffer bytes  the size of the HLO shape one device holds: the operand of an all-reduce or
-                collective-permute, the gathered result of an all-gather, the scattered operand
-                of a reduce-scatter.
-  wire bytes    what a device sends with a ring algorithm on a group of n devices:
-                all-reduce 2(n-1)/n * buffer, all-gather / reduce-scatter / all-to-all
-                (n-1)/n * buffer, collective-permute 1 * buffer. The expected bytes
-                (`expected_comm` in jax3d/tools/inspection.py) are wire bytes, so the
-                comparison uses those.
+Bytes are per device per optimizer step, defined in jax3d/tools/hlo.py: "buffer" is the HLO shape a
+device holds, "wire" what it sends with a ring algorithm (the formulas are wire bytes).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   from jax3d import config as config_lib, run
   from jax3d.tools.inspection import render
+
   try:
     result = run.inspect(args.cfg)
   except config_lib.ConfigError as e:

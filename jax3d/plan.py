@@ -8,6 +8,7 @@ node (tensor parallelism stays on NVLink), pp a divisor of what remains, dp fill
 candidate is priced with `costmodel.estimate`, so "few layers -> more tp" falls out of the bubble.
 When nothing fits, the out-of-memory ladder is printed with this config's numbers.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,40 +18,55 @@ from jax3d import cli
 from jax3d.config import ConfigError, validate
 from jax3d.tools import costmodel
 from jax3d.tools.costmodel import GB, Hardware, estimate
-from jax3d.tools.planner import LAYOUT_KEYS, Candidate, apply, explain, oom_ladder, search, table, verify
+from jax3d.tools.oom import oom_ladder
+from jax3d.tools.planner import LAYOUT_KEYS, Candidate, apply, explain, search, table, verify
 
 FLAGS = {
-    'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),
-    'gpus_per_node': cli.Flag(int, 8, 'GPUs per node (one NVLink domain)', cli.POSITIVE),
-    'gpu_memory_gb': cli.Flag(float, 80.0, 'memory per GPU, GB', cli.POSITIVE),
-    'peak_tflops': cli.Flag(float, Hardware.peak_tflops, 'dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)',
-                            cli.POSITIVE),
-    'efficiency': cli.Flag(float, Hardware.efficiency, 'achievable share of peak for the matmuls',
-                           cli.POSITIVE),
-    'intra_node_gbps': cli.Flag(float, Hardware.intra_gbps, 'GB/s per GPU per direction inside a node',
-                                cli.POSITIVE),
-    'inter_node_gbps': cli.Flag(float, Hardware.inter_gbps, 'GB/s per GPU across nodes', cli.POSITIVE),
-    'overlap': cli.Flag(float, Hardware.overlap, 'share of the backward pass that hides the dp all-reduce'),
-    'top': cli.Flag(int, 10, 'fitting layouts to list'),
-    'fixed': cli.Flag(bool, False, 'price only the layout the config sets (no search)'),
-    'json': cli.Flag(bool, False, 'print the layouts as JSON'),
-    'emit': cli.Flag(bool, False, 'print the --config overrides of the best layout for jax3d.train'),
-    'verify': cli.Flag(bool, False, 'compile the best layout on fake CPU devices; print XLA\'s memory'),
+  'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),
+  'gpus_per_node': cli.Flag(int, 8, 'GPUs per node (one NVLink domain)', cli.POSITIVE),
+  'gpu_memory_gb': cli.Flag(float, 80.0, 'memory per GPU, GB', cli.POSITIVE),
+  'peak_tflops': cli.Flag(
+    float, Hardware.peak_tflops, 'dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)', cli.POSITIVE
+  ),
+  'efficiency': cli.Flag(
+    float, Hardware.efficiency, 'achievable share of peak for the matmuls', cli.POSITIVE
+  ),
+  'intra_node_gbps': cli.Flag(
+    float, Hardware.intra_gbps, 'GB/s per GPU per direction inside a node', cli.POSITIVE
+  ),
+  'inter_node_gbps': cli.Flag(float, Hardware.inter_gbps, 'GB/s per GPU across nodes', cli.POSITIVE),
+  'overlap': cli.Flag(float, Hardware.overlap, 'share of the backward pass that hides the dp all-reduce'),
+  'top': cli.Flag(int, 10, 'fitting layouts to list'),
+  'fixed': cli.Flag(bool, False, 'price only the layout the config sets (no search)'),
+  'json': cli.Flag(bool, False, 'print the layouts as JSON'),
+  'emit': cli.Flag(bool, False, 'print the --config overrides of the best layout for jax3d.train'),
+  'verify': cli.Flag(bool, False, "compile the best layout on fake CPU devices; print XLA's memory"),
 }
 
 
 def run(args: cli.Args) -> int:
   """Plans the layouts for parsed arguments, printing them; raises ConfigError when none fits."""
   f, cfg = args.flags, args.cfg
-  hw = Hardware(nodes=f['nodes'], gpus_per_node=f['gpus_per_node'], memory_gb=f['gpu_memory_gb'],
-                peak_tflops=f['peak_tflops'], efficiency=f['efficiency'], intra_gbps=f['intra_node_gbps'],
-                inter_gbps=f['inter_node_gbps'], overlap=f['overlap'])
+  hw = Hardware(
+    nodes=f['nodes'],
+    gpus_per_node=f['gpus_per_node'],
+    memory_gb=f['gpu_memory_gb'],
+    peak_tflops=f['peak_tflops'],
+    efficiency=f['efficiency'],
+    intra_gbps=f['intra_node_gbps'],
+    inter_gbps=f['inter_node_gbps'],
+    overlap=f['overlap'],
+  )
   if f['verify']:  # before jax starts a backend: n fake CPU devices (unless XLA_FLAGS is set)
     cli.prepare_devices(hw.n_devices)
   if f['fixed']:
     plan = validate(cfg, hw.n_devices)
-    ranked = [Candidate({k: cfg[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS},
-                        estimate(cfg, plan, hw.memory_gb * GB, hw))]
+    ranked = [
+      Candidate(
+        {k: cfg[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS},
+        estimate(cfg, plan, hw.memory_gb * GB, hw),
+      )
+    ]
   else:
     ranked = search(cfg, hw)
   fit, shown = [], set()
@@ -68,17 +84,23 @@ def run(args: cli.Args) -> int:
       misfits.append(c)
   name = args.config_name
   if f['json']:
-    print(json.dumps([dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] +
-                     [dict(c.row(), rank=None) for c in misfits], indent=1))
+    print(
+      json.dumps(
+        [dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] + [dict(c.row(), rank=None) for c in misfits],
+        indent=1,
+      )
+    )
   elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
   else:
     n_params = costmodel.param_count(cfg)
     print(f'{name}: {n_params / 1e9:.2f}B' if n_params >= 1e9 else f'{name}: {n_params / 1e6:.1f}M', end='')
-    print(f' parameters, batch '
-          f'{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens, on {hw.nodes} x '
-          f'{hw.gpus_per_node} GPUs of {hw.memory_gb:g} GB ({hw.peak_tflops:g} TFLOP/s at '
-          f'{hw.efficiency:.0%}, {hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across)')
+    print(
+      f' parameters, batch '
+      f'{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens, on {hw.nodes} x '
+      f'{hw.gpus_per_node} GPUs of {hw.memory_gb:g} GB ({hw.peak_tflops:g} TFLOP/s at '
+      f'{hw.efficiency:.0%}, {hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across)'
+    )
     if fit:
       print(f'\nLayouts that fit ({sum(c.est.fits for c in ranked)} of {len(ranked)}), best first:')
       print('\n'.join(table(fit)))
@@ -93,8 +115,10 @@ def run(args: cli.Args) -> int:
     worst = min(ranked, key=lambda c: c.est.total_bytes)
     if not f['json']:
       print('\n' + '\n'.join(oom_ladder(apply(cfg, worst.overrides), worst.plan, hw.memory_gb * GB, hw)))
-    raise ConfigError(f'no layout of {name} fits {hw.nodes} x {hw.gpus_per_node} GPUs of '
-                      f'{hw.memory_gb:g} GB: the smallest {worst.est.reason}')
+    raise ConfigError(
+      f'no layout of {name} fits {hw.nodes} x {hw.gpus_per_node} GPUs of '
+      f'{hw.memory_gb:g} GB: the smallest {worst.est.reason}'
+    )
   if f['verify']:
     best = fit[0]
     print('\n' + '\n'.join(verify(apply(cfg, best.overrides), best.plan)))

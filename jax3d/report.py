@@ -9,6 +9,7 @@ from its checkpoint's step on, so a record superseded by a later run of the same
 at each 'start' event, what the earlier run logged after the resume point is forgotten, and for
 any step the last record wins.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,12 @@ from jax3d.tools.report import write_report
 
 def main(argv: list[str] | None = None) -> int:
   """Runs `python -m jax3d.report WORKDIR` with argv (default sys.argv[1:]); returns the exit status."""
-  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, config=False,
-                   positional={'WORKDIR': "a training run's workdir, holding metrics.jsonl"})
+  args = cli.parse(
+    sys.argv[1:] if argv is None else argv,
+    __doc__,
+    config=False,
+    positional={'WORKDIR': "a training run's workdir, holding metrics.jsonl"},
+  )
   if isinstance(args, int):
     return args
   workdir = args.positional[0]

@@ -7,6 +7,7 @@
 The trainer, the Python API, the sampler, the planner's --verify, the inspector and the
 benchmarks all go through these two functions, so what they report is what runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,7 @@ from jax3d.training import optim, step as step_lib
 class Setup:
   """Everything the step functions close over. The shardings and abstract shapes are computed on
   first use and kept (never recomputed per call or while tracing)."""
+
   cfg: ml_collections.ConfigDict
   plan: config_lib.RunPlan
   mesh: Mesh
@@ -44,8 +46,15 @@ class Setup:
   def layout(self) -> dict:
     """The layout a checkpoint records (and is re-laid out from)."""
     p = self.plan
-    return {'dp': p.dp, 'pp': p.pp, 'tp': p.tp, 'microbatches': p.microbatches, 'repeats': p.repeats,
-            'n_layers': self.dims.n_layers, 'n_devices': p.n_devices}
+    return {
+      'dp': p.dp,
+      'pp': p.pp,
+      'tp': p.tp,
+      'microbatches': p.microbatches,
+      'repeats': p.repeats,
+      'n_layers': self.dims.n_layers,
+      'n_devices': p.n_devices,
+    }
 
   @functools.cached_property
   def layer_order(self) -> Any:
@@ -83,8 +92,9 @@ class Setup:
     shapes = jax.eval_shape(lambda k: step_lib.init_state(k, self), jax.random.key(0))
     # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
     moments = self.zero_shardings if self.zero1 else self.param_shardings
-    opt = optax.tree_map_params(self.tx, lambda _, sh: sh, shapes['opt_state'], moments,
-                                transform_non_params=lambda _: replicated)
+    opt = optax.tree_map_params(
+      self.tx, lambda _, sh: sh, shapes['opt_state'], moments, transform_non_params=lambda _: replicated
+    )
     out = {'step': replicated, 'params': self.param_shardings, 'opt_state': opt}
     if self.has_residual:
       out['grad_residual'] = data_parallel.residual_shardings(self.param_shardings, self.mesh)
@@ -94,8 +104,9 @@ class Setup:
   def abstract_state(self) -> dict:
     """The train state as shapes with their shardings (for compiling and restoring)."""
     shapes = jax.eval_shape(lambda k: step_lib.init_state(k, self), jax.random.key(0))
-    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                        shapes, self.state_shardings)
+    return jax.tree.map(
+      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, self.state_shardings
+    )
 
   @functools.cached_property
   def batch_sharding(self) -> NamedSharding:
@@ -108,8 +119,9 @@ class Setup:
   @functools.cached_property
   def abstract_batch(self) -> dict:
     shape = (self.plan.global_batch, self.plan.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
-            for k in ('inputs', 'targets')}
+    return {
+      k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding) for k in ('inputs', 'targets')
+    }
 
 
 def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -118,8 +130,14 @@ def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
   devices = list(devices if devices is not None else jax.devices())
   plan = config_lib.validate(cfg, len(devices))
   mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
-  return Setup(cfg=cfg, plan=plan, mesh=mesh, dims=llama.Dims.from_config(cfg, plan),
-               tx=optim.make_optimizer(cfg), rules=sharding.logical_rules(pipeline.batch_axes(plan)))
+  return Setup(
+    cfg=cfg,
+    plan=plan,
+    mesh=mesh,
+    dims=llama.Dims.from_config(cfg, plan),
+    tx=optim.make_optimizer(cfg),
+    rules=sharding.logical_rules(pipeline.batch_axes(plan)),
+  )
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,6 +145,7 @@ class CompiledStep:
   """The train step compiled for one Setup: call it as `state, metrics = step(state, batch)`
   (it donates the state). `memory` is XLA's figure per device; `analysis()` adds FLOPs and every
   collective against the formulas (jax3d/tools/inspection.py), computed once."""
+
   setup: Setup
   executable: jax.stages.Compiled
   compile_s: float
@@ -165,10 +184,15 @@ def benchmark(s: Setup, steps: int, seed: int = 0) -> dict:
   the last metrics."""
   compiled = compile_train_step(s)
   state = step_lib.make_init(s)(seed)
-  toks = np.random.default_rng(seed).integers(
-      0, s.dims.vocab_size, (s.plan.global_batch, s.plan.seq_len + 1)).astype(np.int32)
-  batch = {'inputs': jax.device_put(toks[:, :-1], s.batch_sharding),
-           'targets': jax.device_put(toks[:, 1:], s.batch_sharding)}
+  toks = (
+    np.random.default_rng(seed)
+    .integers(0, s.dims.vocab_size, (s.plan.global_batch, s.plan.seq_len + 1))
+    .astype(np.int32)
+  )
+  batch = {
+    'inputs': jax.device_put(toks[:, :-1], s.batch_sharding),
+    'targets': jax.device_put(toks[:, 1:], s.batch_sharding),
+  }
   times, metrics = [], None
   for _ in range(steps):
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ Exit status: 0 printed the text; 2 bad flags, a bad config or no checkpoint in t
 In Python, `jax3d.sample(trainer_or_workdir, prompt, ...)` does the same: this module is callable
 (it forwards to `jax3d.tools.sampling.sample`, see `_CallableModule`).
 """
+
 from __future__ import annotations
 
 import sys
@@ -27,13 +28,13 @@ from jax3d import cli
 from jax3d.tools.sampling import NoCheckpoint, sample_workdir
 
 FLAGS = {
-    'workdir': cli.Flag(str, None, "a training run's workdir, holding checkpoints/", required=True),
-    'prompt': cli.Flag(str, None, 'the text to continue (default: the config\'s sample.prompt)'),
-    'tokens': cli.Flag(int, None, 'bytes to generate (default: sample.tokens)', cli.NON_NEGATIVE),
-    'temperature': cli.Flag(float, None, 'sampling temperature, 0 = greedy (default: sample.temperature)'),
-    'top_k': cli.Flag(int, None, 'sample among the k likeliest bytes, 0 = all (default: sample.top_k)'),
-    'seed': cli.Flag(int, 0, 'random seed of the sampling'),
-    'greedy': cli.Flag(bool, False, 'always the likeliest byte (same as --temperature=0)'),
+  'workdir': cli.Flag(str, None, "a training run's workdir, holding checkpoints/", required=True),
+  'prompt': cli.Flag(str, None, "the text to continue (default: the config's sample.prompt)"),
+  'tokens': cli.Flag(int, None, 'bytes to generate (default: sample.tokens)', cli.NON_NEGATIVE),
+  'temperature': cli.Flag(float, None, 'sampling temperature, 0 = greedy (default: sample.temperature)'),
+  'top_k': cli.Flag(int, None, 'sample among the k likeliest bytes, 0 = all (default: sample.top_k)'),
+  'seed': cli.Flag(int, 0, 'random seed of the sampling'),
+  'greedy': cli.Flag(bool, False, 'always the likeliest byte (same as --temperature=0)'),
 }
 
 
@@ -48,10 +49,19 @@ def main(argv: list[str] | None = None) -> int:
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   from jax3d import config as config_lib
   from jax3d.training import checkpoint as ckpt_lib
+
   f = args.flags
   try:
-    text = sample_workdir(f['workdir'], f['prompt'], f['tokens'], 0.0 if f['greedy'] else f['temperature'],
-                          f['top_k'], f['seed'], config=args.config_path, overrides=args.overrides)
+    text = sample_workdir(
+      f['workdir'],
+      f['prompt'],
+      f['tokens'],
+      0.0 if f['greedy'] else f['temperature'],
+      f['top_k'],
+      f['seed'],
+      config=args.config_path,
+      overrides=args.overrides,
+    )
   except (NoCheckpoint, config_lib.ConfigError) as e:
     return cli.fail(e)
   except ckpt_lib.CheckpointError as e:
@@ -70,6 +80,7 @@ class _CallableModule(types.ModuleType):
 
   def __call__(self, *args, **kwargs):
     from jax3d.tools import sampling
+
     return sampling.sample(*args, **kwargs)
 
 

@@ -12,6 +12,7 @@ Exit status: 0 done (also after a SIGTERM that saved a checkpoint, on every proc
 configuration or input (one line on stderr, before anything compiles); 3 the run failed (non-finite
 steps, a checkpoint that does not match, a coordinator that cannot be reached, a lost peer process).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,17 +24,23 @@ from jax3d.training import distributed
 # The distributed flags are distributed.FLAGS, typed (an unset one falls back to its environment
 # variable: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX3D_DISTRIBUTED, ...).
 FLAGS = {
-    'workdir': cli.Flag(str, None, 'checkpoints and metrics.jsonl go here (default: runs/CONFIG_NAME)'),
-    'coordinator': cli.Flag(str, None, 'HOST:PORT of process 0'),
-    'num_processes': cli.Flag(int, None, 'processes in the run', cli.POSITIVE),
-    'process_id': cli.Flag(int, None, 'this process, 0 .. num_processes-1', cli.NON_NEGATIVE),
-    'distributed': cli.Flag(str, None, 'auto, on or off: call jax.distributed.initialize (default auto)',
-                            cli.one_of('auto', 'on', 'off')),
-    'init_timeout': cli.Flag(int, None, 'seconds to join the coordinator (default 300)', cli.POSITIVE),
-    'heartbeat_timeout': cli.Flag(int, None, 'seconds before a silent peer counts as lost (default 100)',
-                                  cli.POSITIVE),
-    'devices_per_process': cli.Flag(int, 8, 'fake CPU devices per process when XLA_FLAGS is unset',
-                                    cli.POSITIVE),
+  'workdir': cli.Flag(str, None, 'checkpoints and metrics.jsonl go here (default: runs/CONFIG_NAME)'),
+  'coordinator': cli.Flag(str, None, 'HOST:PORT of process 0'),
+  'num_processes': cli.Flag(int, None, 'processes in the run', cli.POSITIVE),
+  'process_id': cli.Flag(int, None, 'this process, 0 .. num_processes-1', cli.NON_NEGATIVE),
+  'distributed': cli.Flag(
+    str,
+    None,
+    'auto, on or off: call jax.distributed.initialize (default auto)',
+    cli.one_of('auto', 'on', 'off'),
+  ),
+  'init_timeout': cli.Flag(int, None, 'seconds to join the coordinator (default 300)', cli.POSITIVE),
+  'heartbeat_timeout': cli.Flag(
+    int, None, 'seconds before a silent peer counts as lost (default 100)', cli.POSITIVE
+  ),
+  'devices_per_process': cli.Flag(
+    int, 8, 'fake CPU devices per process when XLA_FLAGS is unset', cli.POSITIVE
+  ),
 }
 
 
@@ -58,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(e, SystemExit):
       raise
     import jax
+
     first = (str(e).strip().splitlines() or [''])[0][:400]
-    print(f'error: process {jax.process_index()}/{jax.process_count()}: the run failed '
-          f'({type(e).__name__}: {first}); a peer process may have died or lost contact (heartbeat '
-          f'timeout {inf.heartbeat_timeout} s), see its output', file=sys.stderr, flush=True)
+    print(
+      f'error: process {jax.process_index()}/{jax.process_count()}: the run failed '
+      f'({type(e).__name__}: {first}); a peer process may have died or lost contact (heartbeat '
+      f'timeout {inf.heartbeat_timeout} s), see its output',
+      file=sys.stderr,
+      flush=True,
+    )
     distributed.hard_exit(3)
     return 3
 
@@ -73,6 +85,7 @@ def _run(args: cli.Args) -> int:
   from jax3d.parallel import mesh as mesh_lib
   from jax3d.training import checkpoint as ckpt_lib
   from jax3d.training.trainer import Trainer, TrainingError
+
   multi = distributed.info().multi
   workdir = args.flags['workdir'] or os.path.join('runs', args.config_name)
   try:

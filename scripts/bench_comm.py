@@ -8,6 +8,7 @@ Options: plain (float32 all-reduce), zero1 (train.shard_optimizer), bf16 and int
 (train.grad_reduce_dtype), zero1+int8. Nothing runs: each step is compiled for abstract inputs.
 The loss effect needs training runs (see docs/performance.md for the commands).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,11 +21,11 @@ from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
 use_fake_cpu_devices(8)
 
 OPTIONS = {
-    'plain': {},
-    'zero1': {'train.shard_optimizer': True},
-    'bf16 reduce': {'train.grad_reduce_dtype': 'bfloat16'},
-    'int8 reduce': {'train.grad_reduce_dtype': 'int8'},
-    'zero1 + int8': {'train.shard_optimizer': True, 'train.grad_reduce_dtype': 'int8'},
+  'plain': {},
+  'zero1': {'train.shard_optimizer': True},
+  'bf16 reduce': {'train.grad_reduce_dtype': 'bfloat16'},
+  'int8 reduce': {'train.grad_reduce_dtype': 'int8'},
+  'zero1 + int8': {'train.shard_optimizer': True, 'train.grad_reduce_dtype': 'int8'},
 }
 
 
@@ -33,20 +34,27 @@ def measure(path, overrides):
   import numpy as np
 
   from jax3d import config as config_lib, run
+
   s = run.setup(config_lib.load_config(path, overrides))
   plan, state = s.plan, s.abstract_state
-  local = lambda tree: sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
-                           for a in jax.tree.leaves(tree))
+  local = lambda tree: sum(
+    int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree)
+  )
   r = run.compile_train_step(s).analysis()
   comm = {}
   for c in r['collectives']:
     comm[c['axes']] = comm.get(c['axes'], 0.0) + c['wire_bytes']
-  return {'layout': f"dp={plan.dp} pp={plan.pp} tp={plan.tp}",
-          'params_bytes': local(state['params']), 'opt_state_bytes': local(state['opt_state']),
-          'residual_bytes': local(state.get('grad_residual', {})),
-          'argument_bytes': r['memory_bytes']['argument'], 'temp_bytes': r['memory_bytes']['temp'],
-          'peak_bytes': r['memory_bytes']['peak_estimate'], 'comm_wire_bytes': comm,
-          'dp_wire_bytes': sum(v for k, v in comm.items() if 'dp' in k.split('+'))}
+  return {
+    'layout': f'dp={plan.dp} pp={plan.pp} tp={plan.tp}',
+    'params_bytes': local(state['params']),
+    'opt_state_bytes': local(state['opt_state']),
+    'residual_bytes': local(state.get('grad_residual', {})),
+    'argument_bytes': r['memory_bytes']['argument'],
+    'temp_bytes': r['memory_bytes']['temp'],
+    'peak_bytes': r['memory_bytes']['peak_estimate'],
+    'comm_wire_bytes': comm,
+    'dp_wire_bytes': sum(v for k, v in comm.items() if 'dp' in k.split('+')),
+  }
 
 
 def main(argv=None):
@@ -56,7 +64,7 @@ def main(argv=None):
     if a.startswith('--config='):
       path = a.split('=', 1)[1]
     elif a.startswith('--config.'):
-      k, v = a[len('--config.'):].split('=', 1)
+      k, v = a[len('--config.') :].split('=', 1)
       over[k] = v
     elif a.startswith('--json='):
       out = a.split('=', 1)[1]
@@ -64,18 +72,24 @@ def main(argv=None):
       raise SystemExit(f'unknown argument {a}')
   rows = {}
   mb = lambda x: f'{x / 2**20:.3f}'
-  print(f'{"option":14s} {"params MiB":>10s} {"opt MiB":>9s} {"resid MiB":>9s} {"args MiB":>9s} '
-        f'{"peak MiB":>9s}  dp-wire MiB (ratio)  wire MiB per axis group')
+  print(
+    f'{"option":14s} {"params MiB":>10s} {"opt MiB":>9s} {"resid MiB":>9s} {"args MiB":>9s} '
+    f'{"peak MiB":>9s}  dp-wire MiB (ratio)  wire MiB per axis group'
+  )
   for name, extra in OPTIONS.items():
     r = rows[name] = measure(path, {**over, **extra})
     ratio = r['dp_wire_bytes'] / rows['plain']['dp_wire_bytes'] if rows['plain']['dp_wire_bytes'] else 0
     axes = ', '.join(f'{k} {mb(v)}' for k, v in sorted(r['comm_wire_bytes'].items()))
-    print(f'{name:14s} {mb(r["params_bytes"]):>10s} {mb(r["opt_state_bytes"]):>9s} '
-          f'{mb(r["residual_bytes"]):>9s} {mb(r["argument_bytes"]):>9s} {mb(r["peak_bytes"]):>9s}  '
-          f'{mb(r["dp_wire_bytes"]):>8s} ({ratio:.3f})  {axes}', flush=True)
+    print(
+      f'{name:14s} {mb(r["params_bytes"]):>10s} {mb(r["opt_state_bytes"]):>9s} '
+      f'{mb(r["residual_bytes"]):>9s} {mb(r["argument_bytes"]):>9s} {mb(r["peak_bytes"]):>9s}  '
+      f'{mb(r["dp_wire_bytes"]):>8s} ({ratio:.3f})  {axes}',
+      flush=True,
+    )
   with open(out, 'w') as f:
-    json.dump({'config': path, 'overrides': over, 'layout': rows['plain']['layout'], 'options': rows}, f,
-              indent=1)
+    json.dump(
+      {'config': path, 'overrides': over, 'layout': rows['plain']['layout'], 'options': rows}, f, indent=1
+    )
   print(f'wrote {out}')
 
 

@@ -9,6 +9,7 @@ The 1B shape: 16 layers, d_model 2048, 16 heads (8 KV heads), d_ff 5632, vocab 3
 (~1.1B parameters). MFU = 6P+12Lhs FLOPs per token x tokens/s / the device's peak (jax3d.flops;
 --peak_tflops for an unknown device). Step time is the median after 3 warm-up steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPE_1B = {'model.n_layers': 16, 'model.d_model': 2048, 'model.n_heads': 16, 'model.n_kv_heads': 8,
-            'model.d_ff': 5632, 'model.vocab_size': 32000, 'model.max_seq_len': 4096}
-SHAPE_SMOKE = {'model.n_layers': 2, 'model.d_model': 64, 'model.n_heads': 4, 'model.n_kv_heads': 2,
-               'model.d_ff': 128, 'model.vocab_size': 256}
+SHAPE_1B = {
+  'model.n_layers': 16,
+  'model.d_model': 2048,
+  'model.n_heads': 16,
+  'model.n_kv_heads': 8,
+  'model.d_ff': 5632,
+  'model.vocab_size': 32000,
+  'model.max_seq_len': 4096,
+}
+SHAPE_SMOKE = {
+  'model.n_layers': 2,
+  'model.d_model': 64,
+  'model.n_heads': 4,
+  'model.n_kv_heads': 2,
+  'model.d_ff': 128,
+  'model.vocab_size': 256,
+}
 
 
 def main(argv=None) -> int:
@@ -39,6 +53,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
 
   from jax3d.training import gpu
+
   if not args.smoke:
     added = gpu.apply_gpu_flags()  # before jax starts its backend
   else:
@@ -51,10 +66,20 @@ def main(argv=None) -> int:
 
   shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
   steps, batch, seq = (4, 2, 32) if args.smoke else (args.steps, args.batch, args.seq)
-  over = {**shape, 'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 1, 'pipeline.microbatches': 1,
-          'train.global_batch_size': batch, 'train.seq_len': seq, 'train.remat': args.remat,
-          'train.compute_dtype': args.compute_dtype, 'train.param_dtype': 'float32',
-          'train.attention': 'xla' if args.smoke else args.attention, 'train.warmup_steps': 1}
+  over = {
+    **shape,
+    'mesh.dp': 1,
+    'mesh.pp': 1,
+    'mesh.tp': 1,
+    'pipeline.microbatches': 1,
+    'train.global_batch_size': batch,
+    'train.seq_len': seq,
+    'train.remat': args.remat,
+    'train.compute_dtype': args.compute_dtype,
+    'train.param_dtype': 'float32',
+    'train.attention': 'xla' if args.smoke else args.attention,
+    'train.warmup_steps': 1,
+  }
   cfg = config_lib.load_config('tiny', over)
   device = jax.devices()[0]
   s = run.setup(cfg, [device])
@@ -67,18 +92,35 @@ def main(argv=None) -> int:
   peak = flops.peak_flops(device, args.peak_tflops)
   mfu = flops.mfu(tok_s, per_token, peak, 1) if peak else None
   mem = r['compiled'].memory
-  out = {'device': device.device_kind, 'platform': device.platform, 'smoke': args.smoke,
-         'params': s.dims.param_count(), 'batch': batch, 'seq_len': seq, 'remat': args.remat,
-         'compute_dtype': args.compute_dtype, 'attention': cfg.train.attention,
-         'xla_flags': os.environ.get('XLA_FLAGS', ''), 'gpu_flags_added': added,
-         'compile_s': compile_s, 'step_s': step_s, 'tokens_per_sec': tok_s,
-         'model_flops_per_token': per_token, 'peak_flops': peak, 'mfu': mfu,
-         'loss': float(m['loss']), 'argument_bytes': mem['argument'], 'temp_bytes': mem['temp']}
+  out = {
+    'device': device.device_kind,
+    'platform': device.platform,
+    'smoke': args.smoke,
+    'params': s.dims.param_count(),
+    'batch': batch,
+    'seq_len': seq,
+    'remat': args.remat,
+    'compute_dtype': args.compute_dtype,
+    'attention': cfg.train.attention,
+    'xla_flags': os.environ.get('XLA_FLAGS', ''),
+    'gpu_flags_added': added,
+    'compile_s': compile_s,
+    'step_s': step_s,
+    'tokens_per_sec': tok_s,
+    'model_flops_per_token': per_token,
+    'peak_flops': peak,
+    'mfu': mfu,
+    'loss': float(m['loss']),
+    'argument_bytes': mem['argument'],
+    'temp_bytes': mem['temp'],
+  }
   with open(args.json, 'w') as f:
     json.dump(out, f, indent=1)
   mfu_txt = f'{mfu:.1%}' if mfu is not None else 'n/a (unknown peak: --peak_tflops)'
-  print(f'{device.device_kind}: {s.dims.param_count() / 1e9:.2f}B params, {tok_s:,.0f} tokens/s, '
-        f'step {step_s * 1e3:.1f} ms, MFU {mfu_txt}; wrote {args.json}')
+  print(
+    f'{device.device_kind}: {s.dims.param_count() / 1e9:.2f}B params, {tok_s:,.0f} tokens/s, '
+    f'step {step_s * 1e3:.1f} ms, MFU {mfu_txt}; wrote {args.json}'
+  )
   return 0
 
 

@@ -9,6 +9,7 @@ microbatches=4 unless given as DPxPPxTPmM. Step time is the median of steps 5..N
 against the one-device run of the same dtype, next to the ideal ratio from the bubble
 (v*m+p-1)/(v*m). Everything is measured side by side in one process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,18 @@ import jax  # noqa: E402
 
 from jax3d import config as config_lib, run  # noqa: E402
 
-SHAPE = {'model.n_layers': 4, 'model.d_model': 256, 'model.n_heads': 4, 'model.n_kv_heads': 4,
-         'model.d_ff': 1024, 'model.vocab_size': 1024, 'train.seq_len': 128,
-         'train.global_batch_size': 8, 'train.remat': 'full', 'train.warmup_steps': 2}
+SHAPE = {
+  'model.n_layers': 4,
+  'model.d_model': 256,
+  'model.n_heads': 4,
+  'model.n_kv_heads': 4,
+  'model.d_ff': 1024,
+  'model.vocab_size': 1024,
+  'train.seq_len': 128,
+  'train.global_batch_size': 8,
+  'train.remat': 'full',
+  'train.warmup_steps': 2,
+}
 
 
 def parse_layout(s: str):
@@ -44,9 +54,14 @@ def measure(overrides: dict, steps: int) -> dict:
   s = run.setup(cfg, jax.devices()[:n])
   r = run.benchmark(s, steps)
   times, m, mem = r['step_times'], r['metrics'], r['compiled'].memory
-  return {'compile_s': r['compile_s'], 'step_s': statistics.median(times[5:]), 'loss': float(m['loss']),
-          'temp_bytes': mem['temp'], 'argument_bytes': mem['argument'],
-          'bubble_ratio': s.plan.iterations / (s.plan.repeats * s.plan.microbatches)}
+  return {
+    'compile_s': r['compile_s'],
+    'step_s': statistics.median(times[5:]),
+    'loss': float(m['loss']),
+    'temp_bytes': mem['temp'],
+    'argument_bytes': mem['argument'],
+    'bubble_ratio': s.plan.iterations / (s.plan.repeats * s.plan.microbatches),
+  }
 
 
 def main():
@@ -56,42 +71,70 @@ def main():
   ap.add_argument('--dtype', default='float32,bfloat16')
   ap.add_argument('--layouts', default='1x1x1,8x1x1,4x1x2,2x2x2,1x2x4,2x4x1m4')
   ap.add_argument('--layer-sweep', action='store_true', help='compile time against 4, 16, 64 layers')
-  ap.add_argument('--remat-sweep', action='store_true',
-                  help='each remat policy at (2,2,2), seq 1024: compiled temp memory and step time')
+  ap.add_argument(
+    '--remat-sweep',
+    action='store_true',
+    help='each remat policy at (2,2,2), seq 1024: compiled temp memory and step time',
+  )
   args = ap.parse_args()
   rows = []
-  print(f'{"layout":>12} {"dtype":>9} {"compile s":>9} {"step s":>8} {"ratio":>6} {"ideal":>6} '
-        f'{"temp MiB":>9} {"args MiB":>9}')
-  for dtype in (args.dtype.split(',') if args.layouts else []):
+  print(
+    f'{"layout":>12} {"dtype":>9} {"compile s":>9} {"step s":>8} {"ratio":>6} {"ideal":>6} '
+    f'{"temp MiB":>9} {"args MiB":>9}'
+  )
+  for dtype in args.dtype.split(',') if args.layouts else []:
     base = None
     for lay in args.layouts.split(','):
       dp, pp, tp, m = parse_layout(lay)
-      ov = dict(SHAPE, **{'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp, 'pipeline.microbatches': m,
-                          'train.compute_dtype': dtype})
+      ov = dict(
+        SHAPE,
+        **{
+          'mesh.dp': dp,
+          'mesh.pp': pp,
+          'mesh.tp': tp,
+          'pipeline.microbatches': m,
+          'train.compute_dtype': dtype,
+        },
+      )
       r = measure(ov, args.steps)
       base = base or (r['step_s'] if (dp, pp, tp) == (1, 1, 1) else None)
       r.update(layout=lay, dtype=dtype, ratio=r['step_s'] / base if base else None)
       rows.append(r)
       ratio = f'{r["ratio"]:.2f}' if r['ratio'] else '-'
-      print(f'{lay:>12} {dtype:>9} {r["compile_s"]:>9.2f} {r["step_s"]:>8.3f} {ratio:>6} '
-            f'{r["bubble_ratio"]:>6.2f} {r["temp_bytes"] / 2**20:>9.1f} {r["argument_bytes"] / 2**20:>9.1f}',
-            flush=True)
+      print(
+        f'{lay:>12} {dtype:>9} {r["compile_s"]:>9.2f} {r["step_s"]:>8.3f} {ratio:>6} '
+        f'{r["bubble_ratio"]:>6.2f} {r["temp_bytes"] / 2**20:>9.1f} {r["argument_bytes"] / 2**20:>9.1f}',
+        flush=True,
+      )
   remat = []
   if args.remat_sweep:
     print(f'{"remat":>6} {"temp MiB":>9} {"vs none":>8} {"step s":>8} {"vs none":>8}')
     for policy in ('none', 'full', 'dots', 'attn'):
-      ov = dict(SHAPE, **{'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.microbatches': 2,
-                          'train.seq_len': 1024, 'train.remat': policy})
+      ov = dict(
+        SHAPE,
+        **{
+          'mesh.dp': 2,
+          'mesh.pp': 2,
+          'mesh.tp': 2,
+          'pipeline.microbatches': 2,
+          'train.seq_len': 1024,
+          'train.remat': policy,
+        },
+      )
       r = measure(ov, 8)
       r.update(remat=policy)
       remat.append(r)
-      print(f'{policy:>6} {r["temp_bytes"] / 2**20:>9.1f} {r["temp_bytes"] / remat[0]["temp_bytes"]:>8.2f} '
-            f'{r["step_s"]:>8.3f} {r["step_s"] / remat[0]["step_s"]:>8.2f}', flush=True)
+      print(
+        f'{policy:>6} {r["temp_bytes"] / 2**20:>9.1f} {r["temp_bytes"] / remat[0]["temp_bytes"]:>8.2f} '
+        f'{r["step_s"]:>8.3f} {r["step_s"] / remat[0]["step_s"]:>8.2f}',
+        flush=True,
+      )
   sweep = []
   if args.layer_sweep:
     for L in (4, 16, 64):
-      ov = dict(SHAPE, **{'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.microbatches': 4,
-                          'model.n_layers': L})
+      ov = dict(
+        SHAPE, **{'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.microbatches': 4, 'model.n_layers': L}
+      )
       r = measure(ov, 6)
       sweep.append({'n_layers': L, 'compile_s': r['compile_s']})
       print(f'compile time, {L:>2} layers (2x2x2): {r["compile_s"]:.2f} s')

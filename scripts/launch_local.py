@@ -16,6 +16,7 @@ Exit status: 0 when every process exited 0; else the status of the first process
 (128 + signal number when it was killed by a signal; of processes seen ending together, one killed
 by a signal counts as first).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,18 +49,27 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if '--' in argv:
     cut = argv.index('--')
-    own, cmd = argv[:cut], argv[cut + 1:]
+    own, cmd = argv[:cut], argv[cut + 1 :]
   else:
     own, cmd = argv, []
-  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                               usage='launch_local.py -n N [--devices-per-process D] -- COMMAND ...')
+  ap = argparse.ArgumentParser(
+    description=__doc__.split('\n\n')[0],
+    usage='launch_local.py -n N [--devices-per-process D] -- COMMAND ...',
+  )
   ap.add_argument('-n', '--num-processes', type=int, default=2)
   ap.add_argument('--devices-per-process', type=int, default=4)
   ap.add_argument('--port', type=int, default=0, help='coordinator port (default: a free one)')
-  ap.add_argument('--show-gloo', action='store_true',
-                  help="keep gloo's '[Gloo] Rank i is connected to ...' lines (hidden by default)")
-  ap.add_argument('--grace', type=float, default=20.0,
-                  help='seconds the others get to stop by themselves after one fails (default 20)')
+  ap.add_argument(
+    '--show-gloo',
+    action='store_true',
+    help="keep gloo's '[Gloo] Rank i is connected to ...' lines (hidden by default)",
+  )
+  ap.add_argument(
+    '--grace',
+    type=float,
+    default=20.0,
+    help='seconds the others get to stop by themselves after one fails (default 20)',
+  )
   a = ap.parse_args(own)
   if not cmd:
     ap.error('no command: put it after --, e.g. -- python -m jax3d.train')
@@ -72,8 +82,9 @@ def main(argv=None) -> int:
   base['XLA_FLAGS'] = f'{xla} --xla_force_host_platform_device_count={a.devices_per_process}'.strip()
   base.setdefault('JAX_PLATFORMS', 'cpu')
   base['PYTHONUNBUFFERED'] = '1'
-  base.update(JAX_COORDINATOR_ADDRESS=addr, JAX_COORDINATOR_BIND_ADDRESS=addr,
-              JAX_NUM_PROCESSES=str(a.num_processes))
+  base.update(
+    JAX_COORDINATOR_ADDRESS=addr, JAX_COORDINATOR_BIND_ADDRESS=addr, JAX_NUM_PROCESSES=str(a.num_processes)
+  )
   out_lock = threading.Lock()
 
   def say(msg: str) -> None:
@@ -139,8 +150,9 @@ def main(argv=None) -> int:
     if deadline is not None and time.time() > deadline:
       for i, p in enumerate(procs):
         if p.poll() is None:
-          say(f'killing process {i} (pid {p.pid}): still running {a.grace:g} s after process '
-              f'{first_fail[0]} failed')
+          say(
+            f'killing process {i} (pid {p.pid}): still running {a.grace:g} s after process {first_fail[0]} failed'
+          )
           try:
             os.killpg(p.pid, signal.SIGKILL)
           except ProcessLookupError:

@@ -1,4 +1,5 @@
 """Every test runs on 8 fake CPU devices (set before jax starts its backend)."""
+
 import os
 import sys
 

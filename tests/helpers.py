@@ -1,4 +1,5 @@
 """Small shared pieces of the tests: a small model config and a one-layout runner."""
+
 from __future__ import annotations
 
 import jax
@@ -9,10 +10,23 @@ from jax3d import config as config_lib, run
 from jax3d.parallel import pipeline
 from jax3d.training import step as step_lib
 
-SMALL = {'model.n_layers': 8, 'model.d_model': 64, 'model.n_heads': 8, 'model.n_kv_heads': 8,
-         'model.d_ff': 128, 'model.vocab_size': 256, 'train.seq_len': 16,
-         'train.global_batch_size': 32, 'train.warmup_steps': 1, 'train.lr': 1e-2,
-         'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 1, 'pipeline.microbatches': 1, 'train.grad_clip': 0.0}
+SMALL = {
+  'model.n_layers': 8,
+  'model.d_model': 64,
+  'model.n_heads': 8,
+  'model.n_kv_heads': 8,
+  'model.d_ff': 128,
+  'model.vocab_size': 256,
+  'train.seq_len': 16,
+  'train.global_batch_size': 32,
+  'train.warmup_steps': 1,
+  'train.lr': 1e-2,
+  'mesh.dp': 1,
+  'mesh.pp': 1,
+  'mesh.tp': 1,
+  'pipeline.microbatches': 1,
+  'train.grad_clip': 0.0,
+}
 
 
 def small_cfg(**over):

@@ -1,4 +1,5 @@
 """The public API (jax3d/api.py): each function against the numbers it must give."""
+
 import math
 import os
 import subprocess
@@ -11,9 +12,18 @@ import jax3d
 from jax3d import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = {'model.d_model': 64, 'model.d_ff': 128, 'train.seq_len': 32, 'train.global_batch_size': 16,
-         'train.steps': 5, 'train.warmup_steps': 1, 'log.every': 1, 'eval.every': 0, 'eval.batches': 2,
-         'checkpoint.every': 0}
+SMALL = {
+  'model.d_model': 64,
+  'model.d_ff': 128,
+  'train.seq_len': 32,
+  'train.global_batch_size': 16,
+  'train.steps': 5,
+  'train.warmup_steps': 1,
+  'log.every': 1,
+  'eval.every': 0,
+  'eval.batches': 2,
+  'checkpoint.every': 0,
+}
 
 
 @pytest.fixture(scope='module')
@@ -26,10 +36,12 @@ def trained():
 
 def _python(code: str, env_extra=None):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env.update(PYTHONPATH=os.pathsep.join([ROOT, env.get('PYTHONPATH', '')]), JAX_PLATFORMS='cpu',
-             **(env_extra or {}))
-  r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=300)
+  env.update(
+    PYTHONPATH=os.pathsep.join([ROOT, env.get('PYTHONPATH', '')]), JAX_PLATFORMS='cpu', **(env_extra or {})
+  )
+  r = subprocess.run(
+    [sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
   assert r.returncode == 0, r.stderr
   return r.stdout.split()
 
@@ -37,18 +49,21 @@ def _python(code: str, env_extra=None):
 def test_import_is_cheap_and_fake_devices_work():
   """`import jax3d` imports no jax (the device count is still open), and use_fake_cpu_devices then
   gives 8 devices. Submodules whose names the API could shadow stay modules."""
-  out = _python('import sys, jax3d\n'
-                'print("jax" in sys.modules, jax3d.bubble(2, 4))\n'
-                'jax3d.use_fake_cpu_devices(8)\n'
-                'import jax, types\n'
-                'print(jax.device_count())\n'
-                'from jax3d import plan\n'
-                'print(isinstance(plan, types.ModuleType), isinstance(jax3d.inspect, types.ModuleType))\n')
+  out = _python(
+    'import sys, jax3d\n'
+    'print("jax" in sys.modules, jax3d.bubble(2, 4))\n'
+    'jax3d.use_fake_cpu_devices(8)\n'
+    'import jax, types\n'
+    'print(jax.device_count())\n'
+    'from jax3d import plan\n'
+    'print(isinstance(plan, types.ModuleType), isinstance(jax3d.inspect, types.ModuleType))\n'
+  )
   assert out == ['False', '0.2', '8', 'True', 'True']
 
 
 def test_trainer_is_reexported():
   from jax3d.training.trainer import Trainer
+
   assert jax3d.Trainer is Trainer and 'Trainer' in dir(jax3d)
 
 
@@ -75,10 +90,19 @@ def test_bubble_formula():
   assert jax3d.bubble(8, 1) == pytest.approx(7 / 8)
   # The trainer's own run plan says the same for every layout it accepts.
   for pp, m, v in [(2, 4, 1), (4, 4, 1), (4, 8, 2), (8, 8, 1)]:
-    cfg = jax3d.load_config('tiny', {'mesh.pp': pp, 'mesh.tp': 1, 'mesh.dp': 8 // pp,
-                                     'pipeline.microbatches': m, 'pipeline.repeats': v,
-                                     'pipeline.schedule': 'circular' if v > 1 else 'gpipe',
-                                     'model.n_layers': 16, 'train.global_batch_size': 64})
+    cfg = jax3d.load_config(
+      'tiny',
+      {
+        'mesh.pp': pp,
+        'mesh.tp': 1,
+        'mesh.dp': 8 // pp,
+        'pipeline.microbatches': m,
+        'pipeline.repeats': v,
+        'pipeline.schedule': 'circular' if v > 1 else 'gpipe',
+        'model.n_layers': 16,
+        'train.global_batch_size': 64,
+      },
+    )
     assert config_lib.validate(cfg, 8).bubble == pytest.approx(jax3d.bubble(pp, m, v))
   with pytest.raises(ValueError):
     jax3d.bubble(0, 4)
@@ -120,8 +144,12 @@ def test_sharding_table_matches_the_state(trained):
   assert rows['embed/embedding']['per_device'] == (128, 64)
   assert not any('dp' in str(r['spec']) for r in rows.values())
   # Bytes per device: what device 0 holds.
-  held = sum(s.data.nbytes for a in jax.tree.leaves(params) for s in a.addressable_shards
-             if s.device == t.mesh.devices.flat[0])
+  held = sum(
+    s.data.nbytes
+    for a in jax.tree.leaves(params)
+    for s in a.addressable_shards
+    if s.device == t.mesh.devices.flat[0]
+  )
   assert sum(r['bytes_per_device'] for r in rows.values()) == held
   text = jax3d.format_table(list(rows.values()), ['param', 'per_device'])
   assert 'layers/qkv/kernel' in text and '2x64x1x4x16' in text
@@ -160,17 +188,27 @@ def test_plan_layouts_llama3_8b():
   assert all(r['step_time_s'] >= best['step_time_s'] for r in fitting)
   assert any(not r['fits'] for r in p.layouts)  # tp=1 layouts of an 8B model do not fit 80 GB
   # The flags reproduce the layout through the config validation the trainer uses.
-  over = dict(f[len('--config.'):].split('=') for f in p.flags.split())
+  over = dict(f[len('--config.') :].split('=') for f in p.flags.split())
   plan = config_lib.validate(jax3d.load_config('llama3_8b', over), 64)
-  assert (plan.dp, plan.pp, plan.tp, plan.microbatches) == (best['dp'], best['pp'], best['tp'],
-                                                           best['microbatches'])
+  assert (plan.dp, plan.pp, plan.tp, plan.microbatches) == (
+    best['dp'],
+    best['pp'],
+    best['tp'],
+    best['microbatches'],
+  )
   assert 'Why dp=' in str(p)
   import types
+
   assert isinstance(jax3d.plan, types.ModuleType)  # the planner module is not shadowed
   assert jax3d.api.plan is jax3d.plan_layouts
 
 
 def test_losses_helper():
-  recs = [{'event': 'start', 'step': 0}, {'step': 1, 'loss': 2.0}, {'step': 1, 'eval_loss': 1.5},
-          {'step': 2, 'event': 'nonfinite', 'loss': 9.0}, {'step': 3, 'loss': 1.0}]
+  recs = [
+    {'event': 'start', 'step': 0},
+    {'step': 1, 'loss': 2.0},
+    {'step': 1, 'eval_loss': 1.5},
+    {'step': 2, 'event': 'nonfinite', 'loss': 9.0},
+    {'step': 3, 'loss': 1.0},
+  ]
   assert jax3d.losses(recs) == [2.0, 1.0]

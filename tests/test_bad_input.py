@@ -1,5 +1,6 @@
 """Bad input: exit status 2 and one line naming the setting, its value and what is valid,
 before anything compiles."""
+
 import importlib
 import os
 import subprocess
@@ -13,46 +14,72 @@ from jax3d import cli
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = [
-    # (overrides, words the one line must contain)
-    (['--config.mesh.dp=3'], ['mesh dp*pp*tp', '3*2*2 = 12', '8 devices']),
-    (['--config.mesh.dp=-1', '--config.mesh.tp=-1'], ['mesh.dp=-1 and mesh.tp=-1', 'at most one']),
-    (['--config.mesh.dp=-1', '--config.mesh.pp=3', '--config.mesh.tp=1'],
-     ['mesh.dp=-1 cannot be filled', '3']),
-    (['--config.mesh.dp=1', '--config.mesh.pp=1', '--config.mesh.tp=8', '--config.model.n_heads=8'],
-     ['model.n_kv_heads=2', 'mesh.tp=8']),
-    (['--config.model.n_heads=6', '--config.model.n_kv_heads=6', '--config.model.d_model=384',
-      '--config.mesh.dp=2', '--config.mesh.pp=1', '--config.mesh.tp=4'], ['model.n_heads=6', 'mesh.tp=4']),
-    (['--config.model.d_ff=771'], ['model.d_ff=771', 'mesh.tp=2']),
-    (['--config.model.vocab_multiple=1', '--config.model.vocab_size=257'],
-     ['model.vocab_size=257', 'padded to 257']),
-    (['--config.model.n_layers=3'], ['model.n_layers=3', 'mesh.pp*pipeline.repeats = 2*1 = 2']),
-    (['--config.train.global_batch_size=20'], ['train.global_batch_size=20', '2*4*1 = 8']),
-    (['--config.train.grad_accum=3'], ['train.global_batch_size=16', '2*4*3 = 24']),
-    (['--config.train.compute_dtype=float16'], ["train.compute_dtype='float16'", 'float32, bfloat16']),
-    (['--config.train.param_dtype=int8'], ["train.param_dtype='int8'", 'float32, bfloat16']),
-    (['--config.train.remat=some'], ["train.remat='some'", 'none, full, dots, attn']),
-    (['--config.train.seq_len=4096'], ['train.seq_len=4096', 'model.max_seq_len=2048']),
-    (['--config.data.path=/nonexistent/corpus'], ["data.path='/nonexistent/corpus'", 'does not exist']),
-    (['--config.model.nlayers=4'], ["unknown config key 'model.nlayers'", 'n_layers']),
-    (['--config.trian.steps=4'], ["unknown config key 'trian'", 'train']),
-    (['--config.pipeline.microbatches=0'], ['pipeline.microbatches=0', '>= 1']),
-    (['--config.pipeline.microbatches=3', '--config.train.global_batch_size=15'],
-     ['train.global_batch_size=15', '2*3*1 = 6', 'split over dp']),
-    (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=2',
-      '--config.pipeline.microbatches=1', '--config.train.global_batch_size=16'],
-     ['pipeline.microbatches=1', 'circular', 'mesh.pp=2']),
-    (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=3'],
-     ['model.n_layers=4', '2*3 = 6']),
-    (['--config.pipeline.schedule=1f1b'], ["pipeline.schedule='1f1b'", 'gpipe, circular']),
-    (['--config.pipeline.repeats=2'], ['pipeline.repeats=2', 'schedule=circular']),
+  # (overrides, words the one line must contain)
+  (['--config.mesh.dp=3'], ['mesh dp*pp*tp', '3*2*2 = 12', '8 devices']),
+  (['--config.mesh.dp=-1', '--config.mesh.tp=-1'], ['mesh.dp=-1 and mesh.tp=-1', 'at most one']),
+  (['--config.mesh.dp=-1', '--config.mesh.pp=3', '--config.mesh.tp=1'], ['mesh.dp=-1 cannot be filled', '3']),
+  (
+    ['--config.mesh.dp=1', '--config.mesh.pp=1', '--config.mesh.tp=8', '--config.model.n_heads=8'],
+    ['model.n_kv_heads=2', 'mesh.tp=8'],
+  ),
+  (
+    [
+      '--config.model.n_heads=6',
+      '--config.model.n_kv_heads=6',
+      '--config.model.d_model=384',
+      '--config.mesh.dp=2',
+      '--config.mesh.pp=1',
+      '--config.mesh.tp=4',
+    ],
+    ['model.n_heads=6', 'mesh.tp=4'],
+  ),
+  (['--config.model.d_ff=771'], ['model.d_ff=771', 'mesh.tp=2']),
+  (
+    ['--config.model.vocab_multiple=1', '--config.model.vocab_size=257'],
+    ['model.vocab_size=257', 'padded to 257'],
+  ),
+  (['--config.model.n_layers=3'], ['model.n_layers=3', 'mesh.pp*pipeline.repeats = 2*1 = 2']),
+  (['--config.train.global_batch_size=20'], ['train.global_batch_size=20', '2*4*1 = 8']),
+  (['--config.train.grad_accum=3'], ['train.global_batch_size=16', '2*4*3 = 24']),
+  (['--config.train.compute_dtype=float16'], ["train.compute_dtype='float16'", 'float32, bfloat16']),
+  (['--config.train.param_dtype=int8'], ["train.param_dtype='int8'", 'float32, bfloat16']),
+  (['--config.train.remat=some'], ["train.remat='some'", 'none, full, dots, attn']),
+  (['--config.train.seq_len=4096'], ['train.seq_len=4096', 'model.max_seq_len=2048']),
+  (['--config.data.path=/nonexistent/corpus'], ["data.path='/nonexistent/corpus'", 'does not exist']),
+  (['--config.model.nlayers=4'], ["unknown config key 'model.nlayers'", 'n_layers']),
+  (['--config.trian.steps=4'], ["unknown config key 'trian'", 'train']),
+  (['--config.pipeline.microbatches=0'], ['pipeline.microbatches=0', '>= 1']),
+  (
+    ['--config.pipeline.microbatches=3', '--config.train.global_batch_size=15'],
+    ['train.global_batch_size=15', '2*3*1 = 6', 'split over dp'],
+  ),
+  (
+    [
+      '--config.pipeline.schedule=circular',
+      '--config.pipeline.repeats=2',
+      '--config.pipeline.microbatches=1',
+      '--config.train.global_batch_size=16',
+    ],
+    ['pipeline.microbatches=1', 'circular', 'mesh.pp=2'],
+  ),
+  (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=3'], ['model.n_layers=4', '2*3 = 6']),
+  (['--config.pipeline.schedule=1f1b'], ["pipeline.schedule='1f1b'", 'gpipe, circular']),
+  (['--config.pipeline.repeats=2'], ['pipeline.repeats=2', 'schedule=circular']),
 ]
 
 
 def run_cli(args, tmp_path, env_extra=None):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
   env.update(env_extra or {})
-  return subprocess.run([sys.executable, '-m', 'jax3d.train', f'--workdir={tmp_path}/w', *args],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+  return subprocess.run(
+    [sys.executable, '-m', 'jax3d.train', f'--workdir={tmp_path}/w', *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
 
 
 @pytest.mark.parametrize('args,words', CASES, ids=[' '.join(c[0])[:60] for c in CASES])
@@ -84,11 +111,23 @@ def test_unknown_flag(tmp_path):
 
 def test_validation_raises_real_exceptions_not_asserts():
   """Validation survives `python -O` (which strips assert statements)."""
-  r = subprocess.run([sys.executable, '-O', '-c', (
-      'from jax3d import config as c\n'
-      'cfg = c.load_config("tiny", {"mesh.dp": 3})\n'
-      'try:\n  c.validate(cfg, 8)\nexcept c.ConfigError as e:\n  print("raised", e)\n')],
-      cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+  r = subprocess.run(
+    [
+      sys.executable,
+      '-O',
+      '-c',
+      (
+        'from jax3d import config as c\n'
+        'cfg = c.load_config("tiny", {"mesh.dp": 3})\n'
+        'try:\n  c.validate(cfg, 8)\nexcept c.ConfigError as e:\n  print("raised", e)\n'
+      ),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    check=False,
+  )
   assert 'raised mesh dp*pp*tp' in r.stdout, r.stderr
 
 
@@ -100,17 +139,25 @@ WITH_CONFIG = ['train', 'plan', 'inspect', 'sample']
 REQUIRED = {'sample': ['--workdir=/nonexistent/run']}  # so that the error is about the flag tested
 
 # `python -m jax3d.COMMAND ARGS...`, then one more line on stdout: was jax imported?
-RUN_AS_MAIN = ('import runpy, sys\n'
-               'sys.argv = sys.argv[1:]\n'
-               'try:\n'
-               '  runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)\n'
-               'finally:\n'
-               '  print("jax imported" if "jax" in sys.modules else "jax not imported")\n')
+RUN_AS_MAIN = (
+  'import runpy, sys\n'
+  'sys.argv = sys.argv[1:]\n'
+  'try:\n'
+  '  runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)\n'
+  'finally:\n'
+  '  print("jax imported" if "jax" in sys.modules else "jax not imported")\n'
+)
 
 
 def run_command(command, *args):
-  r = subprocess.run([sys.executable, '-c', RUN_AS_MAIN, f'jax3d.{command}', *args], cwd=ROOT,
-                     capture_output=True, text=True, timeout=60, check=False)
+  r = subprocess.run(
+    [sys.executable, '-c', RUN_AS_MAIN, f'jax3d.{command}', *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    check=False,
+  )
   return r, r.stdout.rstrip().splitlines()[-1]
 
 
@@ -131,10 +178,13 @@ def test_every_command_rejects_an_unknown_flag(command):
 
 
 @pytest.mark.parametrize('command', WITH_CONFIG)
-@pytest.mark.parametrize('override,words', [
+@pytest.mark.parametrize(
+  'override,words',
+  [
     ('--config.model.nlayers=4', ["unknown config key 'model.nlayers'", 'n_layers']),
     ('--config.train.steps=many', ["train.steps='many' is invalid", 'int']),
-])
+  ],
+)
 def test_every_command_with_a_config_rejects_a_bad_key(command, override, words):
   r, jax_line = run_command(command, *REQUIRED.get(command, []), override)
   line = one_error_line(r)
@@ -142,7 +192,9 @@ def test_every_command_with_a_config_rejects_a_bad_key(command, override, words)
   assert jax_line == 'jax not imported'
 
 
-@pytest.mark.parametrize('command,args,words', [
+@pytest.mark.parametrize(
+  'command,args,words',
+  [
     ('train', ['--num_processes=two'], ["--num_processes='two' is invalid", 'integer']),
     ('train', ['--distributed=maybe'], ['--distributed=maybe is invalid', 'auto, on, off']),
     ('train', ['--config=configs/none.py'], ['--config=configs/none.py', 'no such file']),
@@ -155,7 +207,8 @@ def test_every_command_with_a_config_rejects_a_bad_key(command, override, words)
     ('report', ['--config=tiny', 'a'], ['unknown flag --config=tiny']),
     ('sample', ['--prompt=x'], ['--workdir is required']),
     ('sample', ['--workdir=w', '--tokens=-1'], ['--tokens=-1 is invalid', '>= 0']),
-])
+  ],
+)
 def test_bad_flag_values_name_the_flag_value_and_what_is_valid(command, args, words):
   r, jax_line = run_command(command, *args)
   line = one_error_line(r)
@@ -176,18 +229,40 @@ def test_every_command_prints_its_docstring_for_help(command):
 def test_flag_spellings_and_types():
   """--a-b and --a_b alike, --name VALUE, bare and explicit bools, --noNAME; converted types."""
   from jax3d import plan
-  args = cli.parse(['--gpus-per-node=4', '--gpu_memory_gb', '40', '--json', '--fixed=false', '--noemit',
-                    '--config=tiny', '--config.mesh.tp=4', '--config.mesh.pp=1'], plan.__doc__, plan.FLAGS)
+
+  args = cli.parse(
+    [
+      '--gpus-per-node=4',
+      '--gpu_memory_gb',
+      '40',
+      '--json',
+      '--fixed=false',
+      '--noemit',
+      '--config=tiny',
+      '--config.mesh.tp=4',
+      '--config.mesh.pp=1',
+    ],
+    plan.__doc__,
+    plan.FLAGS,
+  )
   assert isinstance(args, cli.Args)
   f = args.flags
   assert (f['gpus_per_node'], f['gpu_memory_gb'], f['json'], f['fixed'], f['emit'], f['nodes']) == (
-      4, 40.0, True, False, False, 1)
+    4,
+    40.0,
+    True,
+    False,
+    False,
+    1,
+  )
   assert type(f['gpu_memory_gb']) is float and args.config_name == 'tiny'
-  assert (args.overrides == {'mesh.tp': '4', 'mesh.pp': '1'} and args.cfg.mesh.tp == 4
-          and args.positional == [])
+  assert (
+    args.overrides == {'mesh.tp': '4', 'mesh.pp': '1'} and args.cfg.mesh.tp == 4 and args.positional == []
+  )
 
 
 def test_train_declares_every_distributed_flag():
   from jax3d import train
   from jax3d.training import distributed
+
   assert set(train.FLAGS) == {'workdir', *distributed.FLAGS}

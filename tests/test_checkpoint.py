@@ -1,4 +1,5 @@
 """Checkpoints: exact resume, resume onto other layouts, integrity, shape checks, NaN safety."""
+
 import json
 import os
 import signal
@@ -18,10 +19,22 @@ from jax3d.training import checkpoint as ckpt_lib
 from jax3d.training.trainer import Trainer, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = {'model.n_layers': 8, 'model.d_model': 64, 'model.n_heads': 4, 'model.n_kv_heads': 4,
-         'model.d_ff': 128, 'train.seq_len': 32, 'train.global_batch_size': 16, 'train.steps': 10,
-         'train.warmup_steps': 2, 'log.every': 1, 'eval.every': 0, 'eval.batches': 1,
-         'checkpoint.every': 5, 'log.progress': False}
+SMALL = {
+  'model.n_layers': 8,
+  'model.d_model': 64,
+  'model.n_heads': 4,
+  'model.n_kv_heads': 4,
+  'model.d_ff': 128,
+  'train.seq_len': 32,
+  'train.global_batch_size': 16,
+  'train.steps': 10,
+  'train.warmup_steps': 2,
+  'log.every': 1,
+  'eval.every': 0,
+  'eval.batches': 1,
+  'checkpoint.every': 5,
+  'log.progress': False,
+}
 CLI_SMALL = [f'--config.{k}={v}' for k, v in SMALL.items()]
 
 
@@ -48,17 +61,24 @@ def losses(workdir):
 
 def read_ckpt(workdir, step):
   mgr = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'), item_names=('state', 'meta'))
-  r = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                meta=ocp.args.JsonRestore()))
+  r = mgr.restore(
+    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+  )
   mgr.close()
   return r['state'], r['meta']
 
 
 def cli(workdir, *args, timeout=300, **kw):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
-  return subprocess.Popen([sys.executable, '-m', 'jax3d.train', f'--workdir={workdir}', *CLI_SMALL, *args],
-                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          **kw)
+  return subprocess.Popen(
+    [sys.executable, '-m', 'jax3d.train', f'--workdir={workdir}', *CLI_SMALL, *args],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    **kw,
+  )
 
 
 RESUME_SCRIPT = """
@@ -75,8 +95,9 @@ t.close()
 
 def run_python(code):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
-  r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=300)
+  r = subprocess.run(
+    [sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   return r.stdout
 
@@ -99,9 +120,15 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
   assert ma['data_step'] == mb['data_step'] == 10
 
 
-@pytest.mark.parametrize('target', [pytest.param((8, 1, 1, 1), marks=pytest.mark.slow), (1, 8, 1, 8),
-                                    pytest.param((1, 2, 4, 2), marks=pytest.mark.slow),
-                                    (2, 2, 2, 'circular')])
+@pytest.mark.parametrize(
+  'target',
+  [
+    pytest.param((8, 1, 1, 1), marks=pytest.mark.slow),
+    (1, 8, 1, 8),
+    pytest.param((1, 2, 4, 2), marks=pytest.mark.slow),
+    (2, 2, 2, 'circular'),
+  ],
+)
 def test_resume_onto_another_layout(tmp_path, target):
   src = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
   src.train(steps=3)
@@ -112,6 +139,7 @@ def test_resume_onto_another_layout(tmp_path, target):
   os.remove(str(tmp_path / 'metrics.jsonl'))
   for step in (4,):  # restore step 3: drop the later checkpoint
     import shutil
+
     shutil.rmtree(str(tmp_path / 'checkpoints' / str(step)))
   if target[3] == 'circular':
     cfg = cfg_for(2, 2, 2, m=2, pipeline__repeats=2, pipeline__schedule='circular')
@@ -134,19 +162,24 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path, capsys):
   t.close()
   steps = sorted(int(s) for s in os.listdir(tmp_path / 'checkpoints') if s.isdigit())
   assert steps[-2:] == [2, 4]
-  files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'checkpoints' / '4' / 'state') for f in fs
-           if os.path.getsize(os.path.join(d, f)) > 64]
+  files = [
+    os.path.join(d, f)
+    for d, _, fs in os.walk(tmp_path / 'checkpoints' / '4' / 'state')
+    for f in fs
+    if os.path.getsize(os.path.join(d, f)) > 64
+  ]
   biggest = max(files, key=os.path.getsize)
   with open(biggest, 'r+b') as f:  # truncate the largest data file
     f.truncate(os.path.getsize(biggest) // 3)
   t2 = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
   msg = t2.init_state()
   assert 'resumed from' in msg and msg.split('resumed from ')[1].split(' ')[0].endswith('/2')
-  assert "checkpoints/4" in capsys.readouterr().err
+  assert 'checkpoints/4' in capsys.readouterr().err
   t2.close()
   # a deleted file: the step folder of 2 loses its metadata
-  meta_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'checkpoints' / '2' / 'state')
-                for f in fs]
+  meta_files = [
+    os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'checkpoints' / '2' / 'state') for f in fs
+  ]
   for f in meta_files:
     os.remove(f)
   t3 = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
@@ -160,13 +193,17 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
   t = Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False)
   t.train(steps=1)
   t.close()
-  other = Trainer(cfg_for(2, 2, 2, m=2, model__d_ff=256, train__param_dtype='bfloat16'),
-                  workdir=str(tmp_path), console=False)
+  other = Trainer(
+    cfg_for(2, 2, 2, m=2, model__d_ff=256, train__param_dtype='bfloat16'),
+    workdir=str(tmp_path),
+    console=False,
+  )
   with pytest.raises(ckpt_lib.CheckpointError) as e:
     other.init_state()
   msg = str(e.value)
-  assert ('params/layers/gate_up/kernel: checkpoint (8, 64, 2, 128) float32, '
-          'config (8, 64, 2, 256) bfloat16') in msg
+  assert (
+    'params/layers/gate_up/kernel: checkpoint (8, 64, 2, 128) float32, config (8, 64, 2, 256) bfloat16'
+  ) in msg
   assert 'params/embed/embedding: checkpoint (256, 64) float32, config (256, 64) bfloat16' in msg
   other.close()
 
@@ -174,17 +211,22 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
 @pytest.mark.slow
 def test_int8_residual_resumes_exactly(tmp_path):
   """The int8 error-feedback residual is train state: a resumed run continues bit-identically."""
-  straight = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8'), workdir=str(tmp_path / 'a'),
-                     console=False)
+  straight = Trainer(
+    cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8'), workdir=str(tmp_path / 'a'), console=False
+  )
   straight.train(steps=4)
   straight.close()
-  first = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8', checkpoint__every=2),
-                  workdir=str(tmp_path / 'b'), console=False)
+  first = Trainer(
+    cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8', checkpoint__every=2),
+    workdir=str(tmp_path / 'b'),
+    console=False,
+  )
   first.train(steps=2)
   residual = jax.device_get(first.state['grad_residual'])
   first.close()
-  second = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8'), workdir=str(tmp_path / 'b'),
-                   console=False)
+  second = Trainer(
+    cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8'), workdir=str(tmp_path / 'b'), console=False
+  )
   assert 'resumed' in second.init_state()
   assert max(float(np.abs(x).max()) for x in jax.tree.leaves(residual)) > 0
   chex.assert_trees_all_equal(jax.device_get(second.state['grad_residual']), residual)
@@ -199,8 +241,11 @@ def test_residual_is_restarted_when_the_reduction_or_dp_changes(tmp_path, capsys
   """float32 -> int8 (no residual saved), int8 at dp=2 -> dp=4, int8 -> float32: each resumes the
   parameters and optimizer state; the residual starts at zero with a warning where it is needed."""
   Trainer(cfg_for(2, 2, 2, m=2), workdir=str(tmp_path), console=False).train(steps=1)
-  t = Trainer(cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8', checkpoint__every=1),
-              workdir=str(tmp_path), console=False)
+  t = Trainer(
+    cfg_for(2, 2, 2, m=2, train__grad_reduce_dtype='int8', checkpoint__every=1),
+    workdir=str(tmp_path),
+    console=False,
+  )
   assert 'next step 1' in t.init_state()
   assert 'has none: the int8 gradient residual (error feedback) starts at zero' in capsys.readouterr().err
   t.train(steps=1)
@@ -216,8 +261,9 @@ def test_residual_is_restarted_when_the_reduction_or_dp_changes(tmp_path, capsys
 
 
 def test_nan_steps_are_skipped_logged_and_stop_the_run(tmp_path):
-  t = Trainer(cfg_for(2, 2, 2, m=2, train__inject_nan_at='3', checkpoint__every=2), workdir=str(tmp_path),
-              console=False)
+  t = Trainer(
+    cfg_for(2, 2, 2, m=2, train__inject_nan_at='3', checkpoint__every=2), workdir=str(tmp_path), console=False
+  )
   t.train(steps=2)
   before = jax.device_get(t.state['params'])
   t.train(steps=1)  # step 3 is NaN: skipped
@@ -225,18 +271,23 @@ def test_nan_steps_are_skipped_logged_and_stop_the_run(tmp_path):
   records = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
   assert any(r.get('event') == 'nonfinite' and r['step'] == 3 for r in records)
   t.train(steps=1)  # step 4 trains again
-  assert not np.allclose(jax.device_get(t.state['params'])['head']['out']['kernel'],
-                         before['head']['out']['kernel'])
+  assert not np.allclose(
+    jax.device_get(t.state['params'])['head']['out']['kernel'], before['head']['out']['kernel']
+  )
   t.close()
-  t = Trainer(cfg_for(2, 2, 2, m=2, train__inject_nan_at='6,7,8', train__max_bad_steps=3,
-                      checkpoint__every=1), workdir=str(tmp_path / 'b'), console=False)
+  t = Trainer(
+    cfg_for(2, 2, 2, m=2, train__inject_nan_at='6,7,8', train__max_bad_steps=3, checkpoint__every=1),
+    workdir=str(tmp_path / 'b'),
+    console=False,
+  )
   with pytest.raises(TrainingError, match='stopping at step 8: 3 consecutive non-finite steps'):
     t.train()
   t.close()
   for step in sorted(int(s) for s in os.listdir(tmp_path / 'b' / 'checkpoints') if s.isdigit()):
     state, _ = read_ckpt(str(tmp_path / 'b'), step)
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state)
-               if np.issubdtype(np.asarray(x).dtype, np.floating))
+    assert all(
+      np.isfinite(x).all() for x in jax.tree.leaves(state) if np.issubdtype(np.asarray(x).dtype, np.floating)
+    )
 
 
 def test_nan_stop_exit_status_is_3(tmp_path):

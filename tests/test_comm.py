@@ -3,6 +3,7 @@
 Bytes and memory come from the compiled train step (jax3d.inspect: the optimised HLO's
 collectives and compiled.memory_analysis()), never from a formula.
 """
+
 import functools
 import os
 import subprocess
@@ -57,8 +58,9 @@ def test_zero1_equals_plain_run(layout):
 def test_zero1_moments_are_sharded_over_dp():
   s = setup_for(small_cfg(mesh__dp=8, train__shard_optimizer=True))
   sh = s.state_shardings
-  mus = [x.mu for x in jax.tree.leaves(sh['opt_state'], is_leaf=lambda x: hasattr(x, 'mu'))
-         if hasattr(x, 'mu')]  # adamw's scale_by_adam state
+  mus = [
+    x.mu for x in jax.tree.leaves(sh['opt_state'], is_leaf=lambda x: hasattr(x, 'mu')) if hasattr(x, 'mu')
+  ]  # adamw's scale_by_adam state
   assert len(mus) == 1
   assert 'dp' in mus[0]['layers']['qkv']['kernel'].spec
   assert 'dp' not in sh['params']['layers']['qkv']['kernel'].spec  # the parameters stay whole
@@ -69,8 +71,9 @@ def test_zero1_optimizer_memory_falls_by_dp():
   plain, zero = inspected(mesh__dp=8), inspected(mesh__dp=8, train__shard_optimizer=True)
   s = setup_for(small_cfg(mesh__dp=8))
   state = s.abstract_state
-  params = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
-               for a in jax.tree.leaves(state['params']))
+  params = sum(
+    int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(state['params'])
+  )
   opt_plain = plain['memory_bytes']['argument'] - params
   opt_zero = zero['memory_bytes']['argument'] - params
   assert opt_plain > 1.9 * params  # Adam: two moments the size of the parameters
@@ -128,8 +131,9 @@ def test_zero1_under_tp_moves_no_more_bytes():
 
 
 def test_int8_with_zero1_runs():
-  losses, _ = train_steps(small_cfg(mesh__dp=4, mesh__tp=2, train__grad_reduce_dtype='int8',
-                                    train__shard_optimizer=True))
+  losses, _ = train_steps(
+    small_cfg(mesh__dp=4, mesh__tp=2, train__grad_reduce_dtype='int8', train__shard_optimizer=True)
+  )
   assert np.all(np.isfinite(losses)) and losses[2] < losses[0]
 
 
@@ -138,11 +142,20 @@ def test_int8_error_feedback_matches_float32_held_out_loss():
   """200 steps of the tiny config (smaller batch): int8 within 3% of float32's held-out loss."""
   from jax3d import config as config_lib
   from jax3d.training.trainer import Trainer
+
   losses = {}
   for dtype in ('float32', 'int8'):
-    cfg = config_lib.load_config('tiny', {'train.steps': 200, 'train.global_batch_size': 8,
-                                          'pipeline.microbatches': 2, 'train.grad_reduce_dtype': dtype,
-                                          'eval.every': 0, 'log.progress': False})
+    cfg = config_lib.load_config(
+      'tiny',
+      {
+        'train.steps': 200,
+        'train.global_batch_size': 8,
+        'pipeline.microbatches': 2,
+        'train.grad_reduce_dtype': dtype,
+        'eval.every': 0,
+        'log.progress': False,
+      },
+    )
     t = Trainer(cfg, workdir=None, console=False)
     t.train()
     losses[dtype] = t.evaluate()
@@ -154,10 +167,10 @@ def test_int8_error_feedback_matches_float32_held_out_loss():
 def test_gpu_flags_not_set_on_cpu():
   """The train CLI's device preparation on this (CPU) machine leaves XLA_FLAGS to the CPU count."""
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS', 'JAX3D_NO_GPU_FLAGS')}
-  code = ('import os; from jax3d import cli; cli.prepare_devices(8); '
-          'print(os.environ["XLA_FLAGS"])')
-  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
+  code = 'import os; from jax3d import cli; cli.prepare_devices(8); print(os.environ["XLA_FLAGS"])'
+  out = subprocess.run(
+    [sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+  )
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == '--xla_force_host_platform_device_count=8'
   assert not gpu.gpu_present(env)
@@ -178,10 +191,17 @@ def test_gpu_flags_precedence(monkeypatch):
 def test_bench_gpu_smoke(tmp_path):
   """scripts/bench_gpu.py --smoke runs on CPU and writes its JSON."""
   import json
+
   out = tmp_path / 'bench_gpu.json'
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  r = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'bench_gpu.py'), '--smoke',
-                      f'--json={out}'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'scripts', 'bench_gpu.py'), '--smoke', f'--json={out}'],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   res = json.loads(out.read_text())
   assert res['tokens_per_sec'] > 0 and res['smoke'] and res['gpu_flags_added'] == []

@@ -1,4 +1,5 @@
 """The batch of step i depends only on (seed, i): never on the layout or the process split."""
+
 import jax
 import numpy as np
 import pytest
@@ -14,9 +15,18 @@ def corpus():
 
 
 def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
-  cfg = config_lib.load_config('tiny', {'model.n_kv_heads': 4, 'model.n_layers': 8,
-                                        'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp,
-                                        'pipeline.microbatches': 1, 'train.global_batch_size': batch})
+  cfg = config_lib.load_config(
+    'tiny',
+    {
+      'model.n_kv_heads': 4,
+      'model.n_layers': 8,
+      'mesh.dp': dp,
+      'mesh.pp': pp,
+      'mesh.tp': tp,
+      'pipeline.microbatches': 1,
+      'train.global_batch_size': batch,
+    },
+  )
   s = run.setup(cfg, jax.devices()[:n])
   sh = s.batch_sharding
   rows = data_lib.local_rows(sh, batch)

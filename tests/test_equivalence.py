@@ -1,4 +1,5 @@
 """Every layout gives the one-device numbers: first 3 losses and step-1 gradients, rtol 1e-5."""
+
 import functools
 
 import chex
@@ -45,8 +46,16 @@ def test_remat_policies_equal_one_device(policy):
 
 
 def test_circular_schedule_equals_one_device():
-  check({'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2,
-         'pipeline__repeats': 2, 'pipeline__schedule': 'circular'})
+  check(
+    {
+      'mesh__dp': 2,
+      'mesh__pp': 2,
+      'mesh__tp': 2,
+      'pipeline__microbatches': 2,
+      'pipeline__repeats': 2,
+      'pipeline__schedule': 'circular',
+    }
+  )
 
 
 def test_grad_accum_equals_full_batch():
@@ -55,5 +64,7 @@ def test_grad_accum_equals_full_batch():
 
 def test_gqa_and_bf16_params_run_under_tp():
   """GQA (8 query heads over 2 KV heads) under tp=2 equals its one-device run."""
-  check({'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, 'model__n_kv_heads': 2},
-        (('model__n_kv_heads', 2),))
+  check(
+    {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, 'model__n_kv_heads': 2},
+    (('model__n_kv_heads', 2),),
+  )

@@ -1,6 +1,7 @@
 """The counting formulas (jax3d/model/formulas.py) against the real model and against each other:
 the parameter count is the parameters `init_params` creates, and the planner, the trainer and the
 inspector compute MFU from the same model FLOPs per token."""
+
 import jax
 import numpy as np
 import pytest
@@ -9,8 +10,9 @@ from jax3d import config as config_lib
 from jax3d.model import formulas, llama as model_lib
 from jax3d.tools import costmodel
 
-GQA = model_lib.Dims(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=100,
-                     vocab_padded=128)
+GQA = model_lib.Dims(
+  n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=100, vocab_padded=128
+)
 
 
 class H100:
@@ -74,5 +76,6 @@ def test_planner_trainer_and_inspector_agree_on_mfu(overrides):
   # Recomputed from the planner's tokens/s: its MFU is model FLOPs over peak FLOPs.
   assert est.mfu == pytest.approx(est.tokens_per_s * meter.per_token / (100e12 * plan.n_devices), rel=1e-12)
   inspector = formulas.flops_per_token(dims, plan.seq_len) * plan.tokens_per_step / plan.n_devices
-  assert inspector == pytest.approx(est.model_flops_per_token * plan.tokens_per_step / plan.n_devices,
-                                    rel=1e-12)
+  assert inspector == pytest.approx(
+    est.model_flops_per_token * plan.tokens_per_step / plan.n_devices, rel=1e-12
+  )

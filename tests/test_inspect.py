@@ -1,6 +1,7 @@
 """jax3d.inspect: the HLO reader on known inputs, then the tiny model's (2,2,2) step against
 the expected bytes of `expected_comm` (jax3d/tools/inspection.py). Bytes are per device per
 optimizer step (see jax3d/inspect.py)."""
+
 import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
@@ -23,17 +24,26 @@ MESH = (2, 2, 2)  # (dp, pp, tp); device id = 4*dp + 2*pp + tp
 
 
 # --- the HLO reader ---------------------------------------------------------------------------
-@pytest.mark.parametrize('attrs, groups, axes', [
+@pytest.mark.parametrize(
+  'attrs, groups, axes',
+  [
     ('replica_groups={{0,1},{4,5},{2,3},{6,7}}, to_apply=%add', [[0, 1], [4, 5], [2, 3], [6, 7]], 'tp'),
     ('replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add', [[0, 4], [1, 5], [2, 6], [3, 7]], 'dp'),
     ('replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}', [[0, 2], [1, 3], [4, 6], [5, 7]], 'pp'),
-    ("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, x=1",
-     [[0, 2], [1, 3], [4, 6], [5, 7]], 'pp'),
-    ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}, use_global_device_ids=true",
-     [[0, 1], [2, 3], [4, 5], [6, 7]], 'tp'),
+    (
+      "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, x=1",
+      [[0, 2], [1, 3], [4, 6], [5, 7]],
+      'pp',
+    ),
+    (
+      "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}, use_global_device_ids=true",
+      [[0, 1], [2, 3], [4, 5], [6, 7]],
+      'tp',
+    ),
     ("replica_groups=mesh['a'=2,'b'=4] {'b'}, x", [[0, 1, 2, 3], [4, 5, 6, 7]], 'pp+tp'),
     ('source_target_pairs={{0,2},{2,0},{1,3},{3,1}}, x', [[0, 2], [2, 0], [1, 3], [3, 1]], 'pp'),
-])
+  ],
+)
 def test_replica_groups(attrs, groups, axes):
   got = hlo.replica_groups(attrs, 8)
   assert got == groups
@@ -137,9 +147,14 @@ def test_tiny_memory_and_flops(tiny):
 
 @pytest.mark.slow
 def test_cli_json():
-  proc = subprocess.run([sys.executable, '-m', 'jax3d.inspect', '--config=configs/tiny.py', '--json'],
-                        cwd=REPO, capture_output=True, text=True, timeout=300,
-                        env={k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'} | {'PYTHONPATH': REPO})
+  proc = subprocess.run(
+    [sys.executable, '-m', 'jax3d.inspect', '--config=configs/tiny.py', '--json'],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'} | {'PYTHONPATH': REPO},
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   out = json.loads(proc.stdout)
   assert set(out['memory_bytes']) >= {'argument', 'temp', 'output'} and out['flops'] > 0
@@ -147,7 +162,12 @@ def test_cli_json():
 
 
 def test_cli_config_error_exits_2():
-  proc = subprocess.run([sys.executable, '-m', 'jax3d.inspect', '--config=configs/tiny.py',
-                         '--config.mesh.tp=3'], cwd=REPO, capture_output=True, text=True, timeout=120,
-                        env={**os.environ, 'PYTHONPATH': REPO})
+  proc = subprocess.run(
+    [sys.executable, '-m', 'jax3d.inspect', '--config=configs/tiny.py', '--config.mesh.tp=3'],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, 'PYTHONPATH': REPO},
+  )
   assert proc.returncode == 2 and proc.stderr.startswith('error: ') and 'mesh' in proc.stderr

@@ -1,4 +1,5 @@
 """Memory sampling and the leak detector, with real arrays on the 8 fake CPU devices."""
+
 import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
@@ -21,8 +22,10 @@ def mesh():
 
 def _step_output(mesh, i):
   """A 'step' producing 1 MiB per device (8 MiB sharded over all 8 devices)."""
-  make = jax.jit(lambda v: jnp.full((8 * 2048, 128), v, jnp.float32),  # 2048*128*4 B = 1 MiB per device
-                 out_shardings=NamedSharding(mesh, P(('a', 'b'))))
+  make = jax.jit(
+    lambda v: jnp.full((8 * 2048, 128), v, jnp.float32),  # 2048*128*4 B = 1 MiB per device
+    out_shardings=NamedSharding(mesh, P(('a', 'b'))),
+  )
   return make(float(i))
 
 

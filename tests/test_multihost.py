@@ -5,6 +5,7 @@ non-zero, in bounded time), an unreachable coordinator, tp across hosts refused.
 
 Every test has a hard timeout (SIGALRM, and a timeout on every child process), so nothing hangs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,10 +26,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, 'scripts', 'launch_local.py')
 N_STEPS = 8
-SMALL = ['--config.model.d_model=64', '--config.model.d_ff=128', '--config.train.seq_len=32',
-         '--config.train.global_batch_size=16', '--config.eval.batches=1', '--config.eval.every=0',
-         '--config.log.every=1', '--config.log.progress=False', '--config.sample.tokens=1',
-         '--config.checkpoint.every=4', '--config.checkpoint.async_save=False']
+SMALL = [
+  '--config.model.d_model=64',
+  '--config.model.d_ff=128',
+  '--config.train.seq_len=32',
+  '--config.train.global_batch_size=16',
+  '--config.eval.batches=1',
+  '--config.eval.every=0',
+  '--config.log.every=1',
+  '--config.log.progress=False',
+  '--config.sample.tokens=1',
+  '--config.checkpoint.every=4',
+  '--config.checkpoint.async_save=False',
+]
 MP = ['--init_timeout=60', '--heartbeat_timeout=10']
 
 pytestmark = pytest.mark.multiprocess
@@ -36,11 +46,13 @@ pytestmark = pytest.mark.multiprocess
 
 def hard_timeout(seconds: int):
   """Fails the test (instead of hanging) after `seconds`."""
+
   def deco(fn):
     @functools.wraps(fn)
     def wrapper(*a, **kw):
       def boom(signum, frame):
         raise TimeoutError(f'{fn.__name__} exceeded its hard timeout of {seconds} s')
+
       old = signal.signal(signal.SIGALRM, boom)
       signal.alarm(seconds)
       try:
@@ -48,20 +60,32 @@ def hard_timeout(seconds: int):
       finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
     return wrapper
+
   return deco
 
 
 def _env(**extra):
-  env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX_COORDINATOR', 'JAX_NUM_PROCESSES',
-                                                                  'JAX_PROCESS_ID', 'SLURM_', 'OMPI_'))}
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(('JAX_COORDINATOR', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID', 'SLURM_', 'OMPI_'))
+  }
   env.update(JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', **extra)
   return env
 
 
 def train_cmd(workdir, *args, steps=N_STEPS):
-  return [sys.executable, '-m', 'jax3d.train', f'--workdir={workdir}', *SMALL,
-          f'--config.train.steps={steps}', *args]
+  return [
+    sys.executable,
+    '-m',
+    'jax3d.train',
+    f'--workdir={workdir}',
+    *SMALL,
+    f'--config.train.steps={steps}',
+    *args,
+  ]
 
 
 class Run:
@@ -69,8 +93,9 @@ class Run:
 
   def __init__(self, cmd, env):
     self.t0 = time.time()
-    self.p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    self.p = subprocess.Popen(
+      cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     self.lines: list[tuple[float, str]] = []
     self.thread = threading.Thread(target=self._read, daemon=True)
     self.thread.start()
@@ -123,8 +148,21 @@ class Run:
 
 
 def launch(n, cmd, grace=30):
-  return Run([sys.executable, LAUNCH, '-n', str(n), '--devices-per-process', str(8 // n),
-              f'--grace={grace}', '--', *cmd, *MP], _env())
+  return Run(
+    [
+      sys.executable,
+      LAUNCH,
+      '-n',
+      str(n),
+      '--devices-per-process',
+      str(8 // n),
+      f'--grace={grace}',
+      '--',
+      *cmd,
+      *MP,
+    ],
+    _env(),
+  )
 
 
 def single(cmd):
@@ -277,8 +315,19 @@ def _free_port():
 def test_unreachable_coordinator_fails_within_the_bound(tmp_path):
   port = _free_port()
   t0 = time.time()
-  run = single([sys.executable, '-m', 'jax3d.train', f'--workdir={tmp_path}/w', *SMALL,
-                f'--coordinator=127.0.0.1:{port}', '--num_processes=2', '--process_id=1', '--init_timeout=5'])
+  run = single(
+    [
+      sys.executable,
+      '-m',
+      'jax3d.train',
+      f'--workdir={tmp_path}/w',
+      *SMALL,
+      f'--coordinator=127.0.0.1:{port}',
+      '--num_processes=2',
+      '--process_id=1',
+      '--init_timeout=5',
+    ]
+  )
   rc = run.wait(90)
   took = time.time() - t0
   err = [l for l in run.text.splitlines() if l.startswith('error:')]
@@ -289,16 +338,31 @@ def test_unreachable_coordinator_fails_within_the_bound(tmp_path):
 
 @hard_timeout(120)
 def test_bad_distributed_flags_exit_2(tmp_path):
-  run = single([sys.executable, '-m', 'jax3d.train', f'--workdir={tmp_path}/w', '--num_processes=2',
-                '--process_id=5', '--coordinator=127.0.0.1:1234'])
+  run = single(
+    [
+      sys.executable,
+      '-m',
+      'jax3d.train',
+      f'--workdir={tmp_path}/w',
+      '--num_processes=2',
+      '--process_id=5',
+      '--coordinator=127.0.0.1:1234',
+    ]
+  )
   assert run.wait(90) == 2
   assert 'process_id=5' in run.text, run.text
 
 
 @hard_timeout(180)
 def test_tp_across_hosts_is_refused(tmp_path):
-  cmd = train_cmd(str(tmp_path / 'w'), '--config.mesh.dp=1', '--config.mesh.pp=1', '--config.mesh.tp=8',
-                  '--config.model.n_heads=8', '--config.model.n_kv_heads=8')
+  cmd = train_cmd(
+    str(tmp_path / 'w'),
+    '--config.mesh.dp=1',
+    '--config.mesh.pp=1',
+    '--config.mesh.tp=8',
+    '--config.model.n_heads=8',
+    '--config.model.n_kv_heads=8',
+  )
   run = launch(2, cmd)
   rc = run.wait(150)
   out = run.text
@@ -309,15 +373,22 @@ def test_tp_across_hosts_is_refused(tmp_path):
 
 def test_resolve_reads_flags_environment_and_launchers(monkeypatch):
   from jax3d.training import distributed
+
   for k in list(os.environ):
     if k.startswith(('JAX_COORDINATOR', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID', 'SLURM_', 'OMPI_', 'JAX3D_')):
       monkeypatch.delenv(k)
   flags = dict(distributed.FLAGS)
   assert not distributed.resolve(flags).multi
-  inf = distributed.resolve(dict(flags, coordinator='h:1', num_processes='2', process_id='1',
-                                 init_timeout='7'))
-  assert ((inf.multi, inf.how, inf.num_processes, inf.process_id, inf.init_timeout)
-          == (True, 'explicit', 2, 1, 7))
+  inf = distributed.resolve(
+    dict(flags, coordinator='h:1', num_processes='2', process_id='1', init_timeout='7')
+  )
+  assert (inf.multi, inf.how, inf.num_processes, inf.process_id, inf.init_timeout) == (
+    True,
+    'explicit',
+    2,
+    1,
+    7,
+  )
   monkeypatch.setenv('JAX_COORDINATOR_ADDRESS', 'h:2')
   monkeypatch.setenv('JAX_NUM_PROCESSES', '4')
   monkeypatch.setenv('JAX_PROCESS_ID', '0')

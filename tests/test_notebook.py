@@ -5,6 +5,7 @@ the formula, remat shrinks the compiled temporaries, a resumed run continues at 
 error is a wrong number as much as a crash. The kernel starts with XLA_FLAGS unset, as on a fresh
 laptop, so the notebook's own `jax3d.use_fake_cpu_devices(8)` is what makes the 8 devices.
 """
+
 import os
 import time
 
@@ -27,6 +28,7 @@ def test_notebook_uses_only_the_public_api():
   import nbformat
 
   import jax3d
+
   nb = nbformat.read(NOTEBOOK, as_version=4)
   src = '\n'.join(c.source for c in nb.cells if c.cell_type == 'code')
   assert 'from jax3d' not in src and 'import jax3d.' not in src
@@ -40,8 +42,9 @@ def test_quickstart_notebook_runs():
   nbclient = pytest.importorskip('nbclient')
   pytest.importorskip('ipykernel')
   nb = nbformat.read(NOTEBOOK, as_version=4)
-  client = nbclient.NotebookClient(nb, timeout=600, kernel_name='python3',
-                                   resources={'metadata': {'path': os.path.dirname(NOTEBOOK)}})
+  client = nbclient.NotebookClient(
+    nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': os.path.dirname(NOTEBOOK)}}
+  )
   # 'python3' is ipykernel's own kernel: jupyter_client starts it with sys.executable, the
   # interpreter (venv) running the tests, so nothing has to be installed or registered.
   t0 = time.time()
@@ -49,13 +52,22 @@ def test_quickstart_notebook_runs():
   print(f'notebook ran in {time.time() - t0:.0f} s')
   if os.environ.get('JAX3D_NOTEBOOK_OUT'):  # keep the executed notebook, to read its outputs
     nbformat.write(nb, os.environ['JAX3D_NOTEBOOK_OUT'])
-  errors = [o for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', [])
-            if o.get('output_type') == 'error']
+  errors = [
+    o
+    for c in nb.cells
+    if c.cell_type == 'code'
+    for o in c.get('outputs', [])
+    if o.get('output_type') == 'error'
+  ]
   assert not errors, errors
-  text = '\n'.join(o.get('text', '') for c in nb.cells if c.cell_type == 'code'
-                   for o in c.get('outputs', []) if o.get('output_type') == 'stream')
+  text = '\n'.join(
+    o.get('text', '')
+    for c in nb.cells
+    if c.cell_type == 'code'
+    for o in c.get('outputs', [])
+    if o.get('output_type') == 'stream'
+  )
   assert 'largest difference between layouts' in text
   assert 'continued with steps [6, 7, 8, 9, 10]' in text
   images = [o for c in nb.cells for o in c.get('outputs', []) if 'image/png' in o.get('data', {})]
   assert len(images) >= 2  # the bubble plot and the remat bars
-

@@ -20,9 +20,11 @@ def layer_fn(p, x_btd):
 def make(p, m, v, seed=0):
   L = p * v * 2
   k = jax.random.split(jax.random.key(seed), 4)
-  layers = {'w1': jax.random.normal(k[0], (L, D, D)) / D**0.5,
-            'w2': jax.random.normal(k[1], (L, D, D)) / D**0.5,
-            's': jax.random.uniform(k[2], (L, 1))}
+  layers = {
+    'w1': jax.random.normal(k[0], (L, D, D)) / D**0.5,
+    'w2': jax.random.normal(k[1], (L, D, D)) / D**0.5,
+    's': jax.random.uniform(k[2], (L, 1)),
+  }
   x = jax.random.normal(k[3], (m, B, T, D))
   return layers, x
 
@@ -40,7 +42,7 @@ CASES = [(p, m, v) for p in (2, 4, 8) for v in (1, 2) for m in (1, p, 2 * p) if 
 
 @pytest.mark.parametrize('p,m,v', CASES)
 def test_pipeline_equals_sequential(p, m, v):
-  devices = np.array(jax.devices()[:p * (8 // p)]).reshape(8 // p, p, 1)
+  devices = np.array(jax.devices()[: p * (8 // p)]).reshape(8 // p, p, 1)
   mesh = Mesh(devices, ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3)
   layers, x = make(p, m, v)
   L = layers['w1'].shape[0]
@@ -51,10 +53,12 @@ def test_pipeline_equals_sequential(p, m, v):
     return pipeline.run(layer_fn, stored, x, mesh=mesh, repeats=v, policy='none')
 
   with jax.set_mesh(mesh):
-    y, (g_layers, g_x) = jax.jit(lambda s, x: (piped(s, x), jax.grad(lambda s, x: loss(piped(s, x)),
-                                                                      argnums=(0, 1))(s, x)))(stored, x)
-  y_ref, (g_ref, gx_ref) = jax.jit(lambda l, x: (sequential(l, x), jax.grad(
-      lambda l, x: loss(sequential(l, x)), argnums=(0, 1))(l, x)))(layers, x)
+    y, (g_layers, g_x) = jax.jit(
+      lambda s, x: (piped(s, x), jax.grad(lambda s, x: loss(piped(s, x)), argnums=(0, 1))(s, x))
+    )(stored, x)
+  y_ref, (g_ref, gx_ref) = jax.jit(
+    lambda l, x: (sequential(l, x), jax.grad(lambda l, x: loss(sequential(l, x)), argnums=(0, 1))(l, x))
+  )(layers, x)
   close(y, y_ref)
   jax.tree.map(close, pipeline.to_canonical(g_layers, L, p, v), g_ref)
   close(g_x, gx_ref)

@@ -1,5 +1,6 @@
 """The layout planner: estimator numbers by hand, the tutorial's rules, the CLI, and the estimate
 against XLA's compiled memory figure on 8 fake CPU devices."""
+
 import os
 import sys
 
@@ -22,8 +23,14 @@ CPU = costmodel.Hardware(flash_attention=False)
 
 def cli(*args, timeout=240):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
-  return subprocess.run([sys.executable, '-m', 'jax3d.plan', *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, '-m', 'jax3d.plan', *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -109,7 +116,8 @@ def test_json_and_emit():
   r = cli('--config=configs/tiny.py', '--emit')
   best = rows[0]
   assert r.returncode == 0 and r.stdout.startswith(
-      f'--config.mesh.dp={best["dp"]} --config.mesh.pp={best["pp"]} --config.mesh.tp={best["tp"]}')
+    f'--config.mesh.dp={best["dp"]} --config.mesh.pp={best["pp"]} --config.mesh.tp={best["tp"]}'
+  )
 
 
 def test_misfit_reason_and_oom_ladder():
@@ -118,19 +126,33 @@ def test_misfit_reason_and_oom_ladder():
   assert re.search(r'needs \d+\.\d GB per GPU, has 80', r.stdout)
   for rung in ('1. recomputation', '3. smaller micro-batch', '4. more pp or tp', '5. bf16'):
     assert rung in r.stdout
-  m = re.search(r'Smallest cluster that fits: (\d+) node\(s\) x 8 GPUs of 80 GB \(dp=(\d+), pp=(\d+), '
-                r'tp=(\d+), remat=\w+: ([\d.]+) GB per GPU\)', r.stdout)
+  m = re.search(
+    r'Smallest cluster that fits: (\d+) node\(s\) x 8 GPUs of 80 GB \(dp=(\d+), pp=(\d+), '
+    r'tp=(\d+), remat=\w+: ([\d.]+) GB per GPU\)',
+    r.stdout,
+  )
   assert m, r.stdout
   nodes, dp, pp, tp, gb = int(m[1]), int(m[2]), int(m[3]), int(m[4]), float(m[5])
   assert nodes > 1 and dp * pp * tp == nodes * 8 and tp <= 8 and gb <= 80
   assert r.stderr.startswith('error: no layout of llama3_70b fits 1 x 8 GPUs of 80 GB')
 
 
-@pytest.mark.parametrize('args', [
-    ['--nodes=0'], ['--gpu-memory-gb=-1'], ['--config.model.nope=1'], ['--config=configs/none.py'],
-    ['--nodes=8', '--config.model.n_layers=7', '--config.model.n_heads=7', '--config.model.n_kv_heads=7',
-     '--config.model.d_model=14'],
-])
+@pytest.mark.parametrize(
+  'args',
+  [
+    ['--nodes=0'],
+    ['--gpu-memory-gb=-1'],
+    ['--config.model.nope=1'],
+    ['--config=configs/none.py'],
+    [
+      '--nodes=8',
+      '--config.model.n_layers=7',
+      '--config.model.n_heads=7',
+      '--config.model.n_kv_heads=7',
+      '--config.model.d_model=14',
+    ],
+  ],
+)
 def test_bad_input_exits_2(args):
   r = cli('--config=configs/tiny.py', *args)
   assert r.returncode == 2 and r.stderr.startswith('error: ') and len(r.stderr.strip().splitlines()) == 1
@@ -150,8 +172,13 @@ def test_verify_tiny_within_25_percent(overrides):
 
 
 def test_verify_gpt2_small_within_25_percent():
-  ratio = _verified_ratio('--config=configs/gpt2_small.py', '--config.mesh.dp=2', '--config.mesh.pp=2',
-                          '--config.mesh.tp=2', '--config.train.seq_len=256',
-                          '--config.train.global_batch_size=16',
-                          '--config.train.compute_dtype=float32')  # the estimate models a GPU's bf16
+  ratio = _verified_ratio(
+    '--config=configs/gpt2_small.py',
+    '--config.mesh.dp=2',
+    '--config.mesh.pp=2',
+    '--config.mesh.tp=2',
+    '--config.train.seq_len=256',
+    '--config.train.global_batch_size=16',
+    '--config.train.compute_dtype=float32',
+  )  # the estimate models a GPU's bf16
   assert ratio == pytest.approx(1, abs=0.25)

@@ -5,6 +5,7 @@ as they are (bash -e, from the repository root, 600 s each). Blocks without the 
 multi-host launches, planner output shown for reading) are documentation only. A README without
 any runnable block fails: the quickstart must be executable.
 """
+
 import os
 import re
 import subprocess
@@ -27,7 +28,7 @@ def runnable_blocks(text: str) -> list[tuple[int, str]]:
       if end is None:
         raise ValueError(f'README.md:{i + 1}: ```bash block is not closed')
       if prev.strip() == MARKER:
-        out.append((i + 1, '\n'.join(lines[i + 1:end]) + '\n'))
+        out.append((i + 1, '\n'.join(lines[i + 1 : end]) + '\n'))
       i = end
     i += 1
   return out
@@ -41,9 +42,11 @@ def _blocks():
 
 
 def test_parser():
-  text = ('intro\n<!-- runnable -->\n\n```bash\necho a\necho b\n```\n'
-          '```bash\necho not marked\n```\n<!-- runnable -->\n```python\nprint(1)\n```\n'
-          '<!-- runnable -->\n```bash\nexit 0\n```\n')
+  text = (
+    'intro\n<!-- runnable -->\n\n```bash\necho a\necho b\n```\n'
+    '```bash\necho not marked\n```\n<!-- runnable -->\n```python\nprint(1)\n```\n'
+    '<!-- runnable -->\n```bash\nexit 0\n```\n'
+  )
   assert runnable_blocks(text) == [(4, 'echo a\necho b\n'), (16, 'exit 0\n')]
 
 
@@ -53,8 +56,17 @@ def test_readme_has_runnable_blocks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('line,script', _blocks() or [pytest.param(0, '', marks=pytest.mark.skip(
-    reason='no runnable block in README.md (test_readme_has_runnable_blocks fails)'))])
+@pytest.mark.parametrize(
+  'line,script',
+  _blocks()
+  or [
+    pytest.param(
+      0,
+      '',
+      marks=pytest.mark.skip(reason='no runnable block in README.md (test_readme_has_runnable_blocks fails)'),
+    )
+  ],
+)
 def test_readme_block_runs(line, script):
   # as a reader's shell
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
@@ -62,9 +74,12 @@ def test_readme_block_runs(line, script):
   # `python` and `pytest` in a block are the interpreter running the tests (its venv).
   env['PATH'] = os.pathsep.join([os.path.dirname(sys.executable), env.get('PATH', '')])
   try:
-    r = subprocess.run(['bash', '-e', '-c', script], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+      ['bash', '-e', '-c', script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
   except subprocess.TimeoutExpired:
     pytest.fail(f'README.md:{line}: block ran over 600 s:\n{script}')
-  assert r.returncode == 0, (f'README.md:{line}: exit status {r.returncode}\n{script}\n--- stdout\n'
-                             f'{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}')
+  assert r.returncode == 0, (
+    f'README.md:{line}: exit status {r.returncode}\n{script}\n--- stdout\n'
+    f'{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}'
+  )

@@ -1,4 +1,5 @@
 """`python -m jax3d.report WORKDIR` on a synthetic (but realistic) metrics.jsonl, resumed once."""
+
 import json
 import math
 import os
@@ -13,10 +14,17 @@ PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
 def _train(step, loss, run_speed=1.0):
   tokens_per_step = 16 * 128
-  return {'step': step, 'loss': loss, 'lr': 3e-3 * min(1, step / 30), 'grad_norm': 1.0 / (1 + step / 50),
-          'tokens_per_sec': 9000.0 * run_speed + (step % 7) * 50, 'step_time_s': 0.22 + (step % 5) * 0.01,
-          'tokens': step * tokens_per_step, 'mfu': None,
-          'memory': {'bytes_in_use': [40_000_000 + 1000 * d for d in range(8)], 'peak_bytes': [None] * 8}}
+  return {
+    'step': step,
+    'loss': loss,
+    'lr': 3e-3 * min(1, step / 30),
+    'grad_norm': 1.0 / (1 + step / 50),
+    'tokens_per_sec': 9000.0 * run_speed + (step % 7) * 50,
+    'step_time_s': 0.22 + (step % 5) * 0.01,
+    'tokens': step * tokens_per_step,
+    'mfu': None,
+    'memory': {'bytes_in_use': [40_000_000 + 1000 * d for d in range(8)], 'peak_bytes': [None] * 8},
+  }
 
 
 def _write_run(workdir):
@@ -40,9 +48,14 @@ def _write_run(workdir):
 
 def test_report_command(tmp_path):
   _write_run(tmp_path)
-  proc = subprocess.run([sys.executable, '-m', 'jax3d.report', str(tmp_path)], cwd=REPO,
-                        capture_output=True, text=True, timeout=120,
-                        env={**os.environ, 'PYTHONPATH': REPO, 'MPLBACKEND': 'Agg'})
+  proc = subprocess.run(
+    [sys.executable, '-m', 'jax3d.report', str(tmp_path)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, 'PYTHONPATH': REPO, 'MPLBACKEND': 'Agg'},
+  )
   assert proc.returncode == 0, proc.stderr
   out = tmp_path / 'report'
   pngs = ['loss.png', 'throughput.png', 'memory.png', 'step_time.png']
@@ -61,6 +74,7 @@ def test_report_command(tmp_path):
 
 def test_resume_keeps_the_latest_record_of_each_step(tmp_path):
   from jax3d.tools import report
+
   _write_run(tmp_path)
   run = report.load(str(tmp_path / 'metrics.jsonl'))
   steps = [r['step'] for r in run['train']]
@@ -73,6 +87,12 @@ def test_resume_keeps_the_latest_record_of_each_step(tmp_path):
 
 
 def test_missing_workdir_exits_2(tmp_path):
-  proc = subprocess.run([sys.executable, '-m', 'jax3d.report', str(tmp_path / 'nope')], cwd=REPO,
-                        capture_output=True, text=True, timeout=60, env={**os.environ, 'PYTHONPATH': REPO})
+  proc = subprocess.run(
+    [sys.executable, '-m', 'jax3d.report', str(tmp_path / 'nope')],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env={**os.environ, 'PYTHONPATH': REPO},
+  )
   assert proc.returncode == 2 and proc.stderr.startswith('error:')

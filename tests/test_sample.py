@@ -8,6 +8,7 @@ with a tiny learning rate so that greedy decoding still produces varied bytes (a
 few steps at full rate predicts ' ' everywhere, which would hide a wrong cache or a wrong layer
 order).
 """
+
 import os
 import subprocess
 import sys
@@ -24,18 +25,38 @@ from jax3d.parallel import pipeline
 from jax3d.tools import sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = {'model.d_model': 64, 'model.d_ff': 128, 'model.max_seq_len': 64, 'train.seq_len': 32,
-         'train.global_batch_size': 16, 'train.steps': 3, 'train.warmup_steps': 1, 'train.lr': 1e-4,
-         'log.every': 1, 'eval.every': 0, 'eval.batches': 1, 'checkpoint.every': 0}
+SMALL = {
+  'model.d_model': 64,
+  'model.d_ff': 128,
+  'model.max_seq_len': 64,
+  'train.seq_len': 32,
+  'train.global_batch_size': 16,
+  'train.steps': 3,
+  'train.warmup_steps': 1,
+  'train.lr': 1e-4,
+  'log.every': 1,
+  'eval.every': 0,
+  'eval.batches': 1,
+  'checkpoint.every': 0,
+}
 PROMPT = 'def '
 
 
 def _cli(*args):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI makes its own 8 devices
-  env.update(JAX_PLATFORMS='cpu', PYTHONIOENCODING='utf-8',
-             PYTHONPATH=os.pathsep.join([ROOT, env.get('PYTHONPATH', '')]))
-  return subprocess.run([sys.executable, '-m', 'jax3d.sample', *args], cwd=ROOT, env=env,
-                        capture_output=True, timeout=600, check=False)
+  env.update(
+    JAX_PLATFORMS='cpu',
+    PYTHONIOENCODING='utf-8',
+    PYTHONPATH=os.pathsep.join([ROOT, env.get('PYTHONPATH', '')]),
+  )
+  return subprocess.run(
+    [sys.executable, '-m', 'jax3d.sample', *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    timeout=600,
+    check=False,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -59,10 +80,10 @@ def _reference_greedy(dims, params, layout, prompt, n):
   def logits_at(tokens_bt, pos):  # one shape for every step: the causal mask ignores the padding
     x = model_lib.embed_apply(dims, host, tokens_bt)
     x = jax.lax.scan(lambda h, p: (model_lib.block_apply(dims, p, h), None), x, layers)[0]
-    return model_lib.head_apply(dims, host, x)[0, pos, :dims.vocab_size]
+    return model_lib.head_apply(dims, host, x)[0, pos, : dims.vocab_size]
 
   buf = np.zeros((1, len(prompt) + n), np.int32)
-  buf[0, :len(prompt)] = prompt
+  buf[0, : len(prompt)] = prompt
   out, logits = [], []
   for i in range(n):
     lg = np.asarray(logits_at(jnp.asarray(buf), len(prompt) + i - 1))
@@ -80,8 +101,9 @@ def test_kv_cache_matches_full_forward(run):
   prompt, n = list(b'def main(x):\n  return'), 10
   ref_tokens, ref_logits = _reference_greedy(dims, t.state['params'], layout, prompt, n)
 
-  tokens = gen_lib.generate(dims, t.state['params'], layout, prompt, n, t.cfg.model.max_seq_len,
-                            temperature=0.0)
+  tokens = gen_lib.generate(
+    dims, t.state['params'], layout, prompt, n, t.cfg.model.max_seq_len, temperature=0.0
+  )
   assert tokens == ref_tokens
   assert len(set(ref_tokens)) > 1, ref_tokens  # a non-degenerate sequence, see the module docstring
 
@@ -91,10 +113,11 @@ def test_kv_cache_matches_full_forward(run):
   cache = gen_lib.empty_cache(dims, 1, t.cfg.model.max_seq_len)
   logits, cache = gen_lib._forward(dims, params, layers, jnp.asarray([prompt], jnp.int32), cache, 0)
   for i in range(n):
-    got = np.asarray(logits)[0, :dims.vocab_size]
+    got = np.asarray(logits)[0, : dims.vocab_size]
     np.testing.assert_allclose(got, ref_logits[i], rtol=1e-4, atol=1e-4)
-    logits, cache = gen_lib._forward(dims, params, layers, jnp.asarray([[ref_tokens[i]]], jnp.int32),
-                                     cache, len(prompt) + i)
+    logits, cache = gen_lib._forward(
+      dims, params, layers, jnp.asarray([[ref_tokens[i]]], jnp.int32), cache, len(prompt) + i
+    )
 
 
 def test_greedy_and_seeded_sampling_are_deterministic(run):
@@ -111,8 +134,9 @@ def test_greedy_and_seeded_sampling_are_deterministic(run):
 def test_top_k_one_is_greedy(run):
   """top_k=1 leaves only the argmax, whatever the temperature and seed."""
   t, _ = run
-  assert (jax3d.sample(t, PROMPT, n_tokens=12, temperature=5.0, top_k=1, seed=3)
-          == jax3d.sample(t, PROMPT, n_tokens=12, greedy=True))
+  assert jax3d.sample(t, PROMPT, n_tokens=12, temperature=5.0, top_k=1, seed=3) == jax3d.sample(
+    t, PROMPT, n_tokens=12, greedy=True
+  )
 
 
 def test_cli_samples_on_another_layout(run):
@@ -120,8 +144,15 @@ def test_cli_samples_on_another_layout(run):
   CLI, with the config read from the checkpoint: the same greedy text as the trainer's own."""
   t, workdir = run
   want = jax3d.sample(t, PROMPT, n_tokens=24, greedy=True)
-  r = _cli(f'--workdir={workdir}', f'--prompt={PROMPT}', '--tokens=24', '--greedy',
-           '--config.mesh.dp=1', '--config.mesh.pp=4', '--config.mesh.tp=2')
+  r = _cli(
+    f'--workdir={workdir}',
+    f'--prompt={PROMPT}',
+    '--tokens=24',
+    '--greedy',
+    '--config.mesh.dp=1',
+    '--config.mesh.pp=4',
+    '--config.mesh.tp=2',
+  )
   assert r.returncode == 0, r.stderr.decode()
   out = r.stdout.decode('utf-8')
   assert out.startswith(PROMPT)
@@ -156,5 +187,6 @@ def test_module_is_callable_as_the_api_function(run):
   """`jax3d.sample` is the CLI's module and the API function at once (see sample.py)."""
   t, _ = run
   import jax3d.sample as module
+
   assert jax3d.sample is module
   assert module(t, PROMPT, n_tokens=5, greedy=True) == jax3d.api.sample(t, PROMPT, n_tokens=5, greedy=True)

@@ -1,5 +1,6 @@
 """Sharding is data: the PartitionSpec of every parameter of the tiny model, and the Megatron
 collectives of one layer's compiled forward pass."""
+
 import re
 
 import jax
@@ -11,15 +12,15 @@ from jax3d.model import llama as model_lib
 from jax3d.parallel import sharding
 
 EXPECTED = {  # tiny model under (dp, pp, tp) = (2, 2, 2)
-    'embed/embedding': P('tp', None),                       # vocabulary-parallel
-    'head/norm/scale': P(None),
-    'head/out/kernel': P(None, 'tp'),                       # vocabulary-parallel head
-    'layers/attn_norm/scale': P('pp', None),
-    'layers/mlp_norm/scale': P('pp', None),
-    'layers/qkv/kernel': P('pp', None, 'tp', None, None),   # column-parallel, by KV head
-    'layers/o/kernel': P('pp', 'tp', None, None),           # row-parallel
-    'layers/gate_up/kernel': P('pp', None, None, 'tp'),     # column-parallel
-    'layers/down/kernel': P('pp', 'tp', None),              # row-parallel
+  'embed/embedding': P('tp', None),  # vocabulary-parallel
+  'head/norm/scale': P(None),
+  'head/out/kernel': P(None, 'tp'),  # vocabulary-parallel head
+  'layers/attn_norm/scale': P('pp', None),
+  'layers/mlp_norm/scale': P('pp', None),
+  'layers/qkv/kernel': P('pp', None, 'tp', None, None),  # column-parallel, by KV head
+  'layers/o/kernel': P('pp', 'tp', None, None),  # row-parallel
+  'layers/gate_up/kernel': P('pp', None, None, 'tp'),  # column-parallel
+  'layers/down/kernel': P('pp', 'tp', None),  # row-parallel
 }
 
 
@@ -50,8 +51,9 @@ def test_one_layer_forward_has_exactly_the_megatron_all_reduces():
   sh = s.param_shardings
   layer_sh = jax.tree.map(lambda x: NamedSharding(s.mesh, P(*x.spec[1:])), sh['layers'])
   shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.key(0), s.dims, s.layer_order))
-  layer = jax.tree.map(lambda a, sh_: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sh_),
-                       shapes['layers'], layer_sh)
+  layer = jax.tree.map(
+    lambda a, sh_: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sh_), shapes['layers'], layer_sh
+  )
   x = jax.ShapeDtypeStruct((8, 128, 256), jnp.float32, sharding=NamedSharding(s.mesh, P('dp')))
 
   def fwd(p, x):
@@ -61,7 +63,12 @@ def test_one_layer_forward_has_exactly_the_megatron_all_reduces():
   with jax.set_mesh(s.mesh):
     hlo = jax.jit(fwd).lower(layer, x).compile().as_text()
   counts = _collectives(hlo)
-  assert counts == {'all-reduce': 2, 'all-gather': 0, 'reduce-scatter': 0, 'collective-permute': 0,
-                    'all-to-all': 0}, counts
+  assert counts == {
+    'all-reduce': 2,
+    'all-gather': 0,
+    'reduce-scatter': 0,
+    'collective-permute': 0,
+    'all-to-all': 0,
+  }, counts
   groups = re.findall(r'all-reduce(?:-start)?\([^\n]*replica_groups=(\S+)', hlo)
   assert len(groups) == 2  # both over the tp pairs

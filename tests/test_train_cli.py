@@ -1,4 +1,5 @@
 """`python -m jax3d.train` end to end on a few steps: metrics written, loss falls, text printed."""
+
 import json
 import os
 import subprocess
@@ -10,11 +11,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_train_cli_end_to_end(tmp_path):
   env = dict(os.environ)
   env.pop('XLA_FLAGS', None)  # the command itself exposes 8 fake CPU devices
-  r = subprocess.run([sys.executable, '-m', 'jax3d.train', f'--workdir={tmp_path}', '--config.train.steps=40',
-                      '--config.log.every=5', '--config.eval.every=20', '--config.eval.batches=2',
-                      '--config.model.d_model=128', '--config.model.d_ff=256', '--config.train.seq_len=64',
-                      '--config.sample.tokens=20', '--config.checkpoint.every=20'],
-                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'jax3d.train',
+      f'--workdir={tmp_path}',
+      '--config.train.steps=40',
+      '--config.log.every=5',
+      '--config.eval.every=20',
+      '--config.eval.batches=2',
+      '--config.model.d_model=128',
+      '--config.model.d_ff=256',
+      '--config.train.seq_len=64',
+      '--config.sample.tokens=20',
+      '--config.checkpoint.every=20',
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   out = r.stdout
   assert 'jax3d: 8 cpu devices, mesh dp=2 x pp=2 x tp=2' in out

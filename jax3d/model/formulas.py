@@ -24,6 +24,7 @@ honest peak for a CPU, so on CPU (or an unknown device) MFU is None unless the c
 `hardware.peak_tflops`. Note an fp32 run on a GPU runs its matmuls in TF32 at best (half the
 bf16 peak or less), so its MFU against the bf16 peak is low by construction.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -36,22 +37,22 @@ if TYPE_CHECKING:  # llama imports this module: its types only for the annotatio
 # (substring of jax's device.device_kind, dense bf16 TFLOP/s per device). First match wins, so
 # the more specific names come first.
 PEAK_TFLOPS = (
-    ('H100 PCIe', 756.0),
-    ('H100', 989.0),  # SXM ('NVIDIA H100 80GB HBM3')
-    ('H200', 989.0),
-    ('H800', 989.0),
-    ('GH200', 989.0),
-    ('B200', 2250.0),
-    ('A100', 312.0),
-    ('A800', 312.0),
-    ('L40S', 362.0),
-    ('L4', 121.0),
-    ('A10', 125.0),
-    ('V100', 125.0),  # fp16 tensor cores (no bf16)
-    ('TPU v6 lite', 918.0),
-    ('TPU v5 lite', 197.0),
-    ('TPU v5', 459.0),  # v5p
-    ('TPU v4', 275.0),
+  ('H100 PCIe', 756.0),
+  ('H100', 989.0),  # SXM ('NVIDIA H100 80GB HBM3')
+  ('H200', 989.0),
+  ('H800', 989.0),
+  ('GH200', 989.0),
+  ('B200', 2250.0),
+  ('A100', 312.0),
+  ('A800', 312.0),
+  ('L40S', 362.0),
+  ('L4', 121.0),
+  ('A10', 125.0),
+  ('V100', 125.0),  # fp16 tensor cores (no bf16)
+  ('TPU v6 lite', 918.0),
+  ('TPU v5 lite', 197.0),
+  ('TPU v5', 459.0),  # v5p
+  ('TPU v4', 275.0),
 )
 
 
@@ -108,8 +109,9 @@ def peak_flops(device: jax.Device | None = None, override_tflops: float = 0.0) -
   return None
 
 
-def mfu(tokens_per_sec: float, per_token_flops: float, peak_per_device: float | None,
-        n_devices: int) -> float | None:
+def mfu(
+  tokens_per_sec: float, per_token_flops: float, peak_per_device: float | None, n_devices: int
+) -> float | None:
   """Model FLOPs utilisation in [0, 1], or None when the peak is unknown."""
   if not peak_per_device or n_devices < 1:
     return None
@@ -119,13 +121,14 @@ def mfu(tokens_per_sec: float, per_token_flops: float, peak_per_device: float | 
 class MFUMeter:
   """What the trainer needs per log line: built once from the config, called with tokens/s.
 
-    meter = formulas.MFUMeter(setup.dims, cfg.train.seq_len, jax.devices()[0], plan.n_devices,
-                              cfg.hardware.peak_tflops)
-    record['mfu'] = meter(tokens_per_sec)      # float or None
+  meter = formulas.MFUMeter(setup.dims, cfg.train.seq_len, jax.devices()[0], plan.n_devices,
+                            cfg.hardware.peak_tflops)
+  record['mfu'] = meter(tokens_per_sec)      # float or None
   """
 
-  def __init__(self, dims: Dims, seq_len: int, device: jax.Device | None, n_devices: int,
-               override_tflops: float = 0.0) -> None:
+  def __init__(
+    self, dims: Dims, seq_len: int, device: jax.Device | None, n_devices: int, override_tflops: float = 0.0
+  ) -> None:
     self.per_token = flops_per_token(dims, seq_len)
     self.peak = peak_flops(device, override_tflops)
     self.n_devices = n_devices

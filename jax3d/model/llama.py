@@ -11,6 +11,7 @@ Layer weights are stacked on a leading `layers` axis, ready for `lax.scan` and p
 Shape legend: b batch, t time, r rows (b*t), d model, f ffw, n query heads, k kv heads,
 h head dim, g query heads per kv head, c g+2 (queries, key, value), v vocab.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,10 +56,20 @@ class Dims:
     """The model of `cfg`; the padded vocabulary comes from `plan` when given (the same number)."""
     m = cfg.model
     vocab_padded = plan.vocab_padded if plan is not None else config_lib.padded_vocab(m)
-    return Dims(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                d_ff=m.d_ff, vocab_size=m.vocab_size, vocab_padded=vocab_padded,
-                rope_theta=m.rope_theta, norm_eps=m.norm_eps, dtype=jnp.dtype(cfg.train.compute_dtype),
-                param_dtype=jnp.dtype(cfg.train.param_dtype), attention=cfg.train.attention)
+    return Dims(
+      n_layers=m.n_layers,
+      d_model=m.d_model,
+      n_heads=m.n_heads,
+      n_kv_heads=m.n_kv_heads,
+      d_ff=m.d_ff,
+      vocab_size=m.vocab_size,
+      vocab_padded=vocab_padded,
+      rope_theta=m.rope_theta,
+      norm_eps=m.norm_eps,
+      dtype=jnp.dtype(cfg.train.compute_dtype),
+      param_dtype=jnp.dtype(cfg.train.param_dtype),
+      attention=cfg.train.attention,
+    )
 
   def param_count(self) -> int:
     """Parameters of the real model (padded vocabulary rows excluded): formulas.param_count."""
@@ -74,8 +85,12 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
-                       (x.shape[-1],), self.dims.param_dtype)
+    scale = self.param(
+      'scale',
+      nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
+      (x.shape[-1],),
+      self.dims.param_dtype,
+    )
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.dims.norm_eps)
     return (y * scale.astype(jnp.float32)).astype(self.dims.dtype)
@@ -93,15 +108,17 @@ def rope(x_btnh: jax.Array, theta: float, positions_t: jax.Array | None = None) 
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
 
 
-def cached_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-                     positions_t: jax.Array) -> jax.Array:
+def cached_attention(
+  q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, positions_t: jax.Array
+) -> jax.Array:
   """Causal attention, in fp32, of queries at `positions_t` over a KV cache of s entries: the query
   at position p sees entries 0..p, so entries past the last query (not yet written) are ignored."""
   b, t, n, h = q_btnh.shape
   k = k_bskh.shape[2]
   q_btkgh = q_btnh.reshape(b, t, k, n // k, h)  # query head i belongs to KV head i // g
-  s_bkgts = jnp.einsum('btkgh,bskh->bkgts', q_btkgh.astype(jnp.float32),
-                       k_bskh.astype(jnp.float32)) / np.sqrt(h)
+  s_bkgts = jnp.einsum(
+    'btkgh,bskh->bkgts', q_btkgh.astype(jnp.float32), k_bskh.astype(jnp.float32)
+  ) / np.sqrt(h)
   mask_ts = jnp.arange(k_bskh.shape[1])[None, :] <= positions_t[:, None]
   s_bkgts = jnp.where(mask_ts[None, None, None], s_bkgts, -1e30)
   o_btkgh = jnp.einsum('bkgts,bskh->btkgh', jax.nn.softmax(s_bkgts, axis=-1), v_bskh.astype(jnp.float32))
@@ -122,6 +139,7 @@ class Block(nn.Module):
   and values of s >= positions_t[-1] + 1 positions: the new K/V are written at positions_t, the
   queries attend over cache entries [0, positions_t[-1] + 1), and it returns (x, new cache).
   """
+
   dims: Dims
 
   @nn.compact
@@ -132,8 +150,14 @@ class Block(nn.Module):
     g = n // k
     std, out_std = 0.02, 0.02 / np.sqrt(2 * dm.n_layers)
     dense = lambda feat, axis, names, s, name: nn.DenseGeneral(
-        feat, axis=axis, use_bias=False, dtype=dm.dtype, param_dtype=dm.param_dtype,
-        kernel_init=_init(names, s), name=name)
+      feat,
+      axis=axis,
+      use_bias=False,
+      dtype=dm.dtype,
+      param_dtype=dm.param_dtype,
+      kernel_init=_init(names, s),
+      name=name,
+    )
     x_rd = constrain(x_btd.reshape(b * t, d), ('batch', 'embed'))
 
     # Attention: column-parallel QKV (KV heads on tp), row-parallel output (one all-reduce).
@@ -151,19 +175,22 @@ class Block(nn.Module):
       o_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True, implementation=impl)
     else:
       positions_t = jnp.arange(t) if positions_t is None else positions_t
-      cache = tuple(jax.lax.dynamic_update_slice_in_dim(c_bskh, new_btkh.astype(c_bskh.dtype),
-                                                        positions_t[0], axis=1)
-                    for c_bskh, new_btkh in zip(cache, (k_btkh, v_btkh), strict=True))
+      cache = tuple(
+        jax.lax.dynamic_update_slice_in_dim(c_bskh, new_btkh.astype(c_bskh.dtype), positions_t[0], axis=1)
+        for c_bskh, new_btkh in zip(cache, (k_btkh, v_btkh), strict=True)
+      )
       o_btnh = cached_attention(q_btnh, *cache, positions_t)
-    o_rnh = checkpoint_name(constrain(o_btnh.reshape(b * t, n, h), ('batch', 'heads', 'head_dim')),
-                            'attn_out')
+    o_rnh = checkpoint_name(
+      constrain(o_btnh.reshape(b * t, n, h), ('batch', 'heads', 'head_dim')), 'attn_out'
+    )
     o_rd = dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), out_std, 'o')(o_rnh)
     x_rd = x_rd + constrain(o_rd, ('batch', 'embed'))
 
     # SwiGLU MLP: column-parallel gate/up (mlp on tp), row-parallel down (one all-reduce).
     m_rd = RMSNorm(dm, name='mlp_norm')(x_rd)
-    gu_r2f = constrain(dense((2, dm.d_ff), -1, ('embed', 'gate_up', 'mlp'), std, 'gate_up')(m_rd),
-                       ('batch', 'gate_up', 'mlp'))
+    gu_r2f = constrain(
+      dense((2, dm.d_ff), -1, ('embed', 'gate_up', 'mlp'), std, 'gate_up')(m_rd), ('batch', 'gate_up', 'mlp')
+    )
     h_rf = constrain(nn.silu(gu_r2f[:, 0]) * gu_r2f[:, 1], ('batch', 'mlp'))
     y_rd = dense(d, -1, ('mlp', 'embed'), out_std, 'down')(h_rf)
     x_rd = x_rd + constrain(checkpoint_name(y_rd, 'mlp_out'), ('batch', 'embed'))
@@ -172,28 +199,38 @@ class Block(nn.Module):
 
 class Embed(nn.Module):
   """Vocabulary-parallel token embedding (vocab rows on tp)."""
+
   dims: Dims
 
   @nn.compact
   def __call__(self, tokens_bt):
-    table_vd = self.param('embedding', _init(('vocab', 'embed'), 1.0),
-                          (self.dims.vocab_padded, self.dims.d_model), self.dims.param_dtype)
+    table_vd = self.param(
+      'embedding',
+      _init(('vocab', 'embed'), 1.0),
+      (self.dims.vocab_padded, self.dims.d_model),
+      self.dims.param_dtype,
+    )
     x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(self.dims.dtype)
     return constrain(x_btd, ('batch_all', 'seq', 'embed'))
 
 
 class Head(nn.Module):
   """Final norm and vocabulary-parallel output projection; logits in fp32, vocab on tp."""
+
   dims: Dims
 
   @nn.compact
   def __call__(self, x_btd):
     dm = self.dims
     x_btd = RMSNorm(dm, name='norm')(constrain(x_btd, ('batch_all', 'seq', 'embed')))
-    logits_btv = nn.DenseGeneral(dm.vocab_padded, use_bias=False, dtype=dm.dtype,
-                                 param_dtype=dm.param_dtype,
-                                 kernel_init=_init(('embed', 'vocab'), 1.0 / np.sqrt(dm.d_model)),
-                                 name='out')(x_btd)
+    logits_btv = nn.DenseGeneral(
+      dm.vocab_padded,
+      use_bias=False,
+      dtype=dm.dtype,
+      param_dtype=dm.param_dtype,
+      kernel_init=_init(('embed', 'vocab'), 1.0 / np.sqrt(dm.d_model)),
+      name='out',
+    )(x_btd)
     logits_btv = logits_btv.astype(jnp.float32)
     if dm.vocab_padded > dm.vocab_size:  # padded entries can never be predicted
       pad_v = jnp.arange(dm.vocab_padded) >= dm.vocab_size
@@ -225,9 +262,9 @@ def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
   layer_keys = jax.random.split(k_layers, dims.n_layers)[jnp.asarray(layer_order)]
   return {
-      'embed': _unboxed_init(Embed(dims), k_embed, tok),
-      'layers': jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys),
-      'head': _unboxed_init(Head(dims), k_head, x),
+    'embed': _unboxed_init(Embed(dims), k_embed, tok),
+    'layers': jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys),
+    'head': _unboxed_init(Head(dims), k_head, x),
   }
 
 
@@ -241,13 +278,19 @@ def param_logical_axes(dims: Dims) -> PyTree:
     boxed = jax.eval_shape(lambda: module.init(key, *args)['params'])
     return jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=lambda b: isinstance(b, nn.Partitioned))
 
-  layer = jax.tree.map(lambda n: ('layers',) + n, names(Block(dims), x),
-                       is_leaf=lambda n: isinstance(n, tuple))
+  layer = jax.tree.map(
+    lambda n: ('layers',) + n, names(Block(dims), x), is_leaf=lambda n: isinstance(n, tuple)
+  )
   return {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x)}
 
 
-def block_apply(dims: Dims, layer_params: PyTree, x_btd: jax.Array, positions_t: jax.Array | None = None,
-                cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+def block_apply(
+  dims: Dims,
+  layer_params: PyTree,
+  x_btd: jax.Array,
+  positions_t: jax.Array | None = None,
+  cache: KVCache | None = None,
+) -> jax.Array | tuple[jax.Array, KVCache]:
   """One layer: x, or (x, new cache) when a KV cache is given (see Block)."""
   return Block(dims).apply({'params': layer_params}, x_btd, positions_t, cache)
 

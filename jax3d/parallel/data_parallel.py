@@ -47,6 +47,7 @@ trailing axis of size dp sharded over 'dp' (trailing, so that the layer axis sta
 checkpoint's pipeline relayout still finds it). It is per-rank by nature: a run resumed with a
 different dp cannot reuse it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -88,8 +89,9 @@ def zero_spec(shape: tuple[int, ...], spec: P, dp: int) -> P:
 
 def zero_shardings(abstract_params: PyTree, params_sh: PyTree, mesh: Mesh, dp: int) -> PyTree:
   """Parameter shardings with dp added on each leaf's `zero_dim` (the ZeRO-1 layout)."""
-  return jax.tree.map(lambda a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp)),
-                      abstract_params, params_sh)
+  return jax.tree.map(
+    lambda a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp)), abstract_params, params_sh
+  )
 
 
 def residual_shardings(params_sh: PyTree, mesh: Mesh) -> PyTree:
@@ -116,9 +118,9 @@ def quantize(h: jax.Array, k: int | None) -> tuple[jax.Array, jax.Array, int | N
   a = _block_axis(h.ndim, k)
   n_a = h.shape[a]
   if n_a > BLOCK and n_a % BLOCK == 0:
-    hb = h.reshape(h.shape[:a] + (n_a // BLOCK, BLOCK) + h.shape[a + 1:])
+    hb = h.reshape(h.shape[:a] + (n_a // BLOCK, BLOCK) + h.shape[a + 1 :])
     red, kb = a + 1, (None if k is None else (k + 1 if k > a else k))
-    restore = lambda x: x.reshape(x.shape[:a] + (x.shape[a] * x.shape[a + 1],) + x.shape[a + 2:])
+    restore = lambda x: x.reshape(x.shape[:a] + (x.shape[a] * x.shape[a + 1],) + x.shape[a + 2 :])
   else:  # one block spans the axis (no size-1 axis is created: XLA:CPU's all-to-all crashes on
     hb, red, kb, restore = h, a, k, (lambda x: x)  # some shapes with them)
   amax = jnp.max(jnp.abs(hb), axis=red, keepdims=True)
@@ -129,7 +131,7 @@ def quantize(h: jax.Array, k: int | None) -> tuple[jax.Array, jax.Array, int | N
 
 def _all_to_all_sum(x, k: int, n: int):
   """Sends chunk i (along k) to rank i; returns the n received chunks [.., n, S_k/n, ..] at k."""
-  xr = x.reshape(x.shape[:k] + (n, x.shape[k] // n) + x.shape[k + 1:])
+  xr = x.reshape(x.shape[:k] + (n, x.shape[k] // n) + x.shape[k + 1 :])
   return jax.lax.all_to_all(xr, AXIS, split_axis=k, concat_axis=k, tiled=True)
 
 
@@ -196,8 +198,9 @@ def _shard_shape(shape, k, n):
   return tuple(d // n if i == k else d for i, d in enumerate(shape))
 
 
-def reduce(grads: PyTree, residual: PyTree | None, dims: PyTree, dtype: str, n: int,
-           shard: bool) -> tuple[PyTree, PyTree | None]:
+def reduce(
+  grads: PyTree, residual: PyTree | None, dims: PyTree, dtype: str, n: int, shard: bool
+) -> tuple[PyTree, PyTree | None]:
   """The dp sum of every gradient leaf (inside a shard_map manual over dp).
 
   grads: varying per-rank gradients; residual: the int8 error-feedback tree (local [..., 1]) or
@@ -206,7 +209,7 @@ def reduce(grads: PyTree, residual: PyTree | None, dims: PyTree, dtype: str, n: 
   ZeRO-1 layout)."""
   leaves, tdef = jax.tree.flatten(grads)
   dim_leaves = tdef.flatten_up_to(dims)
-  res_leaves = (tdef.flatten_up_to(residual) if residual is not None else [None] * len(leaves))
+  res_leaves = tdef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
   out, new_res = [], []
   for g, k, r in zip(leaves, dim_leaves, res_leaves, strict=True):
     k = None if k < 0 else k
@@ -220,9 +223,11 @@ def reduce(grads: PyTree, residual: PyTree | None, dims: PyTree, dtype: str, n: 
 
 def dims_tree(abstract_params: PyTree, params_sh: PyTree, dp: int) -> PyTree:
   """Each leaf's `zero_dim`, -1 for none (a None would not be a pytree leaf)."""
+
   def k(a, sh):
     d = zero_dim(a.shape, sh.spec, dp)
     return -1 if d is None else d
+
   return jax.tree.map(k, abstract_params, params_sh)
 
 
@@ -260,8 +265,18 @@ def vary(x: jax.Array) -> jax.Array:
   return jax.lax.pcast(x, (AXIS,), to='varying')
 
 
-def value_and_grad(local_grads: Callable, params: Any, batch: dict, residual: Any, *, mesh: Mesh,
-                   params_sh: Any, grads_sh: Any, dtype: str, shard: bool) -> tuple:
+def value_and_grad(
+  local_grads: Callable,
+  params: Any,
+  batch: dict,
+  residual: Any,
+  *,
+  mesh: Mesh,
+  params_sh: Any,
+  grads_sh: Any,
+  dtype: str,
+  shard: bool,
+) -> tuple:
   """Loss, dp-reduced gradients and the new int8 residual (or None), by hand.
 
   `local_grads(params, batch)` returns (loss, grads) of this device's rows, traced inside a
@@ -278,8 +293,9 @@ def value_and_grad(local_grads: Callable, params: Any, batch: dict, residual: An
 
   def local(params, batch, residual):
     loss, grads = local_grads(jax.tree.map(vary, params), batch)
-    loss = jax.lax.psum(loss, tuple(ax for ax in (DP, PP) if ax in manual and ax in
-                                    jax.typeof(loss).manual_axis_type.varying))
+    loss = jax.lax.psum(
+      loss, tuple(ax for ax in (DP, PP) if ax in manual and ax in jax.typeof(loss).manual_axis_type.varying)
+    )
     return (loss, *reduce_keep_tp(grads, residual))
 
   def reduce_keep_tp(grads, residual):
@@ -290,11 +306,21 @@ def value_and_grad(local_grads: Callable, params: Any, batch: dict, residual: An
     if mesh.shape[TP] == 1:
       return fn(grads, residual)
     r_tp = None if residual is None else specs(residual, res_sh, {TP})
-    nested = jax.shard_map(fn, in_specs=(specs(params, params_sh, {TP}), r_tp),
-                           out_specs=(specs(params, grads_sh, {TP}), r_tp), axis_names={TP}, check_vma=True)
+    nested = jax.shard_map(
+      fn,
+      in_specs=(specs(params, params_sh, {TP}), r_tp),
+      out_specs=(specs(params, grads_sh, {TP}), r_tp),
+      axis_names={TP},
+      check_vma=True,
+    )
     return nested(grads, residual)
 
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(specs(params, params_sh, manual), P(AXIS), r_specs),
-                     out_specs=(P(), specs(params, grads_sh, manual), r_specs), axis_names=manual,
-                     check_vma=True)
+  fn = jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(specs(params, params_sh, manual), P(AXIS), r_specs),
+    out_specs=(P(), specs(params, grads_sh, manual), r_specs),
+    axis_names=manual,
+    check_vma=True,
+  )
   return fn(params, batch, residual)

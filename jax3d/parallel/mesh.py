@@ -4,6 +4,7 @@ Placement maps ranks to the topology: `tp` varies fastest, so a tensor-parallel 
 neighbouring devices (one host's NVLink domain), `pp` next, and `dp` outermost, across hosts. On
 several hosts `create_hybrid_device_mesh` keeps `tp` inside a host.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,40 +29,49 @@ def use_fake_cpu_devices(n: int = FAKE_CPU_DEVICES) -> None:
     os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={n}'
 
 
-def build_mesh(plan: RunPlan, devices: Sequence[jax.Device] | None = None,
-               allow_tp_across_hosts: bool = False) -> Mesh:
+def build_mesh(
+  plan: RunPlan, devices: Sequence[jax.Device] | None = None, allow_tp_across_hosts: bool = False
+) -> Mesh:
   """Mesh(('dp','pp','tp')) of `devices` (default: all) with tp inside hosts, pp next, dp outermost.
   Axis types are Auto. Raises ConfigError when the layout does not fit the devices, or when tp
   would span hosts without `allow_tp_across_hosts`."""
   devices = list(devices if devices is not None else jax.devices())
   if len(devices) != plan.n_devices:
-    raise ConfigError(f'mesh dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.n_devices}, but '
-                      f'{len(devices)} devices are visible')
+    raise ConfigError(
+      f'mesh dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.n_devices}, but {len(devices)} devices are visible'
+    )
   n_hosts = len({d.process_index for d in devices})
   per_host = len(devices) // n_hosts
   if n_hosts > 1:
     if plan.tp > per_host or per_host % plan.tp:
       if not allow_tp_across_hosts:
-        raise ConfigError(f'mesh.tp={plan.tp} would span hosts ({per_host} devices per host): tensor '
-                          'parallelism needs the fast intra-host links; use tp <= devices per host, or '
-                          'set --config.mesh.allow_tp_across_hosts=True to force it')
+        raise ConfigError(
+          f'mesh.tp={plan.tp} would span hosts ({per_host} devices per host): tensor '
+          'parallelism needs the fast intra-host links; use tp <= devices per host, or '
+          'set --config.mesh.allow_tp_across_hosts=True to force it'
+        )
       devices.sort(key=lambda d: (d.process_index, d.id))
       grid = np.array(devices).reshape(plan.dp, plan.pp, plan.tp)
     else:
       from jax.experimental import mesh_utils
+
       # Inside a host: (1, pp_in, tp); across hosts: (dp, pp_out, 1).
       inner = per_host // plan.tp
       pp_in = np.gcd(plan.pp, inner)
       dp_in = inner // pp_in
       if plan.dp % dp_in:
-        raise ConfigError(f'mesh dp={plan.dp}, pp={plan.pp}, tp={plan.tp} cannot be placed on '
-                          f'{n_hosts} hosts of {per_host} devices')
+        raise ConfigError(
+          f'mesh dp={plan.dp}, pp={plan.pp}, tp={plan.tp} cannot be placed on {n_hosts} hosts of {per_host} devices'
+        )
       # process_is_granule: a host (process) is the unit of the slow network; CPU and most GPU
       # platforms set no slice_index. Devices are sorted so every process lists them alike.
       devices.sort(key=lambda d: (d.process_index, d.id))
       grid = mesh_utils.create_hybrid_device_mesh(
-          (dp_in, pp_in, plan.tp), (plan.dp // dp_in, plan.pp // pp_in, 1), devices=devices,
-          process_is_granule=True)
+        (dp_in, pp_in, plan.tp),
+        (plan.dp // dp_in, plan.pp // pp_in, 1),
+        devices=devices,
+        process_is_granule=True,
+      )
   else:
     devices.sort(key=lambda d: d.id)
     grid = np.array(devices).reshape(plan.dp, plan.pp, plan.tp)
@@ -75,6 +85,7 @@ def describe_placement(mesh: Mesh, hosts: Sequence[str] | None = None) -> list[s
   for idx in np.ndindex(mesh.devices.shape):
     d = mesh.devices[idx]
     host = f'host {hosts[d.process_index]} ' if hosts and d.process_index < len(hosts) else ''
-    lines.append(f'  (dp={idx[0]}, pp={idx[1]}, tp={idx[2]}) -> {host}process {d.process_index} '
-                 f'device {d.id} ({d.device_kind})')
+    lines.append(
+      f'  (dp={idx[0]}, pp={idx[1]}, tp={idx[2]}) -> {host}process {d.process_index} device {d.id} ({d.device_kind})'
+    )
   return lines

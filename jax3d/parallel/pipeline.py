@@ -29,6 +29,7 @@ the loop, not once per iteration. When the caller is already inside a shard_map 
 and pp (the explicit reduction of jax3d/parallel/data_parallel.py, `manual=True`), the loop runs
 without one of its own and the caller's rows are this device's (`local_rows`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -98,16 +99,34 @@ def local_rows(x_b: jax.Array, plan: RunPlan) -> jax.Array:
 
 
 # --- the pipeline ---------------------------------------------------------------------------
-def apply(layer_fn: LayerFn, layers: Any, x_btd: jax.Array, *, mesh: Mesh, plan: RunPlan,
-          rules: sharding.Rules, policy: str, manual: bool = False) -> jax.Array:
+def apply(
+  layer_fn: LayerFn,
+  layers: Any,
+  x_btd: jax.Array,
+  *,
+  mesh: Mesh,
+  plan: RunPlan,
+  rules: sharding.Rules,
+  policy: str,
+  manual: bool = False,
+) -> jax.Array:
   """The embedded batch [B, T, D] through all layers (stacked, in storage order), pipelined."""
+
   def stage_layer(p, h):  # rows are local inside the loop: the rules name no manual axis there
     with sharding.use_rules(sharding.without(rules, (DP, PP))):
       return layer_fn(p, h)
 
   x_mbtd = sharding.constrain(microbatches(x_btd, plan.microbatches), ('micro', 'batch_all', 'seq', 'embed'))
-  y_mbtd = run(stage_layer, layers, x_mbtd, mesh=mesh, repeats=plan.repeats, policy=policy,
-               scatter=_scatter(plan), manual=manual)
+  y_mbtd = run(
+    stage_layer,
+    layers,
+    x_mbtd,
+    mesh=mesh,
+    repeats=plan.repeats,
+    policy=policy,
+    scatter=_scatter(plan),
+    manual=manual,
+  )
   return sharding.constrain(merge_microbatches(y_mbtd), ('batch_all', 'seq', 'embed'))
 
 
@@ -117,8 +136,17 @@ def run_layers(layer_fn: LayerFn, layers: Any, x: jax.Array, policy: str) -> jax
   return jax.lax.scan(step, x, layers)[0]
 
 
-def run(layer_fn: LayerFn, layers: Any, x_mbtd: jax.Array, *, mesh: Mesh, repeats: int, policy: str,
-        scatter: bool = False, manual: bool = False) -> jax.Array:
+def run(
+  layer_fn: LayerFn,
+  layers: Any,
+  x_mbtd: jax.Array,
+  *,
+  mesh: Mesh,
+  repeats: int,
+  policy: str,
+  scatter: bool = False,
+  manual: bool = False,
+) -> jax.Array:
   """Every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`; returns
   [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn. With `scatter`, x
   arrives and leaves with its rows split over (dp, pp); with `manual`, the caller is already
@@ -139,8 +167,9 @@ def run(layer_fn: LayerFn, layers: Any, x_mbtd: jax.Array, *, mesh: Mesh, repeat
     if scatter:
       x_mbtd = jax.lax.all_gather(x_mbtd, PP, axis=1, tiled=True)
     if p == 1:  # no ring: the micro-batches simply run one after another
-      one = remat.wrap_iteration(lambda _, x_btd: (None, run_layers(layer_fn, layers_local, x_btd, policy)),
-                                 policy)
+      one = remat.wrap_iteration(
+        lambda _, x_btd: (None, run_layers(layer_fn, layers_local, x_btd, policy)), policy
+      )
       return jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32)
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
     out_mbtd = _ring(layer_fn, layers_local, _vary(x_mbtd, (PP,)).astype(dtype), p, v, m, policy)
@@ -155,8 +184,9 @@ def run(layer_fn: LayerFn, layers: Any, x_mbtd: jax.Array, *, mesh: Mesh, repeat
   x32_mbtd = x_mbtd.astype(jnp.float32)
   if not axes or manual:
     return stage_loop(layers, x32_mbtd).astype(dtype)
-  return jax.shard_map(stage_loop, mesh=mesh, in_specs=(P(names(PP)), rows), out_specs=rows,
-                       axis_names=axes, check_vma=True)(layers, x32_mbtd).astype(dtype)
+  return jax.shard_map(
+    stage_loop, mesh=mesh, in_specs=(P(names(PP)), rows), out_specs=rows, axis_names=axes, check_vma=True
+  )(layers, x32_mbtd).astype(dtype)
 
 
 def _vary(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -19,6 +19,7 @@ turns on constraints inside flax's boxed parameters, and `nn.DenseGeneral` creat
 multi-dimensional kernel flat before reshaping it (also under `eval_shape` during `apply`, to check
 shapes), so the kernel's logical names would be applied to an array of the wrong rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +38,22 @@ Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, m
 
 def logical_rules(batch_all: str | tuple[str, ...]) -> Rules:
   """The table above; `batch_all` is the pipeline's choice for the batch outside its loop."""
-  return (('batch', DP), ('batch_all', batch_all), ('seq', None), ('embed', None),
-          ('head_dim', None), ('norm', None), ('heads', TP), ('kv_heads', TP), ('mlp', TP),
-          ('vocab', TP), ('layers', PP), ('micro', None), ('qkv', None), ('gate_up', None))
+  return (
+    ('batch', DP),
+    ('batch_all', batch_all),
+    ('seq', None),
+    ('embed', None),
+    ('head_dim', None),
+    ('norm', None),
+    ('heads', TP),
+    ('kv_heads', TP),
+    ('mlp', TP),
+    ('vocab', TP),
+    ('layers', PP),
+    ('micro', None),
+    ('qkv', None),
+    ('gate_up', None),
+  )
 
 
 def rule(rules: Rules, name: str) -> Any:
@@ -56,6 +70,7 @@ def without(rules: Rules, axes: Iterable[str]) -> Rules:
       rest = tuple(a for a in v if a not in axes)
       return rest[0] if len(rest) == 1 else (rest or None)
     return None if v in axes else v
+
   return tuple((k, strip(v)) for k, v in rules)
 
 
@@ -84,5 +99,8 @@ def spec(logical: tuple, rules: Rules) -> P:
 
 def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
   """A pytree of logical-axis tuples -> the matching pytree of NamedShardings."""
-  return jax.tree.map(lambda names: NamedSharding(mesh, spec(names, rules)), logical_tree,
-                      is_leaf=lambda x: isinstance(x, tuple))
+  return jax.tree.map(
+    lambda names: NamedSharding(mesh, spec(names, rules)),
+    logical_tree,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )

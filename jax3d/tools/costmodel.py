@@ -21,6 +21,7 @@ figure (`python -m jax3d.plan --verify`) and printed by the trainer before the f
     partly hidden behind the backward pass, and the bubble as wasted compute:
     executed/useful = (v*m+p-1)/(v*m).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,6 +46,7 @@ BYTES = {'float32': 4, 'bfloat16': 2, 'int8': 1}
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   """One cluster. Defaults: an H100/H200 SXM node (dense bf16 peak, NVLink 4, 400 Gb/s NIC per GPU)."""
+
   nodes: int = 1
   gpus_per_node: int = 8
   memory_gb: float = 80.0
@@ -63,6 +65,7 @@ class Hardware:
 @dataclasses.dataclass
 class Estimate:
   """Bytes per device (`breakdown`, `total_bytes`) and seconds per step (`times`) of one layout."""
+
   breakdown: dict
   times: dict
   plan: RunPlan
@@ -86,8 +89,9 @@ class Estimate:
   @property
   def mfu(self) -> float:
     """The trainer's MFU (formulas.mfu, the same FLOPs per token) at the estimated tokens/s."""
-    return formulas.mfu(self.tokens_per_s, self.model_flops_per_token, self.times['peak'],
-                        self.plan.n_devices)
+    return formulas.mfu(
+      self.tokens_per_s, self.model_flops_per_token, self.times['peak'], self.plan.n_devices
+    )
 
   @property
   def fits(self) -> bool:
@@ -97,30 +101,45 @@ class Estimate:
   def reason(self) -> str:
     if self.fits:
       return ''
-    return (f'needs {self.total_bytes / GB:.1f} GB per GPU, has {self.device_memory_bytes / GB:.4g}')
+    return f'needs {self.total_bytes / GB:.1f} GB per GPU, has {self.device_memory_bytes / GB:.4g}'
 
   def describe(self) -> str:
     parts = ', '.join(f'{k} {v / GB:.2f}' for k, v in self.breakdown.items())
-    return (f'estimated {self.total_bytes / GB:.2f} GB per device ({parts}); step '
-            f'{self.step_time_s:.3g} s, bubble {self.plan.bubble:.0%}, MFU {self.mfu:.0%}')
+    return (
+      f'estimated {self.total_bytes / GB:.2f} GB per device ({parts}); step '
+      f'{self.step_time_s:.3g} s, bubble {self.plan.bubble:.0%}, MFU {self.mfu:.0%}'
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # What one layer keeps for the backward pass, read off the real layer.
 # ---------------------------------------------------------------------------------------------
-def layer_residual_bytes(d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, seq: int, tp: int,
-                         policy: str, compute: str, param: str, flash: bool, batch: int) -> float:
+def layer_residual_bytes(
+  d_model: int,
+  n_heads: int,
+  n_kv_heads: int,
+  d_ff: int,
+  seq: int,
+  tp: int,
+  policy: str,
+  compute: str,
+  param: str,
+  flash: bool,
+  batch: int,
+) -> float:
   """Bytes one tp shard of one layer keeps for its backward pass, inputs and weights included
   (in the pipeline both are per-iteration values). Linear in the rows: traced at 1 and 2 rows."""
-  one, two = (_traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param,
-                                flash, b)
-              for b in (1, 2))
+  one, two = (
+    _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, b)
+    for b in (1, 2)
+  )
   return one + (batch - 1) * (two - one)
 
 
 @functools.cache
-def _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param,
-                      flash, batch) -> float:
+def _traced_residuals(
+  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, batch
+) -> float:
   """The residuals of the real layer at abstract shapes (nothing is computed or allocated).
   XLA's attention keeps the s x s scores; a fused (flash) kernel keeps a logsumexp instead."""
   import flax.linen as nn
@@ -136,9 +155,18 @@ def _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compu
     def head_dim(self) -> int:
       return self.local_head_dim
 
-  dims = ShardDims(n_layers=1, d_model=d_model, n_heads=n_heads // tp, n_kv_heads=n_kv_heads // tp,
-                   d_ff=d_ff // tp, vocab_size=1, vocab_padded=1, dtype=np.dtype(compute),
-                   param_dtype=np.dtype(param), local_head_dim=d_model // n_heads)
+  dims = ShardDims(
+    n_layers=1,
+    d_model=d_model,
+    n_heads=n_heads // tp,
+    n_kv_heads=n_kv_heads // tp,
+    d_ff=d_ff // tp,
+    vocab_size=1,
+    vocab_padded=1,
+    dtype=np.dtype(compute),
+    param_dtype=np.dtype(param),
+    local_head_dim=d_model // n_heads,
+  )
   x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)
   block = model_lib.Block(dims)
   params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
@@ -158,6 +186,7 @@ def _saved_residuals(f, *args) -> list:
   imports it.
   """
   from jax._src.ad_checkpoint import saved_residuals
+
   return [aval for aval, _ in saved_residuals(f, *args)]
 
 
@@ -166,18 +195,25 @@ def _saved_residuals(f, *args) -> list:
 # ---------------------------------------------------------------------------------------------
 def _dims(cfg: ml_collections.ConfigDict, plan: RunPlan | None = None) -> Dims:
   from jax3d.model import llama as model_lib  # imported when needed: flax and jax are heavy
+
   return model_lib.Dims.from_config(cfg, plan)
 
 
 def local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   """Parameters held by one device: layer matrices over pp*tp, norms over pp, embed/head over tp."""
   dims = _dims(cfg, plan)
-  return {'layers': dims.n_layers // plan.pp * formulas.layer_params(dims, plan.tp),
-          'embed_head': formulas.embed_head_params(dims, plan.tp, padded=True)}
+  return {
+    'layers': dims.n_layers // plan.pp * formulas.layer_params(dims, plan.tp),
+    'embed_head': formulas.embed_head_params(dims, plan.tp, padded=True),
+  }
 
 
-def estimate(cfg: ml_collections.ConfigDict, plan: RunPlan, gpu_memory_bytes: float | None = None,
-             hw: Hardware | None = None) -> Estimate:
+def estimate(
+  cfg: ml_collections.ConfigDict,
+  plan: RunPlan,
+  gpu_memory_bytes: float | None = None,
+  hw: Hardware | None = None,
+) -> Estimate:
   """Memory per device and step time of `cfg` on the layout `plan` (see the module docstring).
 
   Without `hw` (the trainer's call) the devices are the ones jax sees: fused attention where
@@ -185,8 +221,12 @@ def estimate(cfg: ml_collections.ConfigDict, plan: RunPlan, gpu_memory_bytes: fl
   """
   if hw is None:
     import jax
-    flash = cfg.train.attention == 'cudnn' or (cfg.train.attention == 'auto' and jax.default_backend()
-                                               == 'gpu' and cfg.train.compute_dtype == 'bfloat16')
+
+    flash = cfg.train.attention == 'cudnn' or (
+      cfg.train.attention == 'auto'
+      and jax.default_backend() == 'gpu'
+      and cfg.train.compute_dtype == 'bfloat16'
+    )
     hw = Hardware(flash_attention=flash)
   m, t = cfg.model, cfg.train
   pb, cb = BYTES[t.param_dtype], BYTES[t.compute_dtype]
@@ -197,8 +237,19 @@ def estimate(cfg: ml_collections.ConfigDict, plan: RunPlan, gpu_memory_bytes: fl
   # --- memory -------------------------------------------------------------------------------
   b = plan.micro_batch // dp  # rows of one micro-batch on one device
   lc = m.n_layers // (pp * v)  # layers per chunk: what one pipeline iteration runs
-  res = functools.partial(layer_residual_bytes, h, m.n_heads, m.n_kv_heads, m.d_ff, s, tp,
-                          compute=t.compute_dtype, param=t.param_dtype, flash=hw.flash_attention, batch=b)
+  res = functools.partial(
+    layer_residual_bytes,
+    h,
+    m.n_heads,
+    m.n_kv_heads,
+    m.d_ff,
+    s,
+    tp,
+    compute=t.compute_dtype,
+    param=t.param_dtype,
+    flash=hw.flash_attention,
+    batch=b,
+  )
   act_mb = b * s * h * cb  # one micro-batch's activation [b, s, h]
   if t.remat == 'full':  # per iteration its carry (input and, with pp > 1, the stage-0 queue of m
     # micro-batches), plus one iteration recomputed in the backward pass
@@ -210,13 +261,17 @@ def estimate(cfg: ml_collections.ConfigDict, plan: RunPlan, gpu_memory_bytes: fl
   # fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out.
   head = rows_all * s * (3 * 4 * plan.vocab_padded // tp + 2 * h * cb)
   grads = n_local * pb * (2 if plan.grad_accum > 1 else 1)  # + the accumulator
-  breakdown = {'params': n_local * pb, 'grads': grads,
-               'optimizer': 2 * n_local * pb / (dp if t.shard_optimizer else 1),
-               'activations': acts, 'head': head,
-               # The optimizer step's new values exist beside the old ones until the finite-check
-               # select (train_step in jax3d/training/step.py) picks one: about one more copy of the
-               # parameters.
-               'update': n_local * pb}
+  breakdown = {
+    'params': n_local * pb,
+    'grads': grads,
+    'optimizer': 2 * n_local * pb / (dp if t.shard_optimizer else 1),
+    'activations': acts,
+    'head': head,
+    # The optimizer step's new values exist beside the old ones until the finite-check
+    # select (train_step in jax3d/training/step.py) picks one: about one more copy of the
+    # parameters.
+    'update': n_local * pb,
+  }
 
   # --- time ---------------------------------------------------------------------------------
   dims = _dims(cfg, plan)
@@ -243,13 +298,24 @@ def estimate(cfg: ml_collections.ConfigDict, plan: RunPlan, gpu_memory_bytes: fl
   pp_bytes = plan.iterations * plan.grad_accum * (2 + (t.remat == 'full')) * act_mb if pp > 1 else 0
   dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
   t_dp = dp_bytes / bw(dp_in)
-  times = {'compute': compute, 'tp': tp_bytes / bw(tp_in), 'pp': pp_bytes / bw(pp_in),
-           'dp': t_dp, 'dp_hidden': min(t_dp, hw.overlap * compute * 2 / 3), 'peak': hw.peak_tflops * 1e12}
+  times = {
+    'compute': compute,
+    'tp': tp_bytes / bw(tp_in),
+    'pp': pp_bytes / bw(pp_in),
+    'dp': t_dp,
+    'dp_hidden': min(t_dp, hw.overlap * compute * 2 / 3),
+    'peak': hw.peak_tflops * 1e12,
+  }
   times['step'] = compute + times['tp'] + times['pp'] + t_dp - times['dp_hidden']
-  return Estimate(breakdown=breakdown, times=times, plan=plan, remat=t.remat,
-                  shard_optimizer=bool(t.shard_optimizer),
-                  model_flops_per_token=formulas.flops_per_token(dims, s),
-                  device_memory_bytes=gpu_memory_bytes)
+  return Estimate(
+    breakdown=breakdown,
+    times=times,
+    plan=plan,
+    remat=t.remat,
+    shard_optimizer=bool(t.shard_optimizer),
+    model_flops_per_token=formulas.flops_per_token(dims, s),
+    device_memory_bytes=gpu_memory_bytes,
+  )
 
 
 def param_count(cfg: ml_collections.ConfigDict) -> int:

@@ -14,6 +14,7 @@ Bytes, defined once (all per device, per optimizer step):
                 (n-1)/n * buffer, collective-permute 1 * buffer. The communication formulas
                 (`expected_comm` in jax3d/tools/inspection.py) are wire bytes, so comparisons use those.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,23 @@ from collections.abc import Sequence
 import numpy as np
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all')
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
-                'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
+_DTYPE_BYTES = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+  'c64': 8,
+  'c128': 16,
+}
 _ARRAY = re.compile(r'\b(pred|[suf]\d+|bf16|f8\w*|c64|c128|token)\[([\d,]*)\]')
 _COMP = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$')
 _INSTR = re.compile(r'^\s*(ROOT\s+)?%?([\w.\-]+)\s+=\s+(.*)$')
@@ -51,7 +67,7 @@ def _split_shape(rest: str) -> tuple[str, str]:
       depth += ch == '('
       depth -= ch == ')'
       if depth == 0:
-        return rest[:i + 1], rest[i + 1:].strip()
+        return rest[: i + 1], rest[i + 1 :].strip()
   shape, _, tail = rest.partition(' ')
   return shape, tail.strip()
 
@@ -64,8 +80,8 @@ def _balanced(text: str, start: int) -> str:
     depth += text[i] == open_
     depth -= text[i] == close
     if depth == 0:
-      return text[start + 1:i]
-  return text[start + 1:]
+      return text[start + 1 : i]
+  return text[start + 1 :]
 
 
 def parse_hlo(text: str) -> dict:
@@ -84,8 +100,16 @@ def parse_hlo(text: str) -> dict:
     shape, tail = _split_shape(m.group(3))
     op = tail.split('(', 1)[0]
     args = _balanced(tail, len(op)) if '(' in tail else ''
-    current.append({'name': m.group(2), 'shape': shape, 'op': op, 'args': args,
-                    'attrs': tail[len(op) + len(args) + 2:], 'operands': re.findall(r'%([\w.\-]+)', args)})
+    current.append(
+      {
+        'name': m.group(2),
+        'shape': shape,
+        'op': op,
+        'args': args,
+        'attrs': tail[len(op) + len(args) + 2 :],
+        'operands': re.findall(r'%([\w.\-]+)', args),
+      }
+    )
   return {'computations': comps, 'entry': entry}
 
 
@@ -97,8 +121,9 @@ def _trip_count(instr: dict, comps: dict) -> int | None:
     return int(m.group(1))
   cond = re.search(r'condition=%?([\w.\-]+)', instr['attrs'])
   body = comps.get(cond.group(1) if cond else '', [])
-  consts = {i['name']: int(i['args']) for i in body
-            if i['op'] == 'constant' and re.fullmatch(r'-?\d+', i['args'])}
+  consts = {
+    i['name']: int(i['args']) for i in body if i['op'] == 'constant' and re.fullmatch(r'-?\d+', i['args'])
+  }
   for ins in body:
     if ins['op'] == 'compare' and 'direction=LT' in ins['attrs']:
       for o in ins['operands'][1:]:
@@ -161,17 +186,16 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
   body = _balanced(attrs, start + 4)
   names = re.findall(r"'([^']+)'=(\d+)", body)
   sizes = [int(s) for _, s in names]
-  rest = attrs[start + 4 + len(body) + 2:]
+  rest = attrs[start + 4 + len(body) + 2 :]
   ids = np.arange(n_devices)
   dm = re.match(r',\s*device_ids=\((.*?)\)\s', rest + ' ')
   if dm:
     inner = dm.group(1)
     ids = _iota(inner) if inner.startswith('[') else np.array([int(x) for x in inner.split(',')])
-    rest = rest[dm.end():]
+    rest = rest[dm.end() :]
   axes_txt = re.match(r'\s*\{([^}]*)\}', rest).group(1)
-  grouped = [[n for n, _ in names].index(a) for a in re.findall(r"'([^']+)'", axes_txt)
-             if ':' not in a]
-  if re.search(r":\(\d+\)", axes_txt):
+  grouped = [[n for n, _ in names].index(a) for a in re.findall(r"'([^']+)'", axes_txt) if ':' not in a]
+  if re.search(r':\(\d+\)', axes_txt):
     raise ValueError(f'sub-axis replica groups are not handled: {axes_txt}')
   arr = ids.reshape(sizes)
   keep = [i for i in range(len(sizes)) if i not in grouped]
@@ -179,8 +203,9 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
   return arr.transpose(keep + grouped).reshape(-1, per).tolist()
 
 
-def group_axes(groups: list[list[int]], mesh_shape: tuple[int, ...],
-               axes: Sequence[str] = ('dp', 'pp', 'tp')) -> str:
+def group_axes(
+  groups: list[list[int]], mesh_shape: tuple[int, ...], axes: Sequence[str] = ('dp', 'pp', 'tp')
+) -> str:
   """Which mesh axes vary inside the groups: 'tp', 'dp+pp', ... ('-' when none do)."""
   varying = set()
   for g in groups:
@@ -189,8 +214,9 @@ def group_axes(groups: list[list[int]], mesh_shape: tuple[int, ...],
   return '+'.join(a for a in axes if a in varying) or '-'
 
 
-def collectives(hlo: dict, mesh_shape: tuple[int, ...],
-                axes: Sequence[str] = ('dp', 'pp', 'tp')) -> list[dict]:
+def collectives(
+  hlo: dict, mesh_shape: tuple[int, ...], axes: Sequence[str] = ('dp', 'pp', 'tp')
+) -> list[dict]:
   """Every collective (async -start counted, -done skipped), with buffer and wire bytes per device
   per call of ENTRY (times the trip counts of the loops it sits in)."""
   mult, _ = multiplicities(hlo)
@@ -217,12 +243,22 @@ def collectives(hlo: dict, mesh_shape: tuple[int, ...],
         buffer, wire = operand, operand * len({s for s, _ in groups}) / n_dev
       op_name = (re.search(r'op_name="([^"]*)"', ins['attrs']) or [None, ''])[1]
       times = mult[cname]
-      out.append({'name': ins['name'], 'kind': kind, 'axes': group_axes(groups, mesh_shape, axes),
-                  'group_size': n, 'count': times, 'buffer_bytes': buffer * times,
-                  'wire_bytes': wire * times, 'computation': cname,
-                  'pass': 'backward' if 'transpose(' in op_name else 'forward',
-                  'in_pipeline': 'shard_map' in op_name, 'in_layers': '/Block/' in op_name,
-                  'op_name': op_name})
+      out.append(
+        {
+          'name': ins['name'],
+          'kind': kind,
+          'axes': group_axes(groups, mesh_shape, axes),
+          'group_size': n,
+          'count': times,
+          'buffer_bytes': buffer * times,
+          'wire_bytes': wire * times,
+          'computation': cname,
+          'pass': 'backward' if 'transpose(' in op_name else 'forward',
+          'in_pipeline': 'shard_map' in op_name,
+          'in_layers': '/Block/' in op_name,
+          'op_name': op_name,
+        }
+      )
   return out
 
 
@@ -242,4 +278,3 @@ def matmul_flops(hlo: dict) -> float:
       k = int(np.prod([dims[int(c)] for c in cdims.group(1).split(',') if c])) if cdims and dims else 1
       total += 2.0 * out_elems * k * mult[cname]
   return total
-

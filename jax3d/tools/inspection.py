@@ -6,6 +6,7 @@ each mesh axis (jax3d/tools/hlo.py), compared with the communication formulas of
 Bytes, as in jax3d/tools/hlo.py: buffer bytes are the HLO shape one device holds; wire bytes what a
 device sends with a ring algorithm (the formulas are wire bytes).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -49,12 +50,16 @@ def expected_comm(s: Setup) -> dict:
   grads = n_local * reduce_b  # the gradient bytes that enter the dp reduction
   dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
   return {
-      'tp': {'formula': per_layer_mb * dims.n_layers // p * m * a,
-             'spmd': per_layer_mb * layers_per_chunk * iters * a},
-      'pp': {'formula': 2 * v * m * bsh * a if p > 1 else 0.0,
-             'spmd': 2 * iters * bsh * a if p > 1 else 0.0},
-      'dp': {'formula': dp_wire, 'spmd': dp_wire},
-      'p_local_bytes': p_local, 'dp_grad_bytes': grads, 'layer_bytes_local': layers_local, 'bsh_bytes': bsh,
+    'tp': {
+      'formula': per_layer_mb * dims.n_layers // p * m * a,
+      'spmd': per_layer_mb * layers_per_chunk * iters * a,
+    },
+    'pp': {'formula': 2 * v * m * bsh * a if p > 1 else 0.0, 'spmd': 2 * iters * bsh * a if p > 1 else 0.0},
+    'dp': {'formula': dp_wire, 'spmd': dp_wire},
+    'p_local_bytes': p_local,
+    'dp_grad_bytes': grads,
+    'layer_bytes_local': layers_local,
+    'bsh_bytes': bsh,
   }
 
 
@@ -66,7 +71,7 @@ def summarize(colls: list[dict]) -> dict:
     g['wire_bytes'] += c['wire_bytes']
     g['buffer_bytes'] += c['buffer_bytes']
     g['ops'] += c['count']
-    k = g['kinds'].setdefault(f"{c['kind']} ({c['pass']})", {'wire_bytes': 0.0, 'ops': 0})
+    k = g['kinds'].setdefault(f'{c["kind"]} ({c["pass"]})', {'wire_bytes': 0.0, 'ops': 0})
     k['wire_bytes'] += c['wire_bytes']
     k['ops'] += c['count']
   return by_axis
@@ -79,26 +84,52 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   dp   gradient bytes all-reduced over any group that includes dp, against P_local."""
   total = lambda pred, key='wire_bytes': sum(c[key] for c in colls if pred(c))
   tp_layers = lambda c: c['axes'] == 'tp' and c['in_layers']
-  dp_grads = lambda c: 'dp' in c['axes'].split('+') and c['kind'] in (
-      'all-reduce', 'reduce-scatter', 'all-to-all')  # all-to-all: jax3d/parallel/data_parallel.py
+  dp_grads = lambda c: (
+    'dp' in c['axes'].split('+') and c['kind'] in ('all-reduce', 'reduce-scatter', 'all-to-all')
+  )  # all-to-all: jax3d/parallel/data_parallel.py
   out = [
-      {'axis': 'tp', 'what': 'tp all-reduces in the layers (fwd+bwd)', 'measured': total(tp_layers),
-       'formula': e['tp']['formula'], 'spmd': e['tp']['spmd']},
-      {'axis': 'tp', 'what': 'tp all-reduces in the layers (forward)',
-       'measured': total(lambda c: tp_layers(c) and c['pass'] == 'forward'),
-       'formula': e['tp']['formula'] / 2, 'spmd': e['tp']['spmd'] / 2},
-      {'axis': 'pp', 'what': 'pipeline ring (collective-permute, fwd+bwd)',
-       'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] == 'collective-permute'),
-       'formula': e['pp']['formula'], 'spmd': e['pp']['spmd']},
-      {'axis': 'pp', 'what': 'pp collectives besides the ring (pipeline entry/exit)',
-       'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] != 'collective-permute'),
-       'formula': 0.0, 'spmd': 0.0},
-      {'axis': 'dp', 'what': 'gradient bytes reduced over dp (buffer vs P_local)',
-       'measured': total(dp_grads, 'buffer_bytes'), 'formula': e['dp_grad_bytes'],
-       'spmd': e['dp_grad_bytes']},
-      {'axis': 'dp', 'what': 'wire bytes over groups with dp (2(d-1)/d P_local)',
-       'measured': total(lambda c: 'dp' in c['axes'].split('+')), 'formula': e['dp']['formula'],
-       'spmd': e['dp']['spmd']},
+    {
+      'axis': 'tp',
+      'what': 'tp all-reduces in the layers (fwd+bwd)',
+      'measured': total(tp_layers),
+      'formula': e['tp']['formula'],
+      'spmd': e['tp']['spmd'],
+    },
+    {
+      'axis': 'tp',
+      'what': 'tp all-reduces in the layers (forward)',
+      'measured': total(lambda c: tp_layers(c) and c['pass'] == 'forward'),
+      'formula': e['tp']['formula'] / 2,
+      'spmd': e['tp']['spmd'] / 2,
+    },
+    {
+      'axis': 'pp',
+      'what': 'pipeline ring (collective-permute, fwd+bwd)',
+      'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] == 'collective-permute'),
+      'formula': e['pp']['formula'],
+      'spmd': e['pp']['spmd'],
+    },
+    {
+      'axis': 'pp',
+      'what': 'pp collectives besides the ring (pipeline entry/exit)',
+      'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] != 'collective-permute'),
+      'formula': 0.0,
+      'spmd': 0.0,
+    },
+    {
+      'axis': 'dp',
+      'what': 'gradient bytes reduced over dp (buffer vs P_local)',
+      'measured': total(dp_grads, 'buffer_bytes'),
+      'formula': e['dp_grad_bytes'],
+      'spmd': e['dp_grad_bytes'],
+    },
+    {
+      'axis': 'dp',
+      'what': 'wire bytes over groups with dp (2(d-1)/d P_local)',
+      'measured': total(lambda c: 'dp' in c['axes'].split('+')),
+      'formula': e['dp']['formula'],
+      'spmd': e['dp']['spmd'],
+    },
   ]
   for c in out:
     c['ratio'] = c['measured'] / c['formula'] if c['formula'] else None
@@ -130,22 +161,31 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
   expected = expected_comm(s)
   model_flops = formulas.flops_per_token(s.dims, plan.seq_len) * plan.tokens_per_step / plan.n_devices
   return {
-      'layout': {'dp': plan.dp, 'pp': plan.pp, 'tp': plan.tp, 'microbatches': plan.microbatches,
-                 'repeats': plan.repeats, 'grad_accum': plan.grad_accum, 'iterations': plan.iterations,
-                 'micro_batch_per_dp_shard': plan.micro_batch // plan.dp, 'seq_len': plan.seq_len,
-                 'remat': cfg.train.remat, 'compute_dtype': cfg.train.compute_dtype},
-      'device_kind': mesh.devices.flat[0].device_kind,
-      'memory_bytes': mem,
-      'flops': matmul_flops(hlo),
-      'flops_xla_cost_analysis': float(cost.get('flops', 0.0)),
-      'model_flops': model_flops,
-      'comm_bytes': {axis: by_axis.get(axis, {}).get('wire_bytes', 0.0) for axis in ('dp', 'pp', 'tp')}
-                    | {k: v['wire_bytes'] for k, v in by_axis.items() if k not in ('dp', 'pp', 'tp')},
-      'comm_by_axis': by_axis,
-      'expected': expected,
-      'checks': checks(colls, expected),
-      'collectives': colls,
-      'unknown_trip_counts': unknown_loops,
+    'layout': {
+      'dp': plan.dp,
+      'pp': plan.pp,
+      'tp': plan.tp,
+      'microbatches': plan.microbatches,
+      'repeats': plan.repeats,
+      'grad_accum': plan.grad_accum,
+      'iterations': plan.iterations,
+      'micro_batch_per_dp_shard': plan.micro_batch // plan.dp,
+      'seq_len': plan.seq_len,
+      'remat': cfg.train.remat,
+      'compute_dtype': cfg.train.compute_dtype,
+    },
+    'device_kind': mesh.devices.flat[0].device_kind,
+    'memory_bytes': mem,
+    'flops': matmul_flops(hlo),
+    'flops_xla_cost_analysis': float(cost.get('flops', 0.0)),
+    'model_flops': model_flops,
+    'comm_bytes': {axis: by_axis.get(axis, {}).get('wire_bytes', 0.0) for axis in ('dp', 'pp', 'tp')}
+    | {k: v['wire_bytes'] for k, v in by_axis.items() if k not in ('dp', 'pp', 'tp')},
+    'comm_by_axis': by_axis,
+    'expected': expected,
+    'checks': checks(colls, expected),
+    'collectives': colls,
+    'unknown_trip_counts': unknown_loops,
   }
 
 
@@ -156,46 +196,60 @@ def _mb(x: float) -> str:
 def summary_lines(r: dict) -> list[str]:
   """A few lines for the trainer's start-up banner (Trainer.compile in jax3d/training/trainer.py)."""
   m, c = r['memory_bytes'], r['comm_bytes']
-  lines = [f"per device: args {_mb(m['argument'])}, temp {_mb(m['temp'])}, out {_mb(m['output'])} "
-           f"(aliased {_mb(m['alias'])}), peak ~{_mb(m['peak_estimate'])}",
-           f"per device per step: {r['flops'] / 1e9:.2f} GFLOP executed (matmuls), "
-           f"{r['model_flops'] / 1e9:.2f} GFLOP model",
-           'comm per device per step (ring wire bytes): ' + ', '.join(
-               f'{axis} {_mb(v)}' for axis, v in c.items() if v)]
+  lines = [
+    f'per device: args {_mb(m["argument"])}, temp {_mb(m["temp"])}, out {_mb(m["output"])} '
+    f'(aliased {_mb(m["alias"])}), peak ~{_mb(m["peak_estimate"])}',
+    f'per device per step: {r["flops"] / 1e9:.2f} GFLOP executed (matmuls), {r["model_flops"] / 1e9:.2f} GFLOP model',
+    'comm per device per step (ring wire bytes): '
+    + ', '.join(f'{axis} {_mb(v)}' for axis, v in c.items() if v),
+  ]
   for ch in r['checks']:
     if ch['formula'] and ch['spmd'] and abs(ch['measured'] / ch['spmd'] - 1) > 0.05:
-      lines.append(f"  note: {ch['what']}: {ch['measured'] / ch['spmd']:.2f}x the SPMD-executed formula "
-                   '(python -m jax3d.inspect for the breakdown)')
+      lines.append(
+        f'  note: {ch["what"]}: {ch["measured"] / ch["spmd"]:.2f}x the SPMD-executed formula '
+        '(python -m jax3d.inspect for the breakdown)'
+      )
   return lines
 
 
 def render(r: dict) -> str:
   """The human-readable report of `python -m jax3d.inspect`."""
   lay, m = r['layout'], r['memory_bytes']
-  out = [f"layout dp={lay['dp']} pp={lay['pp']} tp={lay['tp']}  m={lay['microbatches']} v={lay['repeats']} "
-         f"accum={lay['grad_accum']}  b={lay['micro_batch_per_dp_shard']} s={lay['seq_len']}  "
-         f"remat={lay['remat']} {lay['compute_dtype']}  on {r['device_kind']}",
-         '', 'memory per device (compiled.memory_analysis):']
+  out = [
+    f'layout dp={lay["dp"]} pp={lay["pp"]} tp={lay["tp"]}  m={lay["microbatches"]} v={lay["repeats"]} '
+    f'accum={lay["grad_accum"]}  b={lay["micro_batch_per_dp_shard"]} s={lay["seq_len"]}  '
+    f'remat={lay["remat"]} {lay["compute_dtype"]}  on {r["device_kind"]}',
+    '',
+    'memory per device (compiled.memory_analysis):',
+  ]
   for k in ('argument', 'output', 'alias', 'temp', 'peak_estimate'):
     out.append(f'  {k:14s}{_mb(m[k]):>14s}')
-  out += ['', 'FLOPs per device per step:',
-          f"  executed matmuls (HLO dots x loop trips) {r['flops'] / 1e9:10.3f} G",
-          f"  model 6P+12Lhs (useful work)            {r['model_flops'] / 1e9:10.3f} G",
-          f"  XLA cost_analysis (loop bodies once)     {r['flops_xla_cost_analysis'] / 1e9:10.3f} G",
-          '', 'collectives per device per step (wire = ring bytes sent; buffer = HLO shape bytes):']
+  out += [
+    '',
+    'FLOPs per device per step:',
+    f'  executed matmuls (HLO dots x loop trips) {r["flops"] / 1e9:10.3f} G',
+    f'  model 6P+12Lhs (useful work)            {r["model_flops"] / 1e9:10.3f} G',
+    f'  XLA cost_analysis (loop bodies once)     {r["flops_xla_cost_analysis"] / 1e9:10.3f} G',
+    '',
+    'collectives per device per step (wire = ring bytes sent; buffer = HLO shape bytes):',
+  ]
   for axis, g in sorted(r['comm_by_axis'].items(), key=lambda kv: -kv[1]['wire_bytes']):
-    out.append(f"  {axis:6s} wire {_mb(g['wire_bytes']):>12s}  buffer {_mb(g['buffer_bytes']):>12s}  "
-               f"{g['ops']} ops")
+    out.append(
+      f'  {axis:6s} wire {_mb(g["wire_bytes"]):>12s}  buffer {_mb(g["buffer_bytes"]):>12s}  {g["ops"]} ops'
+    )
     for kind, k in sorted(g['kinds'].items(), key=lambda kv: -kv[1]['wire_bytes']):
-      out.append(f"           {kind:34s}{_mb(k['wire_bytes']):>12s}  x{k['ops']}")
-  out += ['', 'measured vs formulas.md (formula = useful work; spmd = as this SPMD pipeline executes it):',
-          f"  {'':56s}{'measured':>12s}{'formula':>12s}{'spmd':>12s}  ratio to formula / spmd"]
+      out.append(f'           {kind:34s}{_mb(k["wire_bytes"]):>12s}  x{k["ops"]}')
+  out += [
+    '',
+    'measured vs formulas.md (formula = useful work; spmd = as this SPMD pipeline executes it):',
+    f'  {"":56s}{"measured":>12s}{"formula":>12s}{"spmd":>12s}  ratio to formula / spmd',
+  ]
   for ch in r['checks']:
     ratios = ' / '.join(f'{ch["measured"] / v:.2f}' if v else '-' for v in (ch['formula'], ch['spmd']))
-    out.append(f"  {ch['axis']} {ch['what']:53s}{_mb(ch['measured']):>12s}{_mb(ch['formula']):>12s}"
-               f"{_mb(ch['spmd']):>12s}  {ratios}")
+    out.append(
+      f'  {ch["axis"]} {ch["what"]:53s}{_mb(ch["measured"]):>12s}{_mb(ch["formula"]):>12s}'
+      f'{_mb(ch["spmd"]):>12s}  {ratios}'
+    )
   if r['unknown_trip_counts']:
-    out.append(f"  warning: loops with unknown trip count counted once: {r['unknown_trip_counts']}")
+    out.append(f'  warning: loops with unknown trip count counted once: {r["unknown_trip_counts"]}')
   return '\n'.join(out)
-
-

@@ -8,6 +8,7 @@ stays on NVLink), pp a divisor of what remains, dp fills the rest; every candida
 `costmodel.estimate`, so "few layers -> more tp" falls out of the bubble. `python -m jax3d.plan`
 (jax3d/plan.py) prints what this module computes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,17 @@ from jax3d.tools import costmodel
 from jax3d.tools.costmodel import GB, Hardware, estimate
 
 POLICIES = ('none', 'dots', 'attn', 'full')
-LAYOUT_KEYS = ('mesh.dp', 'mesh.pp', 'mesh.tp', 'pipeline.microbatches', 'pipeline.repeats',
-               'pipeline.schedule', 'train.remat', 'train.shard_optimizer', 'train.grad_accum')
+LAYOUT_KEYS = (
+  'mesh.dp',
+  'mesh.pp',
+  'mesh.tp',
+  'pipeline.microbatches',
+  'pipeline.repeats',
+  'pipeline.schedule',
+  'train.remat',
+  'train.shard_optimizer',
+  'train.grad_accum',
+)
 
 
 @dataclasses.dataclass
@@ -38,14 +48,24 @@ class Candidate:
 
   def row(self) -> dict:
     e, p = self.est, self.est.plan
-    return {'dp': p.dp, 'pp': p.pp, 'tp': p.tp, 'microbatches': p.microbatches, 'repeats': p.repeats,
-            'grad_accum': p.grad_accum,
-            'remat': e.remat, 'shard_optimizer': e.shard_optimizer,
-            'memory_gb': round(e.total_bytes / GB, 3),
-            'memory_breakdown_gb': {k: round(v / GB, 3) for k, v in e.breakdown.items()},
-            'step_time_s': float(f'{e.step_time_s:.4g}'), 'bubble': round(p.bubble, 4),
-            'tokens_per_s': round(e.tokens_per_s), 'mfu': round(e.mfu, 4), 'fits': e.fits,
-            'reason': e.reason}
+    return {
+      'dp': p.dp,
+      'pp': p.pp,
+      'tp': p.tp,
+      'microbatches': p.microbatches,
+      'repeats': p.repeats,
+      'grad_accum': p.grad_accum,
+      'remat': e.remat,
+      'shard_optimizer': e.shard_optimizer,
+      'memory_gb': round(e.total_bytes / GB, 3),
+      'memory_breakdown_gb': {k: round(v / GB, 3) for k, v in e.breakdown.items()},
+      'step_time_s': float(f'{e.step_time_s:.4g}'),
+      'bubble': round(p.bubble, 4),
+      'tokens_per_s': round(e.tokens_per_s),
+      'mfu': round(e.mfu, 4),
+      'fits': e.fits,
+      'reason': e.reason,
+    }
 
 
 def _divisors(n: int) -> list[int]:
@@ -55,13 +75,21 @@ def _divisors(n: int) -> list[int]:
 def _batch_splits(batch: int, dp: int, pp: int) -> list[tuple[int, int]]:
   """(grad_accum, micro-batches) pairs that split `batch` sequences over dp: up to 64 of each, and
   one micro-batch without a pipeline."""
-  return [(ga, mb) for ga in (1, 2, 4, 8, 16, 32, 64) if batch % (ga * dp) == 0
-          for mb in ([1] if pp == 1 else _divisors(batch // (ga * dp))) if mb <= 64]
+  return [
+    (ga, mb)
+    for ga in (1, 2, 4, 8, 16, 32, 64)
+    if batch % (ga * dp) == 0
+    for mb in ([1] if pp == 1 else _divisors(batch // (ga * dp)))
+    if mb <= 64
+  ]
 
 
-def layouts(cfg: ml_collections.ConfigDict, hw: Hardware, policies: Sequence[str] = POLICIES,
-            zero1: Sequence[bool] = (False, True),
-            ) -> Iterator[tuple[dict, RunPlan, ml_collections.ConfigDict]]:
+def layouts(
+  cfg: ml_collections.ConfigDict,
+  hw: Hardware,
+  policies: Sequence[str] = POLICIES,
+  zero1: Sequence[bool] = (False, True),
+) -> Iterator[tuple[dict, RunPlan, ml_collections.ConfigDict]]:
   """Every layout the rules allow that config.validate accepts: (overrides, plan, config) triples.
   The config is one working copy of `cfg`, set to the next layout's values on the next iteration."""
   n, m = hw.n_devices, cfg.model
@@ -73,9 +101,14 @@ def layouts(cfg: ml_collections.ConfigDict, hw: Hardware, policies: Sequence[str
         reps = [1] + ([r for r in _divisors(m.n_layers // pp) if 1 < r <= 8] if mb >= pp > 1 else [])
         for v in reps:
           for remat in policies:
-            for z in (zero1 if dp > 1 else (False,)):
-              o = dict(zip(LAYOUT_KEYS, (dp, pp, tp, mb, v, 'circular' if v > 1 else 'gpipe', remat, z,
-                                         ga), strict=True))
+            for z in zero1 if dp > 1 else (False,):
+              o = dict(
+                zip(
+                  LAYOUT_KEYS,
+                  (dp, pp, tp, mb, v, 'circular' if v > 1 else 'gpipe', remat, z, ga),
+                  strict=True,
+                )
+              )
               for k, val in o.items():
                 set_key(work, k, val)
               try:
@@ -90,12 +123,21 @@ def search(cfg: ml_collections.ConfigDict, hw: Hardware, **kw: Any) -> list[Cand
   out = [Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)) for o, plan, c in layouts(cfg, hw, **kw)]
   if not out:
     m = cfg.model
-    raise ConfigError(f'{hw.nodes} x {hw.gpus_per_node} GPUs: no layout is valid for n_layers='
-                      f'{m.n_layers}, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, global_batch_size='
-                      f'{cfg.train.global_batch_size} (tp must divide the heads and pp the layers, '
-                      f'dp the batch); use fewer GPUs or divisible sizes')
-  out.sort(key=lambda c: (not c.est.fits, c.est.step_time_s if c.est.fits else c.est.total_bytes,
-                          -c.plan.tp, c.plan.pp, c.est.total_bytes))
+    raise ConfigError(
+      f'{hw.nodes} x {hw.gpus_per_node} GPUs: no layout is valid for n_layers='
+      f'{m.n_layers}, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, global_batch_size='
+      f'{cfg.train.global_batch_size} (tp must divide the heads and pp the layers, '
+      f'dp the batch); use fewer GPUs or divisible sizes'
+    )
+  out.sort(
+    key=lambda c: (
+      not c.est.fits,
+      c.est.step_time_s if c.est.fits else c.est.total_bytes,
+      -c.plan.tp,
+      c.plan.pp,
+      c.est.total_bytes,
+    )
+  )
   return out
 
 
@@ -110,104 +152,39 @@ def apply(cfg: ml_collections.ConfigDict, overrides: dict) -> ml_collections.Con
 # ---------------------------------------------------------------------------------------------
 # Explanations
 # ---------------------------------------------------------------------------------------------
-def explain(cfg: ml_collections.ConfigDict, best: Candidate, ranked: list[Candidate],
-            hw: Hardware) -> list[str]:
+def explain(
+  cfg: ml_collections.ConfigDict, best: Candidate, ranked: list[Candidate], hw: Hardware
+) -> list[str]:
   """Why the winner: tp first (fill a node), then pp (a divisor of the rest), then dp = N/(tp*pp),
   its memory, and what the best layout with less tp would cost."""
   p, e, m, n = best.plan, best.est, cfg.model, hw.n_devices
   where = 'on NVLink inside one node' if p.tp <= hw.gpus_per_node else 'ACROSS nodes'
   weights = costmodel.param_count(cfg) * costmodel.BYTES[cfg.train.param_dtype] * 4
-  lines = [f'Why dp={p.dp}, pp={p.pp}, tp={p.tp} (the tutorial: fill a node with tp, give the rest to '
-           f'pp, fill with dp):',
-           f'  tp = {p.tp}: at most the {hw.gpus_per_node} GPUs per node, so its 4 all-reduces per layer '
-           f'stay {where}; each GPU holds 1/{p.tp} of every layer\'s width '
-           f'({m.n_heads // p.tp} of {m.n_heads} heads, {m.d_ff // p.tp} of {m.d_ff} ffw units).',
-           f'  pp = {p.pp}: a divisor of the {n}/{p.tp} = {n // p.tp} GPUs that remain'
-           f'{" (across nodes)" if p.tp * p.pp > hw.gpus_per_node else ""}; {m.n_layers} layers -> '
-           f'{m.n_layers // p.pp} per stage; bubble (p-1)/(v*m+p-1) = {p.pp - 1}/({p.repeats}*'
-           f'{p.microbatches}+{p.pp - 1}) = {p.bubble:.1%}.',
-           f'  dp = {n}/(tp*pp) = {n}/({p.tp}*{p.pp}) = {p.dp} fills the rest: each replica takes '
-           f'{p.global_batch // p.dp} of the {p.global_batch} sequences per step.',
-           f'  Memory: weights, gradients and Adam state ({weights / GB:.0f} GB in all) over tp*pp = '
-           f'{p.tp * p.pp} shards{" and the optimizer over dp" if e.shard_optimizer else ""}, '
-           f'activations with remat={e.remat}: {e.total_bytes / GB:.1f} of {hw.memory_gb:g} GB.']
+  lines = [
+    f'Why dp={p.dp}, pp={p.pp}, tp={p.tp} (the tutorial: fill a node with tp, give the rest to pp, fill with dp):',
+    f'  tp = {p.tp}: at most the {hw.gpus_per_node} GPUs per node, so its 4 all-reduces per layer '
+    f"stay {where}; each GPU holds 1/{p.tp} of every layer's width "
+    f'({m.n_heads // p.tp} of {m.n_heads} heads, {m.d_ff // p.tp} of {m.d_ff} ffw units).',
+    f'  pp = {p.pp}: a divisor of the {n}/{p.tp} = {n // p.tp} GPUs that remain'
+    f'{" (across nodes)" if p.tp * p.pp > hw.gpus_per_node else ""}; {m.n_layers} layers -> '
+    f'{m.n_layers // p.pp} per stage; bubble (p-1)/(v*m+p-1) = {p.pp - 1}/({p.repeats}*'
+    f'{p.microbatches}+{p.pp - 1}) = {p.bubble:.1%}.',
+    f'  dp = {n}/(tp*pp) = {n}/({p.tp}*{p.pp}) = {p.dp} fills the rest: each replica takes '
+    f'{p.global_batch // p.dp} of the {p.global_batch} sequences per step.',
+    f'  Memory: weights, gradients and Adam state ({weights / GB:.0f} GB in all) over tp*pp = '
+    f'{p.tp * p.pp} shards{" and the optimizer over dp" if e.shard_optimizer else ""}, '
+    f'activations with remat={e.remat}: {e.total_bytes / GB:.1f} of {hw.memory_gb:g} GB.',
+  ]
   # "Few layers -> more tp": the best layout with less tp (hence more pp or dp) for comparison.
   alt = next((c for c in ranked if c.est.fits and c.plan.tp < p.tp), None)
   if alt is not None:
     a = alt.plan
-    lines.append(f'  Less tp costs more: the best with tp={a.tp} (dp={a.dp}, pp={a.pp}, bubble '
-                 f'{a.bubble:.1%}) runs {alt.est.step_time_s / e.step_time_s - 1:.0%} slower; with '
-                 f'{m.n_layers} layers, depth bought with pp pays a bubble, width bought with tp does not.')
+    lines.append(
+      f'  Less tp costs more: the best with tp={a.tp} (dp={a.dp}, pp={a.pp}, bubble '
+      f'{a.bubble:.1%}) runs {alt.est.step_time_s / e.step_time_s - 1:.0%} slower; with '
+      f'{m.n_layers} layers, depth bought with pp pays a bubble, width bought with tp does not.'
+    )
   return lines
-
-
-def oom_ladder(cfg: ml_collections.ConfigDict, plan: RunPlan, device_memory_bytes: float,
-               hw: Hardware | None = None) -> list[str]:
-  """The out-of-memory ladder, each rung priced for this config and layout: recompute activations,
-  drop needless copies, smaller micro-batches, more pp or tp, bf16, ZeRO-1, then more nodes."""
-  hw = hw or Hardware(nodes=max(plan.n_devices // 8, 1), gpus_per_node=min(plan.n_devices, 8),
-                      memory_gb=device_memory_bytes / GB)
-  base = estimate(cfg, plan, device_memory_bytes, hw)
-  gb = lambda e: f'{e.total_bytes / GB:.1f} GB'
-  lines = [f'Out of memory: {base.reason} ({base.describe()}). In the tutorial\'s order:']
-
-  def rung(label, overrides, what=''):
-    try:
-      c = apply(cfg, overrides)
-      e = estimate(c, validate(c, plan.n_devices), device_memory_bytes, hw)
-    except ConfigError as err:
-      return f'{label}: not possible here ({err})'
-    flags_ = ' '.join(f'--config.{k}={v}' for k, v in overrides.items())
-    return (f'{label} ({flags_}): {gb(base)} -> {gb(e)} per GPU{what(e) if what else ""}'
-            f'{"  FITS" if e.fits else ""}')
-
-  acts = lambda e: (f' (activations {base.breakdown["activations"] / GB:.1f} -> '
-                    f'{e.breakdown["activations"] / GB:.1f} GB, saves '
-                    f'{1 - e.breakdown["activations"] / base.breakdown["activations"]:.0%})')
-  if cfg.train.remat != 'full':
-    lines.append(rung('1. recompute activations', {'train.remat': 'full'}, acts))
-  else:
-    lines.append(f'1. recomputation is already on (train.remat=full): activations '
-                 f'{base.breakdown["activations"] / GB:.1f} GB')
-  lines.append('2. drop needless copies: the step keeps none (state donated, logs read scalars only)')
-  lines.append(rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, acts))
-  deeper = [c for c in search(cfg, hw, policies=(cfg.train.remat,), zero1=(cfg.train.shard_optimizer,))
-            if c.plan.pp * c.plan.tp > plan.pp * plan.tp]
-  if deeper:
-    c = min(deeper, key=lambda c: (not c.est.fits, c.est.step_time_s if c.est.fits else c.est.total_bytes))
-    lines.append(rung('4. more pp or tp', {k: v for k, v in c.overrides.items() if k != 'train.remat'}))
-  else:
-    lines.append(f'4. more pp or tp: pp*tp = {plan.pp}*{plan.tp} is already the most these '
-                 f'{plan.n_devices} GPUs and this model allow')
-  if cfg.train.param_dtype != 'bfloat16':
-    lines.append(rung('5. bf16 weights and optimizer state',
-                      {'train.param_dtype': 'bfloat16', 'train.compute_dtype': 'bfloat16'}))
-  else:
-    lines.append('5. bf16: weights, gradients and Adam state are already bf16')
-  if plan.dp > 1 and not cfg.train.shard_optimizer:
-    lines.append(rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
-  lines.append(smallest_cluster(cfg, hw))
-  return lines
-
-
-def smallest_cluster(cfg: ml_collections.ConfigDict, hw: Hardware) -> str:
-  """The fewest nodes (doubling) of this kind on which some layout fits."""
-  nodes = 1
-  while nodes <= 4096:
-    h = dataclasses.replace(hw, nodes=nodes)
-    try:
-      fits = [c for c in search(cfg, h, policies=('full',)) if c.est.fits]
-    except ConfigError:
-      fits = []
-    if fits:
-      p = fits[0].plan
-      return (f'Smallest cluster that fits: {nodes} node(s) x {hw.gpus_per_node} GPUs of '
-              f'{hw.memory_gb:g} GB (dp={p.dp}, pp={p.pp}, tp={p.tp}, remat=full: '
-              f'{fits[0].est.total_bytes / GB:.1f} GB per GPU)')
-    nodes *= 2
-  return f'No cluster of up to 4096 nodes of {hw.gpus_per_node} x {hw.memory_gb:g} GB fits this config'
-
-
 
 
 def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
@@ -216,20 +193,30 @@ def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
   import jax
 
   from jax3d import run
+
   devices = jax.devices('cpu')
   if len(devices) < plan.n_devices:
-    raise ConfigError(f'--verify needs {plan.n_devices} CPU devices, {len(devices)} are visible '
-                      f'(XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r} was set before the run)')
+    raise ConfigError(
+      f'--verify needs {plan.n_devices} CPU devices, {len(devices)} are visible '
+      f'(XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r} was set before the run)'
+    )
   est = estimate(cfg, plan, hw=Hardware(flash_attention=False))  # CPU: XLA's own attention
-  m = run.compile_train_step(run.setup(cfg, devices[:plan.n_devices])).memory
+  m = run.compile_train_step(run.setup(cfg, devices[: plan.n_devices])).memory
   total = m['total']
-  note = (['(XLA:CPU computes bf16 matmuls in float32, converting around each dot: with bf16 compute '
-           'its temporaries exceed a GPU\'s, and the GPU-minded estimate comes out below them)']
-          if cfg.train.compute_dtype == 'bfloat16' else [])
-  return note + [f'XLA (compiled on {plan.n_devices} CPU devices): {total / GB:.4f} GB per device = '
-                 f'arguments {m["argument"] / GB:.4f} + temporaries {m["temp"] / GB:.4f} + '
-                 f'outputs {m["output"] / GB:.4f} - aliased {m["alias"] / GB:.4f}',
-                 f'estimate: {est.total_bytes / GB:.4f} GB per device ({est.total_bytes / total - 1:+.1%})']
+  note = (
+    [
+      '(XLA:CPU computes bf16 matmuls in float32, converting around each dot: with bf16 compute '
+      "its temporaries exceed a GPU's, and the GPU-minded estimate comes out below them)"
+    ]
+    if cfg.train.compute_dtype == 'bfloat16'
+    else []
+  )
+  return note + [
+    f'XLA (compiled on {plan.n_devices} CPU devices): {total / GB:.4f} GB per device = '
+    f'arguments {m["argument"] / GB:.4f} + temporaries {m["temp"] / GB:.4f} + '
+    f'outputs {m["output"] / GB:.4f} - aliased {m["alias"] / GB:.4f}',
+    f'estimate: {est.total_bytes / GB:.4f} GB per device ({est.total_bytes / total - 1:+.1%})',
+  ]
 
 
 def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
@@ -246,15 +233,18 @@ def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
 
 def table(cands: list[Candidate]) -> list[str]:
   """The candidates as a text table, one numbered line each under a header line."""
-  head = (f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"ga":>3} {"remat":>5} {"zero1":>5} '
-          f'{"GB/GPU":>7} {"step s":>8} {"bubble":>6} {"tokens/s":>10} {"MFU":>5}')
+  head = (
+    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"ga":>3} {"remat":>5} {"zero1":>5} '
+    f'{"GB/GPU":>7} {"step s":>8} {"bubble":>6} {"tokens/s":>10} {"MFU":>5}'
+  )
   lines = [head]
   for i, c in enumerate(cands, 1):
     r = c.row()
-    lines.append(f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["microbatches"]:>4} '
-                 f'{r["repeats"]:>2} {r["grad_accum"]:>3} {r["remat"]:>5} '
-                 f'{"yes" if r["shard_optimizer"] else "no":>5} '
-                 f'{r["memory_gb"]:>7.1f} {r["step_time_s"]:>8.3g} {r["bubble"]:>6.1%} '
-                 f'{r["tokens_per_s"]:>10,} {r["mfu"]:>5.1%}')
+    lines.append(
+      f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["microbatches"]:>4} '
+      f'{r["repeats"]:>2} {r["grad_accum"]:>3} {r["remat"]:>5} '
+      f'{"yes" if r["shard_optimizer"] else "no":>5} '
+      f'{r["memory_gb"]:>7.1f} {r["step_time_s"]:>8.3g} {r["bubble"]:>6.1%} '
+      f'{r["tokens_per_s"]:>10,} {r["mfu"]:>5.1%}'
+    )
   return lines
-

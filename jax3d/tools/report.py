@@ -8,6 +8,7 @@ step the last record wins; a half-written last line (a killed run) is counted, n
 step time, memory per device); `markdown` the page; `write_report` both, into WORKDIR/report/.
 Record kinds are described in jax3d/training/metrics.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,14 +52,19 @@ def load(path: str) -> dict:
         evals[rec['step']] = rec
       if 'loss' in rec:
         train[rec['step']] = rec
-  return {'train': [train[s] for s in sorted(train)], 'eval': [evals[s] for s in sorted(evals)],
-          'events': events, 'bad_lines': bad}
+  return {
+    'train': [train[s] for s in sorted(train)],
+    'eval': [evals[s] for s in sorted(evals)],
+    'events': events,
+    'bad_lines': bad,
+  }
 
 
 def _col(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
   """(steps, values) of the records that have a finite number under key."""
-  pts = [(r['step'], r[key]) for r in records
-         if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+  pts = [
+    (r['step'], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+  ]
   return np.array([p[0] for p in pts]), np.array([p[1] for p in pts], np.float64)
 
 
@@ -78,8 +84,10 @@ def figures(run: dict, out_dir: str) -> dict[str, str]:
   """Writes the PNGs of a run (as `load` returns it) into out_dir; returns {name: filename} of
   those written (a figure without data is left out)."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   train, evals, written = run['train'], run['eval'], {}
 
   def save(fig: Any, name: str) -> None:
@@ -122,7 +130,7 @@ def figures(run: dict, out_dir: str) -> dict[str, str]:
     n_dev = max(len(r['memory']['bytes_in_use']) for r in mem)
     for i in range(n_dev):
       used = [_mib_at(r['memory'].get('bytes_in_use'), i) for r in mem]
-      line, = ax.plot(steps, used, lw=1, label=f'device {i}')
+      (line,) = ax.plot(steps, used, lw=1, label=f'device {i}')
       peaks = [_mib_at(r['memory'].get('peak_bytes'), i) for r in mem]
       if not np.all(np.isnan(peaks)):
         ax.plot(steps, peaks, '--', lw=0.8, color=line.get_color())
@@ -156,26 +164,37 @@ def markdown(run: dict, written: dict[str, str], workdir: str) -> str:
   layout = start.get('layout', {})
   lines = [f'# Run report: `{os.path.abspath(workdir)}`', '']
   if layout:
-    lines += ['| ' + ' | '.join(layout) + ' |', '|' + '---|' * len(layout),
-              '| ' + ' | '.join(str(v) for v in layout.values()) + ' |', '']
+    lines += [
+      '| ' + ' | '.join(layout) + ' |',
+      '|' + '---|' * len(layout),
+      '| ' + ' | '.join(str(v) for v in layout.values()) + ' |',
+      '',
+    ]
   head = []
   if train:
     last = train[-1]
-    tokens = (f", {last['tokens'] / 1e6:.2f} M tokens" if isinstance(last.get('tokens'), (int, float))
-              else '')
-    head.append(f"- steps logged: {len(train)}, last step {last['step']}{tokens}")
-    head.append(f"- final train loss: {last['loss']:.4f} (step {last['step']})")
+    tokens = f', {last["tokens"] / 1e6:.2f} M tokens' if isinstance(last.get('tokens'), (int, float)) else ''
+    head.append(f'- steps logged: {len(train)}, last step {last["step"]}{tokens}')
+    head.append(f'- final train loss: {last["loss"]:.4f} (step {last["step"]})')
   if evals:
     best = min(evals, key=lambda r: r['eval_loss'] if math.isfinite(r['eval_loss']) else math.inf)
-    head.append(f"- final held-out loss: {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']}); "
-                f"best {best['eval_loss']:.4f} (step {best['step']})")
-  medians = (('tokens_per_sec', 'tokens/s (median)', '{:,.0f}'), ('mfu', 'MFU (median)', '{:.1%}'),
-             ('step_time_s', 'step time (median / p90)', None))
+    head.append(
+      f'- final held-out loss: {evals[-1]["eval_loss"]:.4f} (step {evals[-1]["step"]}); '
+      f'best {best["eval_loss"]:.4f} (step {best["step"]})'
+    )
+  medians = (
+    ('tokens_per_sec', 'tokens/s (median)', '{:,.0f}'),
+    ('mfu', 'MFU (median)', '{:.1%}'),
+    ('step_time_s', 'step time (median / p90)', None),
+  )
   for key, label, fmt in medians:
     _, v = _col(train[1:] if len(train) > 1 else train, key)
     if len(v):
-      text = (f'{np.median(v) * 1e3:.1f} / {np.percentile(v, 90) * 1e3:.1f} ms' if fmt is None
-              else fmt.format(np.median(v)))
+      text = (
+        f'{np.median(v) * 1e3:.1f} / {np.percentile(v, 90) * 1e3:.1f} ms'
+        if fmt is None
+        else fmt.format(np.median(v))
+      )
       head.append(f'- {label}: {text}')
     elif key == 'mfu':
       head.append('- MFU: unknown (no peak FLOP/s known for this device; set hardware.peak_tflops)')
@@ -183,18 +202,27 @@ def markdown(run: dict, written: dict[str, str], workdir: str) -> str:
   if mem:
     peak_used = max(max(m['bytes_in_use']) for m in mem)
     peaks = [p for m in mem for p in (m.get('peak_bytes') or []) if p is not None]
-    head.append(f'- memory: max in use on any device {_fmt_bytes(peak_used)}'
-                + (f', allocator peak {_fmt_bytes(max(peaks))}' if peaks else ''))
+    head.append(
+      f'- memory: max in use on any device {_fmt_bytes(peak_used)}'
+      + (f', allocator peak {_fmt_bytes(max(peaks))}' if peaks else '')
+    )
   for kind in ('memory_leak', 'nonfinite'):
     evs = [e for e in events if e.get('event') == kind]
     if evs:
-      head.append(f"- {len(evs)} `{kind}` event(s), first at step {evs[0].get('step')}: "
-                  f"{evs[0].get('message', '')}".rstrip(': '))
+      head.append(
+        f'- {len(evs)} `{kind}` event(s), first at step {evs[0].get("step")}: {evs[0].get("message", "")}'.rstrip(
+          ': '
+        )
+      )
   if run['bad_lines']:
-    head.append(f"- {run['bad_lines']} unreadable line(s) in metrics.jsonl skipped")
+    head.append(f'- {run["bad_lines"]} unreadable line(s) in metrics.jsonl skipped')
   lines += ['## Headline numbers', ''] + head + ['']
-  captions = {'loss': 'Loss', 'throughput': 'Throughput and MFU', 'memory': 'Memory per device',
-              'step_time': 'Step time distribution'}
+  captions = {
+    'loss': 'Loss',
+    'throughput': 'Throughput and MFU',
+    'memory': 'Memory per device',
+    'step_time': 'Step time distribution',
+  }
   for name, fname in written.items():
     lines += [f'## {captions.get(name, name)}', '', f'![{name}]({fname})', '']
   return '\n'.join(lines)

@@ -5,6 +5,7 @@ API function (`jax3d.sample`, `jax3d.api.sample`).
 
 Nothing heavy is imported at module level (no jax, no orbax): `import jax3d` must not start jax.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,9 @@ def checkpoint_steps(workdir: str) -> list[int]:
   directory = checkpoint_dir(workdir)
   steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
   if not steps:
-    raise NoCheckpoint(f'--workdir={workdir}: no checkpoint in {directory} (train first: '
-                       f'python -m jax3d.train --workdir={workdir})')
+    raise NoCheckpoint(
+      f'--workdir={workdir}: no checkpoint in {directory} (train first: python -m jax3d.train --workdir={workdir})'
+    )
   return steps
 
 
@@ -57,12 +59,14 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
   import orbax.checkpoint as ocp
 
   from jax3d import config as config_lib
+
   directory = checkpoint_dir(workdir)
   steps = checkpoint_steps(workdir)[::-1]
   # Read-only: a manager that may clean up would delete the temporary folder of a save that a
   # training run on this workdir has in flight.
-  reader = ocp.CheckpointManager(directory, item_names=('state', 'meta'),
-                                 options=ocp.CheckpointManagerOptions(read_only=True))
+  reader = ocp.CheckpointManager(
+    directory, item_names=('state', 'meta'), options=ocp.CheckpointManagerOptions(read_only=True)
+  )
   meta = None
   try:
     for step in steps:  # the newest step whose meta reads (a damaged one falls back, as restore does)
@@ -85,8 +89,9 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
   return cfg
 
 
-def sampling_config(cfg: ml_collections.ConfigDict, n_devices: int,
-                    overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+def sampling_config(
+  cfg: ml_collections.ConfigDict, n_devices: int, overrides: Mapping[str, Any] | None = None
+) -> ml_collections.ConfigDict:
   """cfg with `overrides` applied, made valid for generation on n_devices.
 
   Generation has no batch and no pipeline schedule, but the run plan still checks that the
@@ -97,6 +102,7 @@ def sampling_config(cfg: ml_collections.ConfigDict, n_devices: int,
   import copy
 
   from jax3d import config as config_lib
+
   cfg = copy.deepcopy(cfg)
   overrides = dict(overrides or {})
   for k, v in overrides.items():
@@ -108,34 +114,51 @@ def sampling_config(cfg: ml_collections.ConfigDict, n_devices: int,
     pass
   dp, pp, _ = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices)
   m = pp if cfg.pipeline.repeats > 1 else 1
-  for key, value in (('train.grad_accum', 1), ('pipeline.microbatches', m),
-                     ('train.global_batch_size', dp * m)):
+  for key, value in (
+    ('train.grad_accum', 1),
+    ('pipeline.microbatches', m),
+    ('train.global_batch_size', dp * m),
+  ):
     if key not in overrides:
       config_lib.set_key(cfg, key, value)
   config_lib.validate(cfg, n_devices)  # raises the one-line error of what is really wrong
   return cfg
 
 
-def load_params(workdir: str, cfg: ml_collections.ConfigDict,
-                devices: Sequence[jax.Device] | None = None) -> tuple[Setup, Any, int]:
+def load_params(
+  workdir: str, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+) -> tuple[Setup, Any, int]:
   """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout."""
   from jax3d import run
   from jax3d.training import checkpoint as ckpt_lib
+
   setup = run.setup(cfg, devices)
-  params, step = ckpt_lib.load_params(checkpoint_dir(workdir), setup.abstract_state['params'],
-                                      setup.layout, warn=lambda m: print(f'warning: {m}', file=sys.stderr))
+  params, step = ckpt_lib.load_params(
+    checkpoint_dir(workdir),
+    setup.abstract_state['params'],
+    setup.layout,
+    warn=lambda m: print(f'warning: {m}', file=sys.stderr),
+  )
   return setup, params, step
 
 
-def sample_workdir(workdir: str, prompt: str | None = None, n_tokens: int | None = None,
-                   temperature: float | None = None, top_k: int | None = None, seed: int = 0,
-                   config: str | None = None, overrides: Mapping[str, Any] | None = None,
-                   devices: Sequence[jax.Device] | None = None) -> str:
+def sample_workdir(
+  workdir: str,
+  prompt: str | None = None,
+  n_tokens: int | None = None,
+  temperature: float | None = None,
+  top_k: int | None = None,
+  seed: int = 0,
+  config: str | None = None,
+  overrides: Mapping[str, Any] | None = None,
+  devices: Sequence[jax.Device] | None = None,
+) -> str:
   """Text from a run's newest checkpoint (see the module docstring); None arguments take the
   config's `sample.*` values."""
   import jax
 
   from jax3d import config as config_lib
+
   checkpoint_steps(workdir)
   cfg = config_lib.load_config(config) if config else saved_config(workdir)
   devices = list(devices if devices is not None else jax.devices())
@@ -143,15 +166,29 @@ def sample_workdir(workdir: str, prompt: str | None = None, n_tokens: int | None
   setup, params, _ = load_params(workdir, cfg, devices)
   s = cfg.sample
   from jax3d.model import generate
-  return generate.generate_text(setup, params, s.prompt if prompt is None else prompt,
-                       s.tokens if n_tokens is None else n_tokens,
-                       s.temperature if temperature is None else temperature,
-                       s.top_k if top_k is None else top_k, seed)
+
+  return generate.generate_text(
+    setup,
+    params,
+    s.prompt if prompt is None else prompt,
+    s.tokens if n_tokens is None else n_tokens,
+    s.temperature if temperature is None else temperature,
+    s.top_k if top_k is None else top_k,
+    seed,
+  )
 
 
-def sample(source: Trainer | str | os.PathLike, prompt: str = 'def ', n_tokens: int = 200,
-           temperature: float = 0.8, top_k: int = 40, seed: int = 0, greedy: bool = False,
-           config: str | None = None, overrides: Mapping[str, Any] | None = None) -> str:
+def sample(
+  source: Trainer | str | os.PathLike,
+  prompt: str = 'def ',
+  n_tokens: int = 200,
+  temperature: float = 0.8,
+  top_k: int = 40,
+  seed: int = 0,
+  greedy: bool = False,
+  config: str | None = None,
+  overrides: Mapping[str, Any] | None = None,
+) -> str:
   """Text that follows `prompt`: the prompt itself, then `n_tokens` generated bytes.
 
   `source` is a Trainer (its current parameters) or a run's workdir (its newest checkpoint, with
@@ -162,6 +199,7 @@ def sample(source: Trainer | str | os.PathLike, prompt: str = 'def ', n_tokens: 
   """
   temperature = 0.0 if greedy else temperature
   if isinstance(source, (str, os.PathLike)):
-    return sample_workdir(os.fspath(source), prompt, n_tokens, temperature, top_k, seed,
-                          config=config, overrides=overrides)
+    return sample_workdir(
+      os.fspath(source), prompt, n_tokens, temperature, top_k, seed, config=config, overrides=overrides
+    )
   return source.sample(prompt, n_tokens, temperature, top_k, seed)

@@ -12,6 +12,7 @@ config before reading (Orbax would cast dtypes silently). Arrays are read straig
 target shardings; when the pipeline layer order differs (another pp or repeats), the layer axis
 is permuted on the devices, never through one host.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,7 +58,9 @@ def permute_layers(tree: PyTree, perm: np.ndarray, shardings: PyTree) -> PyTree:
 
   def fn(t: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(
-        lambda p, a: a[perm] if _is_layer_path(p) and a.ndim and a.shape[0] == perm.size else a, t)
+      lambda p, a: a[perm] if _is_layer_path(p) and a.ndim and a.shape[0] == perm.size else a, t
+    )
+
   return jax.jit(fn, out_shardings=shardings)(tree)
 
 
@@ -68,9 +71,12 @@ class Checkpointer:
   def __init__(self, directory: str, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     self.manager = ocp.CheckpointManager(
-        self.directory, item_names=('state', 'meta'),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                             cleanup_tmp_directories=True))
+      self.directory,
+      item_names=('state', 'meta'),
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True
+      ),
+    )
 
   def steps(self) -> list[int]:
     """The saved steps, oldest first."""
@@ -85,8 +91,11 @@ class Checkpointer:
     if not ok:
       raise CheckpointError(f'refusing to save step {step}: the state holds non-finite values')
     meta = dict(meta, arrays=array_signature(state))
-    return self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+    return self.manager.save(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+      force=force,
+    )
 
   def wait(self) -> None:
     """Waits for an asynchronous save to finish."""
@@ -101,8 +110,9 @@ class Checkpointer:
     """The JSON metadata saved with `step`."""
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
-  def restore_latest(self, abstract_state: dict[str, PyTree], layout: dict,
-                     warn: Callable[[str], None] = print) -> tuple[dict[str, PyTree] | None, dict | None]:
+  def restore_latest(
+    self, abstract_state: dict[str, PyTree], layout: dict, warn: Callable[[str], None] = print
+  ) -> tuple[dict[str, PyTree] | None, dict | None]:
     """(state, meta) of the newest step that restores cleanly, or (None, None) if there is none.
 
     The int8 error-feedback residual (`grad_residual`, one per dp rank) is soft state: when the
@@ -122,22 +132,29 @@ class Checkpointer:
           target = {k: v for k, v in abstract_state.items() if k != SOFT}
           check_signature(meta, target, path, exclude=SOFT + '/')
         if target is abstract_state:
-          state = self.manager.restore(step, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(abstract_state)))['state']
+          state = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+          )['state']
         else:
           state = _partial_restore(self.directory, step, target)
       except CheckpointError:
         raise
       except Exception as e:  # damaged or incomplete: fall back to the previous step
-        warn(f'checkpoint {path} is damaged or incomplete ({type(e).__name__}: '
-             f'{str(e).splitlines()[0][:200] if str(e) else ""}); trying the previous one')
+        warn(
+          f'checkpoint {path} is damaged or incomplete ({type(e).__name__}: '
+          f'{str(e).splitlines()[0][:200] if str(e) else ""}); trying the previous one'
+        )
         continue
       state = relayout(state, meta, layout, target)
       if target is not abstract_state and SOFT in abstract_state:
         state[SOFT] = _zeros(abstract_state[SOFT])
-        why = ('has none' if not _has(meta, SOFT) else
-               f'has one for dp={meta["layout"]["dp"]}' if meta['layout']['dp'] != layout.get('dp') else
-               'has one of other shapes')
+        why = (
+          'has none'
+          if not _has(meta, SOFT)
+          else f'has one for dp={meta["layout"]["dp"]}'
+          if meta['layout']['dp'] != layout.get('dp')
+          else 'has one of other shapes'
+        )
         warn(f'checkpoint {path} {why}: the int8 gradient residual (error feedback) starts at zero')
       return state, meta
     return None, None
@@ -145,19 +162,29 @@ class Checkpointer:
 
 def _zeros(abstract: PyTree) -> PyTree:
   """Zeros with the shapes, dtypes and shardings of `abstract`, made on the devices."""
-  return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-                 out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
+  return jax.jit(
+    lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+    out_shardings=jax.tree.map(lambda a: a.sharding, abstract),
+  )()
 
 
 def _partial_restore(directory: str, step: int, item: PyTree) -> PyTree:
   """The entries of `item` from a step that may hold more (through a manager of its own: this
   one's 'state' item stays bound to the standard handler it saves with)."""
-  mgr = ocp.CheckpointManager(directory, item_names=('state', 'meta'),
-                              options=ocp.CheckpointManagerOptions(read_only=True))
+  mgr = ocp.CheckpointManager(
+    directory, item_names=('state', 'meta'), options=ocp.CheckpointManagerOptions(read_only=True)
+  )
   try:
-    return mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, partial_restore=True,
-        restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), item))))['state']
+    return mgr.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+          item=item,
+          partial_restore=True,
+          restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), item),
+        )
+      ),
+    )['state']
   finally:
     mgr.close()
 
@@ -166,8 +193,9 @@ def _has(meta: dict, key: str) -> bool:
   return any(k.startswith(key + '/') for k in meta.get('arrays', {}))
 
 
-def check_signature(meta: dict, abstract_state: PyTree, path: str, only: str | None = None,
-                    exclude: str | None = None) -> None:
+def check_signature(
+  meta: dict, abstract_state: PyTree, path: str, only: str | None = None, exclude: str | None = None
+) -> None:
   """Refuses a checkpoint whose array shapes or dtypes differ from the config's, listing them
   (only the entries under `only`, none under `exclude`, when given)."""
   saved, want = meta.get('arrays', {}), array_signature(abstract_state)
@@ -184,15 +212,19 @@ def check_signature(meta: dict, abstract_state: PyTree, path: str, only: str | N
     elif k not in want:
       bad.append(f'{k}: in the checkpoint but not in this model')
     elif saved[k] != want[k]:
-      bad.append(f'{k}: checkpoint {tuple(saved[k][0])} {saved[k][1]}, config '
-                 f'{tuple(want[k][0])} {want[k][1]}')
+      bad.append(
+        f'{k}: checkpoint {tuple(saved[k][0])} {saved[k][1]}, config {tuple(want[k][0])} {want[k][1]}'
+      )
   if bad:
     # Parameters first; the optimizer state mirrors them, so it is only counted.
     first = [b for b in bad if b.startswith('params/')] or bad
     rest = len(bad) - len(first[:30])
-    raise CheckpointError(f'checkpoint {path} does not match the config ({len(bad)} mismatched '
-                          f'entries): ' + '; '.join(first[:30]) +
-                          (f'; and {rest} more (optimizer state and others)' if rest else ''))
+    raise CheckpointError(
+      f'checkpoint {path} does not match the config ({len(bad)} mismatched '
+      f'entries): '
+      + '; '.join(first[:30])
+      + (f'; and {rest} more (optimizer state and others)' if rest else '')
+    )
 
 
 def relayout(state: PyTree, meta: dict, layout: dict, abstract_state: PyTree) -> PyTree:
@@ -205,16 +237,18 @@ def relayout(state: PyTree, meta: dict, layout: dict, abstract_state: PyTree) ->
   return permute_layers(state, perm, shardings)
 
 
-def load_params(path: str, abstract_params: PyTree, layout: dict,
-                warn: Callable[[str], None] = print) -> tuple[PyTree, int]:
+def load_params(
+  path: str, abstract_params: PyTree, layout: dict, warn: Callable[[str], None] = print
+) -> tuple[PyTree, int]:
   """Warm start: (parameters, step) of the newest good step under `path` (a run's workdir or its
   checkpoints folder), checked against this config's shapes, in this run's layer order."""
   is_ckpt_dir = os.path.basename(os.path.normpath(path)) == 'checkpoints'
   directory = path if is_ckpt_dir else os.path.join(path, 'checkpoints')
   if not os.path.isdir(directory):
     raise CheckpointError(f'checkpoint.init_from={path!r}: no checkpoints folder at {directory}')
-  mgr = ocp.CheckpointManager(directory, item_names=('state', 'meta'),
-                              options=ocp.CheckpointManagerOptions(read_only=True))
+  mgr = ocp.CheckpointManager(
+    directory, item_names=('state', 'meta'), options=ocp.CheckpointManagerOptions(read_only=True)
+  )
   try:
     for step in sorted(mgr.all_steps(), reverse=True):
       meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
@@ -232,6 +266,9 @@ def load_params(path: str, abstract_params: PyTree, layout: dict,
 
 @jax.jit
 def _all_finite(tree: PyTree) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.floating)]
+  leaves = [
+    jnp.all(jnp.isfinite(x))
+    for x in jax.tree.leaves(tree)
+    if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.floating)
+  ]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

@@ -11,6 +11,7 @@ relative path says so), otherwise the tail of the stream. The batch of step i de
 process count or resume point can change what a step sees. Each process builds only the rows of
 its own data-parallel shard; a background thread prepares the next batches while a step runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,10 @@ class Corpus:
 
   def describe(self) -> str:
     """One line: the source, the token counts of both streams and the vocabulary size."""
-    return (f'{self.source}: {self.train.size / 1e6:.1f}M train tokens, '
-            f'{self.held_out.size / 1e6:.2f}M held out, vocab {self.vocab_size}')
+    return (
+      f'{self.source}: {self.train.size / 1e6:.1f}M train tokens, '
+      f'{self.held_out.size / 1e6:.2f}M held out, vocab {self.vocab_size}'
+    )
 
 
 def _held_out(rel_path: str, fraction: float) -> bool:
@@ -50,13 +53,15 @@ def _held_out(rel_path: str, fraction: float) -> bool:
   return h / 2**32 < fraction
 
 
-def _read_files(root: str, fraction: float,
-                suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> tuple[np.ndarray, np.ndarray]:
+def _read_files(
+  root: str, fraction: float, suffixes: tuple[str, ...] = TEXT_SUFFIXES
+) -> tuple[np.ndarray, np.ndarray]:
   """The bytes of the files under `root` with these suffixes, split by file into (train, held out)."""
   train, held, total = [], [], 0
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in ('site-packages', '__pycache__')
-                         and not d.startswith('.'))
+    dirnames[:] = sorted(
+      d for d in dirnames if d not in ('site-packages', '__pycache__') and not d.startswith('.')
+    )
     for name in sorted(filenames):
       if not name.endswith(suffixes):
         continue
@@ -84,13 +89,18 @@ def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
     train, held = _read_files(root, eval_fraction, ('.py',))
     corpus = Corpus(train, held, 256, f'Python standard library source ({root})')
   elif not os.path.exists(path):
-    raise ConfigError(f'data.path={path!r} does not exist (give a text file, a folder of text files, '
-                      'a uint16 .bin token file, or a folder with train.bin and val.bin)')
+    raise ConfigError(
+      f'data.path={path!r} does not exist (give a text file, a folder of text files, '
+      'a uint16 .bin token file, or a folder with train.bin and val.bin)'
+    )
   elif os.path.isdir(path) and os.path.exists(os.path.join(path, 'train.bin')):
     train = np.memmap(os.path.join(path, 'train.bin'), dtype=np.uint16, mode='r')
     val_path = os.path.join(path, 'val.bin')
-    held = (np.memmap(val_path, dtype=np.uint16, mode='r') if os.path.exists(val_path)
-            else train[int(len(train) * (1 - eval_fraction)):])
+    held = (
+      np.memmap(val_path, dtype=np.uint16, mode='r')
+      if os.path.exists(val_path)
+      else train[int(len(train) * (1 - eval_fraction)) :]
+    )
     corpus = Corpus(train, held, int(max(train.max(initial=0), held.max(initial=0))) + 1, f'tokens {path}')
   elif path.endswith('.bin'):
     tokens = np.memmap(path, dtype=np.uint16, mode='r')
@@ -110,24 +120,28 @@ def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
     corpus = Corpus(stream[:cut], stream[cut:], 256, f'text file {path}')
   for name, arr in (('training', corpus.train), ('held-out', corpus.held_out)):
     if arr.size < min_tokens:
-      raise ConfigError(f'data.path={path!r} holds no usable {name} data: {arr.size} tokens, need at '
-                        f'least {min_tokens} (train.seq_len + 1)')
+      raise ConfigError(
+        f'data.path={path!r} holds no usable {name} data: {arr.size} tokens, need at '
+        f'least {min_tokens} (train.seq_len + 1)'
+      )
   return corpus
 
 
 def check_vocab(corpus: Corpus, vocab_size: int) -> None:
   """Raises ConfigError when the model's vocabulary is smaller than the corpus needs."""
   if corpus.vocab_size > vocab_size:
-    raise ConfigError(f'model.vocab_size={vocab_size} is smaller than the data\'s vocabulary '
-                      f'({corpus.vocab_size}, {corpus.source})')
+    raise ConfigError(
+      f"model.vocab_size={vocab_size} is smaller than the data's vocabulary ({corpus.vocab_size}, {corpus.source})"
+    )
 
 
-def batch_rows(tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int,
-               rows: slice | np.ndarray = slice(None)) -> dict[str, np.ndarray]:
+def batch_rows(
+  tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int, rows: slice | np.ndarray = slice(None)
+) -> dict[str, np.ndarray]:
   """Rows `rows` of the batch of step `step`: windows of seq_len+1 tokens at (seed, step) offsets,
   as {'inputs', 'targets'} int32 arrays of [rows, seq_len] (targets shifted by one token)."""
   offsets = np.random.default_rng([seed, step]).integers(0, tokens.size - seq_len - 1, size=batch)
-  windows = np.stack([np.asarray(tokens[o:o + seq_len + 1]) for o in offsets[rows]]).astype(np.int32)
+  windows = np.stack([np.asarray(tokens[o : o + seq_len + 1]) for o in offsets[rows]]).astype(np.int32)
   return {'inputs': windows[:, :-1], 'targets': windows[:, 1:]}
 
 
@@ -144,18 +158,29 @@ def local_rows(sharding: jax.sharding.Sharding, batch: int) -> np.ndarray:
   return np.concatenate([np.arange(a, b) for a, b in blocks])
 
 
-def to_global(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
-              batch: int) -> dict[str, jax.Array]:
+def to_global(
+  local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, batch: int
+) -> dict[str, jax.Array]:
   """Global arrays of `batch` rows from this process's rows (those of `local_rows`) of each entry."""
-  return {k: jax.make_array_from_process_local_data(sharding, v, (batch,) + v.shape[1:])
-          for k, v in local.items()}
+  return {
+    k: jax.make_array_from_process_local_data(sharding, v, (batch,) + v.shape[1:]) for k, v in local.items()
+  }
 
 
 class Prefetcher:
   """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step."""
 
-  def __init__(self, corpus: Corpus, seed: int, start: int, stop: int, batch: int, seq_len: int,
-               sharding: jax.sharding.Sharding, depth: int = 2):
+  def __init__(
+    self,
+    corpus: Corpus,
+    seed: int,
+    start: int,
+    stop: int,
+    batch: int,
+    seq_len: int,
+    sharding: jax.sharding.Sharding,
+    depth: int = 2,
+  ):
     self.rows = local_rows(sharding, batch)
     self.args = (corpus.train, seed, batch, seq_len)
     self.sharding, self.batch = sharding, batch

@@ -14,6 +14,7 @@ seconds (JAX3D_INIT_TIMEOUT, default 300) with a message naming the address; a p
 sending heartbeats for `--heartbeat_timeout` seconds (JAX3D_HEARTBEAT_TIMEOUT, default 100) makes
 the others stop with an error. On CPU, cross-process collectives use gloo.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +26,15 @@ from collections.abc import Mapping
 from typing import Any
 
 # The command-line flags of multi-process runs (python -m jax3d.train), with their defaults.
-FLAGS: dict[str, Any] = {'coordinator': None, 'num_processes': None, 'process_id': None,
-                         'distributed': 'auto', 'init_timeout': None, 'heartbeat_timeout': None,
-                         'devices_per_process': None}
+FLAGS: dict[str, Any] = {
+  'coordinator': None,
+  'num_processes': None,
+  'process_id': None,
+  'distributed': 'auto',
+  'init_timeout': None,
+  'heartbeat_timeout': None,
+  'devices_per_process': None,
+}
 
 DEFAULT_INIT_TIMEOUT = 300
 DEFAULT_HEARTBEAT_TIMEOUT = 100
@@ -78,6 +85,7 @@ def _detected_cluster() -> str | None:
     return 'Open MPI'
   if 'KUBERNETES_SERVICE_HOST' in env and 'JOB_COMPLETION_INDEX' in env:
     import importlib.util
+
     if importlib.util.find_spec('kubernetes') is not None:  # JAX's detector needs `pip install jax[k8s]`
       return 'Kubernetes'
   return None
@@ -93,30 +101,37 @@ def resolve(flags: Mapping[str, Any]) -> Info:
   n = _int(flags.get('num_processes') or env.get('JAX_NUM_PROCESSES'), '--num_processes')
   pid_flag = flags.get('process_id')
   pid = _int(pid_flag if pid_flag not in (None, '') else env.get('JAX_PROCESS_ID'), '--process_id')
-  init_t = (_int(flags.get('init_timeout') or env.get('JAX3D_INIT_TIMEOUT'), '--init_timeout')
-            or DEFAULT_INIT_TIMEOUT)
-  hb_t = (_int(flags.get('heartbeat_timeout') or env.get('JAX3D_HEARTBEAT_TIMEOUT'), '--heartbeat_timeout')
-          or DEFAULT_HEARTBEAT_TIMEOUT)
+  init_t = (
+    _int(flags.get('init_timeout') or env.get('JAX3D_INIT_TIMEOUT'), '--init_timeout') or DEFAULT_INIT_TIMEOUT
+  )
+  hb_t = (
+    _int(flags.get('heartbeat_timeout') or env.get('JAX3D_HEARTBEAT_TIMEOUT'), '--heartbeat_timeout')
+    or DEFAULT_HEARTBEAT_TIMEOUT
+  )
   if init_t < 1 or hb_t < 1:
     raise ValueError('--init_timeout and --heartbeat_timeout must be positive (seconds)')
   base = dict(init_timeout=init_t, heartbeat_timeout=hb_t)
   if mode == 'off':
     return Info(multi=False, **base)
-  explicit = [k for k, v in (('--coordinator', coord), ('--num_processes', n), ('--process_id', pid))
-              if v is not None]
+  explicit = [
+    k for k, v in (('--coordinator', coord), ('--num_processes', n), ('--process_id', pid)) if v is not None
+  ]
   if n is not None and n < 1:
     raise ValueError(f'--num_processes={n} is invalid: a positive integer')
   if explicit and not (n == 1 and mode == 'auto'):
     if len(explicit) < 3 and _detected_cluster() is None:
       missing = [k for k in ('--coordinator', '--num_processes', '--process_id') if k not in explicit]
-      raise ValueError(f'{", ".join(explicit)} given without {", ".join(missing)} (or the matching '
-                       'JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)')
+      raise ValueError(
+        f'{", ".join(explicit)} given without {", ".join(missing)} (or the matching '
+        'JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)'
+      )
     if coord is not None and (':' not in coord or not coord.rsplit(':', 1)[1].isdigit()):
       raise ValueError(f'--coordinator={coord!r} is invalid: HOST:PORT of process 0')
     if pid is not None and n is not None and not 0 <= pid < n:
       raise ValueError(f'--process_id={pid} is invalid: 0 <= process_id < num_processes={n}')
-    return Info(multi=True, process_id=pid or 0, num_processes=n or 0, coordinator=coord,
-                how='explicit', **base)
+    return Info(
+      multi=True, process_id=pid or 0, num_processes=n or 0, coordinator=coord, how='explicit', **base
+    )
   cluster = _detected_cluster()
   if mode == 'on' or cluster:
     return Info(multi=True, coordinator=coord, how=cluster or 'cluster auto-detection', **base)
@@ -133,29 +148,35 @@ def initialize(flags: Mapping[str, Any]) -> Info:
   if not inf.multi:
     return inf
   import jax
+
   # Only the host (CPU) client reads this: cross-process collectives on fake CPU devices use gloo.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  kwargs = dict(initialization_timeout=inf.init_timeout, heartbeat_timeout_seconds=inf.heartbeat_timeout,
-                shutdown_timeout_seconds=min(DEFAULT_SHUTDOWN_TIMEOUT, max(inf.heartbeat_timeout, 10)))
+  kwargs = dict(
+    initialization_timeout=inf.init_timeout,
+    heartbeat_timeout_seconds=inf.heartbeat_timeout,
+    shutdown_timeout_seconds=min(DEFAULT_SHUTDOWN_TIMEOUT, max(inf.heartbeat_timeout, 10)),
+  )
   if inf.how == 'explicit':
-    kwargs.update(coordinator_address=inf.coordinator, num_processes=inf.num_processes or None,
-                  process_id=inf.process_id)
+    kwargs.update(
+      coordinator_address=inf.coordinator, num_processes=inf.num_processes or None, process_id=inf.process_id
+    )
   where = inf.coordinator or os.environ.get('JAX_COORDINATOR_ADDRESS') or '(auto-detected address)'
   if inf.coordinator:
     # jaxlib aborts the whole process (no Python exception) when it cannot register with the
     # coordinator, so the address is checked here first, within the same bound.
-    left = wait_for_coordinator(inf.coordinator, inf.init_timeout, connect=inf.process_id != 0,
-                                hint=how_hint(inf), who=inf.process_id)
+    left = wait_for_coordinator(
+      inf.coordinator, inf.init_timeout, connect=inf.process_id != 0, hint=how_hint(inf), who=inf.process_id
+    )
     kwargs['initialization_timeout'] = max(int(left), 5)
   try:
     jax.distributed.initialize(**kwargs)
   except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error types
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     raise DistributedError(
-        f'process {inf.process_id if inf.how == "explicit" else "?"} could not join the run: the '
-        f'coordinator at {where} did not answer within --init_timeout={inf.init_timeout} s '
-        f'({how_hint(inf)}); check that process 0 is running and HOST:PORT is reachable from this '
-        f'host [{type(e).__name__}: {first}]'
+      f'process {inf.process_id if inf.how == "explicit" else "?"} could not join the run: the '
+      f'coordinator at {where} did not answer within --init_timeout={inf.init_timeout} s '
+      f'({how_hint(inf)}); check that process 0 is running and HOST:PORT is reachable from this '
+      f'host [{type(e).__name__}: {first}]'
     ) from None
   inf.process_id, inf.num_processes = jax.process_index(), jax.process_count()
   inf.coordinator = _jax_coordinator_address() or where
@@ -172,6 +193,7 @@ def _jax_coordinator_address() -> str | None:
   """
   try:
     from jax._src import distributed as jax_distributed
+
     return getattr(jax_distributed.global_state, 'coordinator_address', None)
   except Exception:  # any jax whose internals differ: the address is just not known
     return None
@@ -187,8 +209,9 @@ def wait_for_coordinator(address: str, timeout: float, connect: bool, hint: str,
   try:
     socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
   except (socket.gaierror, OSError) as e:
-    raise DistributedError(f'process {who}: the coordinator address {address} ({hint}) does not resolve: '
-                           f'{e}') from None
+    raise DistributedError(
+      f'process {who}: the coordinator address {address} ({hint}) does not resolve: {e}'
+    ) from None
   if not connect:
     return timeout
   last = None
@@ -200,14 +223,14 @@ def wait_for_coordinator(address: str, timeout: float, connect: bool, hint: str,
       last = e
       time.sleep(0.25)
   raise DistributedError(
-      f'process {who} could not reach the coordinator at {address} ({hint}) within --init_timeout='
-      f'{timeout:g} s: {last}; check that process 0 is running there and the port is open')
+    f'process {who} could not reach the coordinator at {address} ({hint}) within --init_timeout='
+    f'{timeout:g} s: {last}; check that process 0 is running there and the port is open'
+  )
 
 
 def how_hint(inf: Info) -> str:
   """Where the coordinator address came from, for error messages."""
-  return ('from --coordinator / JAX_COORDINATOR_ADDRESS' if inf.how == 'explicit'
-          else f'detected by {inf.how}')
+  return 'from --coordinator / JAX_COORDINATOR_ADDRESS' if inf.how == 'explicit' else f'detected by {inf.how}'
 
 
 def hostnames() -> list[str]:
@@ -215,13 +238,15 @@ def hostnames() -> list[str]:
   this (one all-gather of a fixed-size byte array per process; names longer than HOSTNAME_BYTES
   bytes are cut)."""
   import jax
+
   if not _INFO.multi or jax.process_count() == 1:
     return [socket.gethostname()]
   import numpy as np
   from jax.experimental import multihost_utils
+
   raw = socket.gethostname().encode()[:HOSTNAME_BYTES]
   mine = np.zeros(HOSTNAME_BYTES, np.uint8)
-  mine[:len(raw)] = np.frombuffer(raw, np.uint8)
+  mine[: len(raw)] = np.frombuffer(raw, np.uint8)
   every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, HOSTNAME_BYTES]
   return [bytes(row).rstrip(b'\0').decode(errors='replace') for row in every]
 
@@ -230,9 +255,11 @@ def preemption_sync(step: int) -> bool:
   """True on every process at the same step once any of them got SIGTERM (JAX's preemption
   service). Only meaningful when multi-process; False otherwise."""
   import jax
+
   if jax.process_count() == 1:  # also covers a caller that ran jax.distributed.initialize itself
     return False
   from jax.experimental import multihost_utils
+
   try:
     return bool(multihost_utils.reached_preemption_sync_point(step))
   except RuntimeError:  # preemption service disabled
@@ -242,11 +269,14 @@ def preemption_sync(step: int) -> bool:
 def describe() -> str:
   """One line: the processes, how they were started, the coordinator and devices per process."""
   import jax
+
   inf = _INFO
   if not inf.multi:
     return 'single process'
-  return (f'{jax.process_count()} processes ({inf.how}), coordinator {inf.coordinator}, '
-          f'{jax.local_device_count()} devices per process, heartbeat timeout {inf.heartbeat_timeout} s')
+  return (
+    f'{jax.process_count()} processes ({inf.how}), coordinator {inf.coordinator}, '
+    f'{jax.local_device_count()} devices per process, heartbeat timeout {inf.heartbeat_timeout} s'
+  )
 
 
 def hard_exit(code: int) -> None:

@@ -24,6 +24,7 @@ CUDA plugin for jax must be installed (`jax_cuda12_plugin` / `jax_cuda13_plugin`
 `pip install jax[cuda12]`) and an NVIDIA device must be visible (/dev/nvidia0 or
 /proc/driver/nvidia/gpus/*), and CUDA_VISIBLE_DEVICES must not hide them all.
 """
+
 from __future__ import annotations
 
 import glob
@@ -34,15 +35,15 @@ from collections.abc import Mapping, MutableMapping
 COMBINE_BYTES = 128 * 2**20
 
 GPU_FLAGS = (
-    '--xla_gpu_enable_latency_hiding_scheduler=true',
-    '--xla_gpu_enable_highest_priority_async_stream=true',
-    '--xla_gpu_enable_pipelined_all_gather=true',
-    '--xla_gpu_enable_pipelined_reduce_scatter=true',
-    '--xla_gpu_enable_pipelined_all_reduce=true',
-    '--xla_gpu_enable_while_loop_double_buffering=true',
-    f'--xla_gpu_all_reduce_combine_threshold_bytes={COMBINE_BYTES}',
-    f'--xla_gpu_all_gather_combine_threshold_bytes={COMBINE_BYTES}',
-    f'--xla_gpu_reduce_scatter_combine_threshold_bytes={COMBINE_BYTES // 2}',
+  '--xla_gpu_enable_latency_hiding_scheduler=true',
+  '--xla_gpu_enable_highest_priority_async_stream=true',
+  '--xla_gpu_enable_pipelined_all_gather=true',
+  '--xla_gpu_enable_pipelined_reduce_scatter=true',
+  '--xla_gpu_enable_pipelined_all_reduce=true',
+  '--xla_gpu_enable_while_loop_double_buffering=true',
+  f'--xla_gpu_all_reduce_combine_threshold_bytes={COMBINE_BYTES}',
+  f'--xla_gpu_all_gather_combine_threshold_bytes={COMBINE_BYTES}',
+  f'--xla_gpu_reduce_scatter_combine_threshold_bytes={COMBINE_BYTES // 2}',
 )
 CUDA_PLUGINS = ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
 

@@ -12,6 +12,7 @@ to every step instead of being carried in the jitted state). Steady state after 
 (compilation, optimizer state, prefetch buffers) is flat, so a least-squares slope over a
 window of steps separates the two.
 """
+
 from __future__ import annotations
 
 import collections
@@ -49,8 +50,10 @@ def sample(devices: Sequence[jax.Device]) -> dict[str, list]:
   devices = [d for d in devices if d.process_index == jax.process_index()]
   stats = [d.memory_stats() if hasattr(d, 'memory_stats') else None for d in devices]
   if all(s and 'bytes_in_use' in s for s in stats):
-    return {'bytes_in_use': [int(s['bytes_in_use']) for s in stats],
-            'peak_bytes': [int(s['peak_bytes_in_use']) if 'peak_bytes_in_use' in s else None for s in stats]}
+    return {
+      'bytes_in_use': [int(s['bytes_in_use']) for s in stats],
+      'peak_bytes': [int(s['peak_bytes_in_use']) if 'peak_bytes_in_use' in s else None for s in stats],
+    }
   return {'bytes_in_use': _live_array_bytes(devices), 'peak_bytes': [None] * len(devices)}
 
 
@@ -101,19 +104,27 @@ class LeakDetector:
     half = self.window // 2
     span = (np.mean(steps[half:]) - np.mean(steps[:half])) or 1.0
     halves = (per_dev[half:].mean(0) - per_dev[:half].mean(0)) / span
-    growing = [i for i, (sl, hv) in enumerate(zip(slopes, halves, strict=True))
-               if sl > self.threshold and hv > self.threshold]
+    growing = [
+      i
+      for i, (sl, hv) in enumerate(zip(slopes, halves, strict=True))
+      if sl > self.threshold and hv > self.threshold
+    ]
     if not growing:
       return None
     self.history.clear()
     worst = max(slopes[i] for i in growing)
     return {
-        'event': 'memory_leak', 'step': int(step), 'slope_mb_per_step': round(worst, 3),
-        'devices': growing, 'window_steps': [int(steps[0]), int(steps[-1])],
-        'message': (f'device memory grew {worst:.2f} MB/step on device(s) {growing} over steps '
-                    f'{steps[0]}-{steps[-1]} (threshold {self.threshold} MB/step). Likely causes: '
-                    'intermediates kept alive across steps (e.g. a Python list of step outputs or '
-                    'metrics still holding device arrays; store float(x) / jax.device_get(x) instead), '
-                    'or gradient accumulation done wrong (accumulators rebuilt or appended to every '
-                    'step instead of carried in the jitted state).'),
+      'event': 'memory_leak',
+      'step': int(step),
+      'slope_mb_per_step': round(worst, 3),
+      'devices': growing,
+      'window_steps': [int(steps[0]), int(steps[-1])],
+      'message': (
+        f'device memory grew {worst:.2f} MB/step on device(s) {growing} over steps '
+        f'{steps[0]}-{steps[-1]} (threshold {self.threshold} MB/step). Likely causes: '
+        'intermediates kept alive across steps (e.g. a Python list of step outputs or '
+        'metrics still holding device arrays; store float(x) / jax.device_get(x) instead), '
+        'or gradient accumulation done wrong (accumulators rebuilt or appended to every '
+        'step instead of carried in the jitted state).'
+      ),
     }

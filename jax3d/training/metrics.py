@@ -7,6 +7,7 @@ take the last record of a step). Kinds of record:
   {"step", "eval_loss"}                                                  held-out evaluations
   {"step", "event": "nonfinite" | "memory_leak" | "checkpoint" | ..., ...}
 """
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,15 @@ class Console:
     self.bar = self.task = None
     if self.live:
       from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-      self.bar = Progress(TextColumn('[bold]train'), BarColumn(), MofNCompleteColumn(),
-                          TextColumn('{task.fields[stats]}'), TimeRemainingColumn(), transient=True)
+
+      self.bar = Progress(
+        TextColumn('[bold]train'),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn('{task.fields[stats]}'),
+        TimeRemainingColumn(),
+        transient=True,
+      )
 
   def log(self, msg: str = '') -> None:
     """Prints a line on process 0 (above the progress bar when it is shown)."""
@@ -129,25 +137,26 @@ def summary_lines(s: Any, data: str) -> list[str]:
   pipeline schedule and bubble, forward work per stage, tokens per step, and `data`."""
   p, d = s.plan, s.dims
   n_params = formulas.param_count(d)
-  per_dev = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
-                for a in jax.tree.leaves(s.abstract_state['params']))
+  per_dev = sum(
+    int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+    for a in jax.tree.leaves(s.abstract_state['params'])
+  )
   lc = d.n_layers // (p.pp * p.repeats)
   return [
-      f'jax3d: {p.n_devices} {jax.devices()[0].platform} devices, mesh dp={p.dp} x pp={p.pp} x tp={p.tp}',
-      f'  model: {d.n_layers} layers, d_model {d.d_model}, heads {d.n_heads}/{d.n_kv_heads} kv, '
-      f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
-      f'  parameters per device: {fmt_bytes(per_dev)} ({s.cfg.train.param_dtype}), '
-      f'compute {s.cfg.train.compute_dtype}, remat {s.cfg.train.remat}',
-      f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
-      f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '
-      f'{p.bubble:.1%} (executed/useful stage work {p.iterations / (p.repeats * p.microbatches):.2f}); '
-      f'embedding and head run on all {p.n_devices} devices',
-      f'  per stage: {lc * p.repeats} layers = '
-      f'{formulas.stage_forward_flops(d, lc * p.repeats, p.tokens_per_step) / 1e9:.2f} '
-      f'GFLOP forward per step (equal for every stage)',
-      f'  tokens per step: {p.tokens_per_step:,} ({p.global_batch} x {p.seq_len}), grad_accum '
-      f'{p.grad_accum}',
-      f'  data: {data}',
+    f'jax3d: {p.n_devices} {jax.devices()[0].platform} devices, mesh dp={p.dp} x pp={p.pp} x tp={p.tp}',
+    f'  model: {d.n_layers} layers, d_model {d.d_model}, heads {d.n_heads}/{d.n_kv_heads} kv, '
+    f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
+    f'  parameters per device: {fmt_bytes(per_dev)} ({s.cfg.train.param_dtype}), '
+    f'compute {s.cfg.train.compute_dtype}, remat {s.cfg.train.remat}',
+    f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
+    f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '
+    f'{p.bubble:.1%} (executed/useful stage work {p.iterations / (p.repeats * p.microbatches):.2f}); '
+    f'embedding and head run on all {p.n_devices} devices',
+    f'  per stage: {lc * p.repeats} layers = '
+    f'{formulas.stage_forward_flops(d, lc * p.repeats, p.tokens_per_step) / 1e9:.2f} '
+    f'GFLOP forward per step (equal for every stage)',
+    f'  tokens per step: {p.tokens_per_step:,} ({p.global_batch} x {p.seq_len}), grad_accum {p.grad_accum}',
+    f'  data: {data}',
   ]
 
 
@@ -173,6 +182,7 @@ class TensorBoard:
     self.writer = None
     if workdir and is_main_process():
       from tensorboardX import SummaryWriter
+
       self.writer = SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
   def scalars(self, step: int, record: dict) -> None:

@@ -3,6 +3,7 @@
 
 Weight decay applies to matrices (kernels, embedding), not to norm scales.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,14 +19,17 @@ def schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
   t = cfg.train
   warmup = min(t.warmup_steps, max(t.steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
-      decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
+    init_value=0.0,
+    peak_value=t.lr,
+    warmup_steps=warmup,
+    decay_steps=max(t.steps, warmup + 1),
+    end_value=t.lr * t.min_lr_ratio,
+  )
 
 
 def _decay_mask(params: Any) -> Any:
   """True for the parameters weight decay applies to: all but the norm scales."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], 'key', None) != 'scale', params)
+  return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], 'key', None) != 'scale', params)
 
 
 def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -35,8 +39,9 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
   parts = []
   if t.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(t.grad_clip))
-  parts.append(optax.adamw(schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay,
-                           mask=_decay_mask))
+  parts.append(
+    optax.adamw(schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
+  )
   # Non-finite gradients: the update is skipped (params and moments unchanged). The run itself
   # stops after train.max_bad_steps in a row (jax3d/training/trainer.py); the large limit here
   # keeps optax from ever applying a non-finite update on its own.

@@ -10,6 +10,7 @@ Data flow of one step (`loss_sum`):
 Every function takes the run's `Setup` (jax3d/run.py), which holds the config, plan, mesh, model
 dims, optimizer, logical rules and the shardings, computed once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -31,21 +32,31 @@ Batch = dict[str, jax.Array]
 
 
 # --- loss and gradients ---------------------------------------------------------------------
-def loss_sum(params: Any, tokens_bt: jax.Array, targets_bt: jax.Array, s: Setup,
-             manual: bool = False) -> jax.Array:
+def loss_sum(
+  params: Any, tokens_bt: jax.Array, targets_bt: jax.Array, s: Setup, manual: bool = False
+) -> jax.Array:
   """Sum of token losses of one accumulation chunk. `manual`: traced inside data_parallel's
   shard_map (manual over dp and pp): the rows are this device's, the layers this stage's, and
   the sum is this device's share (summed over dp and pp by the caller)."""
   if manual:
     tokens_bt, targets_bt = pipeline.local_rows(tokens_bt, s.plan), pipeline.local_rows(targets_bt, s.plan)
   x_btd = llama.embed_apply(s.dims, params, tokens_bt)
-  y_btd = pipeline.apply(lambda p, h: llama.block_apply(s.dims, p, h), params['layers'], x_btd,
-                         mesh=s.mesh, plan=s.plan, rules=s.rules, policy=s.cfg.train.remat, manual=manual)
+  y_btd = pipeline.apply(
+    lambda p, h: llama.block_apply(s.dims, p, h),
+    params['layers'],
+    x_btd,
+    mesh=s.mesh,
+    plan=s.plan,
+    rules=s.rules,
+    policy=s.cfg.train.remat,
+    manual=manual,
+  )
   return llama.cross_entropy_sum(llama.head_apply(s.dims, params, y_btd), targets_bt)
 
 
-def accumulate(grad_fn: Callable, params: Any, batch: Batch, a: int,
-               zero: Callable = lambda x: x) -> tuple[jax.Array, Any]:
+def accumulate(
+  grad_fn: Callable, params: Any, batch: Batch, a: int, zero: Callable = lambda x: x
+) -> tuple[jax.Array, Any]:
   """(loss, grads) of `grad_fn` summed over `a` accumulation chunks of the batch, in a scan (chunk
   i = rows i, i+a, ...: local to each dp shard). `zero` marks the loss accumulator's start."""
   if a == 1:
@@ -72,9 +83,16 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
       return accumulate(grad_fn, params, batch, s.plan.grad_accum, zero=data_parallel.vary)
 
   return data_parallel.value_and_grad(
-      local_grads, params, batch, residual, mesh=s.mesh, params_sh=s.param_shardings,
-      grads_sh=s.zero_shardings if s.zero1 else s.param_shardings,
-      dtype=s.cfg.train.grad_reduce_dtype, shard=s.zero1)
+    local_grads,
+    params,
+    batch,
+    residual,
+    mesh=s.mesh,
+    params_sh=s.param_shardings,
+    grads_sh=s.zero_shardings if s.zero1 else s.param_shardings,
+    dtype=s.cfg.train.grad_reduce_dtype,
+    shard=s.zero1,
+  )
 
 
 # --- state and steps --------------------------------------------------------------------------
@@ -113,8 +131,11 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
   if s.zero1:  # all-gather the updated slices back to the parameters' own layout (then select:
     # selecting first would make XLA gather the old parameters as well)
     new_params = jax.lax.with_sharding_constraint(new_params, s.param_shardings)
-  new_state = {'step': state['step'] + 1, 'params': keep(new_params, state['params']),
-               'opt_state': keep(opt_state, state['opt_state'])}
+  new_state = {
+    'step': state['step'] + 1,
+    'params': keep(new_params, state['params']),
+    'opt_state': keep(opt_state, state['opt_state']),
+  }
   if residual is not None:
     new_state['grad_residual'] = keep(residual, state['grad_residual'])
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': s.schedule(state['step']), 'finite': ok}
@@ -145,18 +166,28 @@ class MeshJit:
 
 def make_init(s: Setup) -> MeshJit:
   """jit(init) with out_shardings: every array is created already sharded."""
+
   def init(seed):
     with sharding.use_rules(s.rules):
       return init_state(jax.random.key(seed), s)
+
   return MeshJit(init, s.mesh, out_shardings=s.state_shardings)
 
 
 def make_train_step(s: Setup) -> MeshJit:
-  return MeshJit(lambda st, b: train_step(st, b, s), s.mesh,
-                 in_shardings=(s.state_shardings, s.batch_shardings),
-                 out_shardings=(s.state_shardings, NamedSharding(s.mesh, P())), donate_argnums=(0,))
+  return MeshJit(
+    lambda st, b: train_step(st, b, s),
+    s.mesh,
+    in_shardings=(s.state_shardings, s.batch_shardings),
+    out_shardings=(s.state_shardings, NamedSharding(s.mesh, P())),
+    donate_argnums=(0,),
+  )
 
 
 def make_eval_step(s: Setup) -> MeshJit:
-  return MeshJit(lambda p, b: eval_step(p, b, s), s.mesh, in_shardings=(s.param_shardings, s.batch_shardings),
-                 out_shardings=NamedSharding(s.mesh, P()))
+  return MeshJit(
+    lambda p, b: eval_step(p, b, s),
+    s.mesh,
+    in_shardings=(s.param_shardings, s.batch_shardings),
+    out_shardings=NamedSharding(s.mesh, P()),
+  )

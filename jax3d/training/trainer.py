@@ -9,6 +9,7 @@ Order of work: run.setup (validate the config and the data: errors here, before 
 compiles; the mesh; the shardings) -> restore or jitted sharded init -> run.compile_train_step
 -> the loop (`train`: one `_step` per iteration, then logging, evaluation, checkpoints).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ import numpy as np
 
 from jax3d import config as config_lib, run
 from jax3d.model import formulas as flops_lib, generate as gen_lib
-from jax3d.tools import costmodel, inspection, planner
+from jax3d.tools import inspection, oom
 from jax3d.training import (
   checkpoint as ckpt_lib,
   data as data_lib,
@@ -41,8 +42,13 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str | None = None,
-               devices: Sequence[jax.Device] | None = None, console: bool = True):
+  def __init__(
+    self,
+    cfg: ml_collections.ConfigDict,
+    workdir: str | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    console: bool = True,
+  ):
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
     config_lib.validate(cfg, len(devices))  # config errors before data errors
@@ -53,17 +59,24 @@ class Trainer:
     self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)
     self.quiet = not console
     self.writer = metrics_lib.MetricsWriter(workdir)
-    self.checkpointer = (ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), cfg.checkpoint.keep,
-                                               cfg.checkpoint.async_save) if workdir else None)
+    self.checkpointer = (
+      ckpt_lib.Checkpointer(
+        os.path.join(workdir, 'checkpoints'), cfg.checkpoint.keep, cfg.checkpoint.async_save
+      )
+      if workdir
+      else None
+    )
     self.state = None
     self.compiled: run.CompiledStep | None = None
     self._eval_step = None
     self._stop_signal = None
     self.devices = list(self.mesh.devices.flat)
-    self.mfu_meter = flops_lib.MFUMeter(self.setup.dims, cfg.train.seq_len, self.devices[0],
-                                        self.plan.n_devices, cfg.hardware.peak_tflops)
-    self.leak = memory_lib.LeakDetector(window=cfg.log.leak_window,
-                                        threshold_mb_per_step=cfg.log.leak_mb_per_step)
+    self.mfu_meter = flops_lib.MFUMeter(
+      self.setup.dims, cfg.train.seq_len, self.devices[0], self.plan.n_devices, cfg.hardware.peak_tflops
+    )
+    self.leak = memory_lib.LeakDetector(
+      window=cfg.log.leak_window, threshold_mb_per_step=cfg.log.leak_mb_per_step
+    )
     self.tb = metrics_lib.TensorBoard(workdir if cfg.log.tensorboard else None)
 
   # ------------------------------------------------------------------ set-up
@@ -92,12 +105,15 @@ class Trainer:
       if state is not None:
         self.state = state
         saved = meta['layout']
-        return (f'resumed from {self.checkpointer.directory}/{meta["step"]} (saved under dp={saved["dp"]} '
-                f'pp={saved["pp"]} tp={saved["tp"]} repeats={saved["repeats"]}), next step {meta["step"]}')
+        return (
+          f'resumed from {self.checkpointer.directory}/{meta["step"]} (saved under dp={saved["dp"]} '
+          f'pp={saved["pp"]} tp={saved["tp"]} repeats={saved["repeats"]}), next step {meta["step"]}'
+        )
     self.state = step_lib.make_init(self.setup)(self.cfg.train.seed)
     if self.cfg.checkpoint.init_from:
-      params, step = ckpt_lib.load_params(self.cfg.checkpoint.init_from, abstract['params'], self.layout,
-                                          warn=self.console.warn)
+      params, step = ckpt_lib.load_params(
+        self.cfg.checkpoint.init_from, abstract['params'], self.layout, warn=self.console.warn
+      )
       self.state['params'] = params
       return f'initialised, parameters warm-started from {self.cfg.checkpoint.init_from} (step {step})'
     return f'initialised from seed {self.cfg.train.seed}'
@@ -111,17 +127,8 @@ class Trainer:
     self._eval_step = step_lib.make_eval_step(self.setup)
     lines = [f'compiled the train step in {self.compiled.compile_s:.1f} s']
     lines += inspection.summary_lines(self.compiled.analysis())
-    est = costmodel.estimate(self.cfg, self.plan)
-    compiled = self.compiled.memory['total']
-    lines.append(f'memory per device: compiled {metrics_lib.fmt_bytes(compiled)}, planner estimate '
-                 f'{metrics_lib.fmt_bytes(est.total_bytes)} ({est.total_bytes / max(compiled, 1) - 1:+.0%})')
-    limit = memory_lib.device_memory_limit(self.devices[0])
-    if limit and max(compiled, est.total_bytes if self.devices[0].platform == 'gpu' else 0) > limit:
-      ladder = planner.oom_ladder(self.cfg, self.plan, limit)
-      raise config_lib.ConfigError(
-          f'this layout needs {compiled / 1e9:.1f} GB per device, the device has {limit / 1e9:.1f} GB; '
-          'what would fit, in the order to try: ' + ' | '.join(l.strip() for l in ladder))
-    return lines
+    # The compiled bytes beside the planner's estimate; ConfigError with the OOM ladder if too many.
+    return lines + [oom.check_fits(self.cfg, self.plan, self.compiled.memory['total'], self.devices[0])]
 
   def _compile(self):
     for line in self.compile():
@@ -134,8 +141,13 @@ class Trainer:
   # ------------------------------------------------------------------ checkpoints
   def meta(self) -> dict:
     step = self.step
-    return {'step': step, 'data_step': step, 'seed': self.cfg.train.seed, 'layout': self.layout,
-            'config': self.cfg.to_dict()}
+    return {
+      'step': step,
+      'data_step': step,
+      'seed': self.cfg.train.seed,
+      'layout': self.layout,
+      'config': self.cfg.to_dict(),
+    }
 
   def save(self, force: bool = True) -> str | None:
     if not self.checkpointer:
@@ -149,21 +161,41 @@ class Trainer:
   # ------------------------------------------------------------------ evaluation and text
   def evaluate(self) -> float:
     self._compile()
-    batches = data_lib.eval_batches(self.corpus, self.cfg.train.seed, self.cfg.eval.batches,
-                                    self.plan.chunk_batch, self.plan.seq_len)
+    batches = data_lib.eval_batches(
+      self.corpus, self.cfg.train.seed, self.cfg.eval.batches, self.plan.chunk_batch, self.plan.seq_len
+    )
     sh = self.setup.batch_sharding
-    losses = [self._eval_step(self.state['params'], data_lib.to_global(
-        {k: v[data_lib.local_rows(sh, self.plan.chunk_batch)] for k, v in b.items()}, sh,
-        self.plan.chunk_batch)) for b in batches]
+    losses = [
+      self._eval_step(
+        self.state['params'],
+        data_lib.to_global(
+          {k: v[data_lib.local_rows(sh, self.plan.chunk_batch)] for k, v in b.items()},
+          sh,
+          self.plan.chunk_batch,
+        ),
+      )
+      for b in batches
+    ]
     return float(np.mean(jax.device_get(losses)))
 
-  def sample(self, prompt: str | None = None, n_tokens: int | None = None, temperature: float | None = None,
-             top_k: int | None = None, seed: int = 0) -> str:
+  def sample(
+    self,
+    prompt: str | None = None,
+    n_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    seed: int = 0,
+  ) -> str:
     s = self.cfg.sample
     return gen_lib.generate_text(
-        self.setup, self.state['params'], s.prompt if prompt is None else prompt,
-        s.tokens if n_tokens is None else n_tokens, s.temperature if temperature is None else temperature,
-        s.top_k if top_k is None else top_k, seed)
+      self.setup,
+      self.state['params'],
+      s.prompt if prompt is None else prompt,
+      s.tokens if n_tokens is None else n_tokens,
+      s.temperature if temperature is None else temperature,
+      s.top_k if top_k is None else top_k,
+      seed,
+    )
 
   # ------------------------------------------------------------------ the loop
   def _on_sigterm(self, signum, frame):
@@ -182,10 +214,21 @@ class Trainer:
     # Several processes: JAX's preemption service owns SIGTERM (a Python handler would replace its
     # notifier) and makes every process stop at the same step; one process: a Python flag.
     multi = jax.process_count() > 1
-    prev_handler = (signal.signal(signal.SIGTERM, self._on_sigterm)
-                    if threading.current_thread() is threading.main_thread() and not multi else None)
-    prefetch = data_lib.Prefetcher(self.corpus, cfg.train.seed, start, stop, plan.global_batch,
-                                   plan.seq_len, self.setup.batch_sharding, cfg.data.prefetch)
+    prev_handler = (
+      signal.signal(signal.SIGTERM, self._on_sigterm)
+      if threading.current_thread() is threading.main_thread() and not multi
+      else None
+    )
+    prefetch = data_lib.Prefetcher(
+      self.corpus,
+      cfg.train.seed,
+      start,
+      stop,
+      plan.global_batch,
+      plan.seq_len,
+      self.setup.batch_sharding,
+      cfg.data.prefetch,
+    )
     self._bad, clock = 0, metrics_lib.Clock()
     if start == 0 and cfg.eval.every and stop > 0:
       self._eval_and_log(0)  # where held-out loss starts (ln(vocab) for an untrained model)
@@ -203,8 +246,9 @@ class Trainer:
         self._check_finite(step, m)
         if step % cfg.log.every == 0 or step == stop:
           self._log_step(step, stop, m, clock)
-        self.console.progress(step, start, float(m['loss']),
-                              plan.tokens_per_step / max(time.time() - t0, 1e-9), time.time() - t0)
+        self.console.progress(
+          step, start, float(m['loss']), plan.tokens_per_step / max(time.time() - t0, 1e-9), time.time() - t0
+        )
         if cfg.eval.every and step % cfg.eval.every == 0 and step != stop:
           self._eval_and_log(step)
           clock.t_last = time.time()
@@ -236,8 +280,10 @@ class Trainer:
       jax.profiler.start_trace(os.path.join(self.workdir, 'profile'))
     elif not start and at == prof.start + prof.steps:
       jax.profiler.stop_trace()
-      self.log(f'  profile of steps {prof.start}..{at - 1} written to {self.workdir}/profile '
-               '(open with TensorBoard or https://ui.perfetto.dev)')
+      self.log(
+        f'  profile of steps {prof.start}..{at - 1} written to {self.workdir}/profile '
+        '(open with TensorBoard or https://ui.perfetto.dev)'
+      )
 
   def _check_finite(self, step: int, m: dict) -> None:
     """A non-finite step was skipped inside the step; train.max_bad_steps in a row stop the run."""
@@ -246,14 +292,25 @@ class Trainer:
       return
     self._bad += 1
     limit = self.cfg.train.max_bad_steps
-    self.console.warn(f'step {step}: non-finite loss {float(m["loss"])} / grad norm {float(m["grad_norm"])}; '
-                      f'update skipped ({self._bad} in a row, limit train.max_bad_steps={limit})')
-    self.writer.write({'step': step, 'event': 'nonfinite', 'loss': float(m['loss']),
-                       'grad_norm': float(m['grad_norm']), 'consecutive': self._bad})
+    self.console.warn(
+      f'step {step}: non-finite loss {float(m["loss"])} / grad norm {float(m["grad_norm"])}; '
+      f'update skipped ({self._bad} in a row, limit train.max_bad_steps={limit})'
+    )
+    self.writer.write(
+      {
+        'step': step,
+        'event': 'nonfinite',
+        'loss': float(m['loss']),
+        'grad_norm': float(m['grad_norm']),
+        'consecutive': self._bad,
+      }
+    )
     if self._bad >= limit:
-      raise TrainingError(f'stopping at step {step}: {self._bad} consecutive non-finite steps '
-                          f'(loss {float(m["loss"])}, grad norm {float(m["grad_norm"])}); the last '
-                          f'checkpoint holds finite values only')
+      raise TrainingError(
+        f'stopping at step {step}: {self._bad} consecutive non-finite steps '
+        f'(loss {float(m["loss"])}, grad norm {float(m["grad_norm"])}); the last '
+        f'checkpoint holds finite values only'
+      )
 
   def _log_step(self, step: int, stop: int, m: dict, clock: metrics_lib.Clock) -> None:
     """A metrics record, TensorBoard scalars, the leak check and a console line."""
@@ -263,9 +320,17 @@ class Trainer:
     # memory_stats() exists only for this process's devices; metrics come from process 0.
     mem = memory_lib.sample(self.devices)
     mfu = self.mfu_meter(tok_s) if clock.steps else None
-    record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']),
-              'grad_norm': float(m['grad_norm']), 'tokens_per_sec': tok_s, 'step_time_s': dt,
-              'tokens': step * self.plan.tokens_per_step, 'mfu': mfu, 'memory': mem}
+    record = {
+      'step': step,
+      'loss': float(m['loss']),
+      'lr': float(m['lr']),
+      'grad_norm': float(m['grad_norm']),
+      'tokens_per_sec': tok_s,
+      'step_time_s': dt,
+      'tokens': step * self.plan.tokens_per_step,
+      'mfu': mfu,
+      'memory': mem,
+    }
     self.writer.write(record)
     self.tb.scalars(step, record)
     leak = self.leak.update(step, mem['bytes_in_use'])
@@ -273,10 +338,12 @@ class Trainer:
       self.writer.write(leak)
       self.console.warn(leak['message'])
     mfu_txt = f'  MFU {mfu:.1%}' if mfu is not None else ''
-    self.log(f'step {step:>6}/{stop}  loss {float(m["loss"]):.4f}  lr {float(m["lr"]):.2e}  '
-             f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step{mfu_txt}  '
-             f'mem {metrics_lib.fmt_bytes(max(mem["bytes_in_use"]))}/dev  '
-             f'ETA {metrics_lib.fmt_duration((stop - step) * dt)}')
+    self.log(
+      f'step {step:>6}/{stop}  loss {float(m["loss"]):.4f}  lr {float(m["lr"]):.2e}  '
+      f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step{mfu_txt}  '
+      f'mem {metrics_lib.fmt_bytes(max(mem["bytes_in_use"]))}/dev  '
+      f'ETA {metrics_lib.fmt_duration((stop - step) * dt)}'
+    )
     clock.t_last, clock.steps = now, 0
 
   def _preempted(self, step: int, multi: bool) -> None:

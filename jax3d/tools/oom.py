@@ -1,0 +1,127 @@
+"""Out of memory: the tutorial's ladder of remedies, each priced for this config and layout, the
+check of a compiled step against the device, and the smallest cluster on which the config fits.
+
+The trainer calls `check_fits` after compiling (a ConfigError with the ladder, before the first
+step); `python -m jax3d.plan` prints the ladder when no layout fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import ml_collections
+
+from jax3d.config import ConfigError, RunPlan, validate
+from jax3d.tools.costmodel import GB, Hardware, estimate
+from jax3d.tools.planner import apply, search
+
+if TYPE_CHECKING:
+  import jax
+
+
+def oom_ladder(
+  cfg: ml_collections.ConfigDict, plan: RunPlan, device_memory_bytes: float, hw: Hardware | None = None
+) -> list[str]:
+  """The out-of-memory ladder, each rung priced for this config and layout: recompute activations,
+  drop needless copies, smaller micro-batches, more pp or tp, bf16, ZeRO-1, then more nodes."""
+  hw = hw or Hardware(
+    nodes=max(plan.n_devices // 8, 1),
+    gpus_per_node=min(plan.n_devices, 8),
+    memory_gb=device_memory_bytes / GB,
+  )
+  base = estimate(cfg, plan, device_memory_bytes, hw)
+  gb = lambda e: f'{e.total_bytes / GB:.1f} GB'
+  lines = [f"Out of memory: {base.reason} ({base.describe()}). In the tutorial's order:"]
+
+  def rung(label, overrides, what=''):
+    try:
+      c = apply(cfg, overrides)
+      e = estimate(c, validate(c, plan.n_devices), device_memory_bytes, hw)
+    except ConfigError as err:
+      return f'{label}: not possible here ({err})'
+    flags_ = ' '.join(f'--config.{k}={v}' for k, v in overrides.items())
+    return f'{label} ({flags_}): {gb(base)} -> {gb(e)} per GPU{what(e) if what else ""}{"  FITS" if e.fits else ""}'
+
+  acts = lambda e: (
+    f' (activations {base.breakdown["activations"] / GB:.1f} -> '
+    f'{e.breakdown["activations"] / GB:.1f} GB, saves '
+    f'{1 - e.breakdown["activations"] / base.breakdown["activations"]:.0%})'
+  )
+  if cfg.train.remat != 'full':
+    lines.append(rung('1. recompute activations', {'train.remat': 'full'}, acts))
+  else:
+    lines.append(
+      f'1. recomputation is already on (train.remat=full): activations {base.breakdown["activations"] / GB:.1f} GB'
+    )
+  lines.append('2. drop needless copies: the step keeps none (state donated, logs read scalars only)')
+  lines.append(rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, acts))
+  deeper = [
+    c
+    for c in search(cfg, hw, policies=(cfg.train.remat,), zero1=(cfg.train.shard_optimizer,))
+    if c.plan.pp * c.plan.tp > plan.pp * plan.tp
+  ]
+  if deeper:
+    c = min(deeper, key=lambda c: (not c.est.fits, c.est.step_time_s if c.est.fits else c.est.total_bytes))
+    lines.append(rung('4. more pp or tp', {k: v for k, v in c.overrides.items() if k != 'train.remat'}))
+  else:
+    lines.append(
+      f'4. more pp or tp: pp*tp = {plan.pp}*{plan.tp} is already the most these '
+      f'{plan.n_devices} GPUs and this model allow'
+    )
+  if cfg.train.param_dtype != 'bfloat16':
+    lines.append(
+      rung(
+        '5. bf16 weights and optimizer state',
+        {'train.param_dtype': 'bfloat16', 'train.compute_dtype': 'bfloat16'},
+      )
+    )
+  else:
+    lines.append('5. bf16: weights, gradients and Adam state are already bf16')
+  if plan.dp > 1 and not cfg.train.shard_optimizer:
+    lines.append(rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
+  lines.append(smallest_cluster(cfg, hw))
+  return lines
+
+
+def check_fits(cfg: ml_collections.ConfigDict, plan: RunPlan, compiled_bytes: int, device: jax.Device) -> str:
+  """A line comparing the compiled bytes per device with the estimate's; raises ConfigError with
+  the out-of-memory ladder when the device (whose allocator reports a limit) cannot hold them. On
+  a GPU the estimate counts too (XLA:GPU may need more than it reports before it runs)."""
+  from jax3d.training import memory as memory_lib
+  from jax3d.training.metrics import fmt_bytes
+
+  est = estimate(cfg, plan)
+  line = (
+    f'memory per device: compiled {fmt_bytes(compiled_bytes)}, planner estimate '
+    f'{fmt_bytes(est.total_bytes)} ({est.total_bytes / max(compiled_bytes, 1) - 1:+.0%})'
+  )
+  limit = memory_lib.device_memory_limit(device)
+  if limit and max(compiled_bytes, est.total_bytes if device.platform == 'gpu' else 0) > limit:
+    ladder = oom_ladder(cfg, plan, limit)
+    raise ConfigError(
+      f'this layout needs {compiled_bytes / 1e9:.1f} GB per device, the device has '
+      f'{limit / 1e9:.1f} GB; what would fit, in the order to try: '
+      + ' | '.join(rung.strip() for rung in ladder)
+    )
+  return line
+
+
+def smallest_cluster(cfg: ml_collections.ConfigDict, hw: Hardware) -> str:
+  """The fewest nodes (doubling) of this kind on which some layout fits."""
+  nodes = 1
+  while nodes <= 4096:
+    h = dataclasses.replace(hw, nodes=nodes)
+    try:
+      fits = [c for c in search(cfg, h, policies=('full',)) if c.est.fits]
+    except ConfigError:
+      fits = []
+    if fits:
+      p = fits[0].plan
+      return (
+        f'Smallest cluster that fits: {nodes} node(s) x {hw.gpus_per_node} GPUs of '
+        f'{hw.memory_gb:g} GB (dp={p.dp}, pp={p.pp}, tp={p.tp}, remat=full: '
+        f'{fits[0].est.total_bytes / GB:.1f} GB per GPU)'
+      )
+    nodes *= 2
+  return f'No cluster of up to 4096 nodes of {hw.gpus_per_node} x {hw.memory_gb:g} GB fits this config'
