@@ -55,6 +55,16 @@ def test_zero1_equals_plain_run(layout):
   chex.assert_trees_all_close(zero_params, plain_params, rtol=1e-5, atol=1e-6)
 
 
+def test_explicit_reduction_with_accumulation_under_pp():
+  """The explicit dp path (ZeRO-1) with grad_accum chunks under pp > 1 equals the plain run. (It
+  failed to trace before: the loss accumulator varied over dp only, the loss over dp and pp.)"""
+  layout = dict(LAYOUT_222, train__grad_accum=2)
+  plain_losses, plain_params = train_steps(small_cfg(**layout))
+  zero_losses, zero_params = train_steps(small_cfg(**layout, train__shard_optimizer=True))
+  np.testing.assert_allclose(zero_losses, plain_losses, rtol=1e-5)
+  chex.assert_trees_all_close(zero_params, plain_params, rtol=1e-5, atol=1e-6)
+
+
 def test_zero1_moments_are_sharded_over_dp():
   s = setup_for(small_cfg(mesh__dp=8, train__shard_optimizer=True))
   sh = s.state_shardings

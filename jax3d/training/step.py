@@ -55,18 +55,22 @@ def loss_sum(
 
 
 def accumulate(
-  grad_fn: Callable, params: Any, batch: Batch, a: int, zero: Callable = lambda x: x
+  grad_fn: Callable, params: Any, batch: Batch, a: int, first_outside: bool = False
 ) -> tuple[jax.Array, Any]:
   """(loss, grads) of `grad_fn` summed over `a` accumulation chunks of the batch, in a scan (chunk
-  i = rows i, i+a, ...: local to each dp shard). `zero` marks the loss accumulator's start."""
+  i = rows i, i+a, ...: local to each dp shard). The sum starts from zeros, or with
+  `first_outside` from chunk 0 computed before the scan: inside a shard_map the accumulator must
+  vary over the same manual axes as the loss, which depends on the layout (the same sum: 0 + x = x)."""
   if a == 1:
     return grad_fn(params, batch['inputs'], batch['targets'])
 
   def body(acc, xy):
     return jax.tree.map(jnp.add, acc, grad_fn(params, *xy)), None
 
-  zeros = (zero(jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, params))
   xs = (pipeline.microbatches(batch['inputs'], a), pipeline.microbatches(batch['targets'], a))
+  if first_outside:
+    return jax.lax.scan(body, grad_fn(params, xs[0][0], xs[1][0]), (xs[0][1:], xs[1][1:]))[0]
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
   return jax.lax.scan(body, zeros, xs)[0]
 
 
@@ -80,7 +84,7 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
   def local_grads(params, batch):  # one device's rows: the mesh axes dp and pp are manual here
     grad_fn = jax.value_and_grad(lambda p, x, y: loss_sum(p, x, y, s, manual=True) / n_tokens)
     with sharding.use_rules(sharding.without(s.rules, (sharding.DP, sharding.PP))):
-      return accumulate(grad_fn, params, batch, s.plan.grad_accum, zero=data_parallel.vary)
+      return accumulate(grad_fn, params, batch, s.plan.grad_accum, first_outside=True)
 
   return data_parallel.value_and_grad(
     local_grads,
