@@ -40,8 +40,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.microbatches = 1  # m: micro-batches per step (per grad_accum chunk)
-  c.pipeline.repeats = 1  # v: layer chunks per stage (circular schedule when > 1)
-  c.pipeline.schedule = 'gpipe'  # 'gpipe' or 'circular'
+  c.pipeline.repeats = 1  # v: layer chunks per stage; > 1 = the circular schedule
+  c.pipeline.schedule = 'gpipe'  # 'gpipe' or 'circular' (repeats > 1 is circular)
 
   c.model = ml_collections.ConfigDict()
   c.model.n_layers = 4  # decoder layers; divisible by mesh.pp * pipeline.repeats
@@ -102,6 +102,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.profile.steps = 3  # steps traced
   c.hardware = ml_collections.ConfigDict()
   c.hardware.peak_tflops = 0.0  # per device; 0 = look it up from the device kind (unknown on CPU)
+  c.hardware.memory_gb = 0.0  # GB per device the compiled step must fit (any backend); 0 = the device's limit
 
   c.sample = ml_collections.ConfigDict()
   c.sample.prompt = 'def '  # prompt of the text sample at the end of a run
@@ -111,14 +112,15 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def repo_root() -> str:
-  """The repository's root folder (the one holding `jax3d/` and `configs/`)."""
-  return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def configs_dir() -> str:
+  """The folder of the shipped configs, `jax3d/configs/` (package data, so a non-editable install
+  has them too; the repository's top-level `configs` is a link to it)."""
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
 
 
 def default_config_path() -> str:
   """The config used when none is given: `configs/tiny.py`."""
-  return os.path.join(repo_root(), 'configs', 'tiny.py')
+  return os.path.join(configs_dir(), 'tiny.py')
 
 
 def load_config(
@@ -126,11 +128,14 @@ def load_config(
 ) -> ml_collections.ConfigDict:
   """Loads `configs/NAME.py` (its `get_config()`), applies `{'mesh.tp': 4, ...}`, locks it.
 
-  A short name such as 'tiny' is looked up in the repository's `configs/` folder.
+  A path is read as given; a short name such as 'tiny' (or `configs/tiny.py` from outside the
+  repository) is looked up among the shipped configs, `jax3d/configs/`.
   """
   path = path or default_config_path()
-  if not os.path.exists(path) and os.path.exists(os.path.join(repo_root(), 'configs', f'{path}.py')):
-    path = os.path.join(repo_root(), 'configs', f'{path}.py')
+  if not os.path.exists(path):  # 'tiny', or 'configs/tiny.py' outside the repository: the shipped one
+    name = os.path.basename(path) if os.path.dirname(path) == 'configs' else f'{path}.py'
+    if os.path.exists(os.path.join(configs_dir(), name)):
+      path = os.path.join(configs_dir(), name)
   if not os.path.exists(path):
     raise ConfigError(
       f'--config={path}: no such file (try configs/tiny.py, configs/gpt2_small.py, '
@@ -286,16 +291,14 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
     _fail('pipeline.microbatches', p_.microbatches, 'an integer >= 1')
   if not isinstance(p_.repeats, int) or p_.repeats < 1:
     _fail('pipeline.repeats', p_.repeats, 'an integer >= 1')
-  if p_.schedule == 'gpipe' and p_.repeats != 1:
-    _fail(
-      'pipeline.repeats',
-      p_.repeats,
-      'repeats > 1 is the circular schedule: set --config.pipeline.schedule=circular (or repeats=1 for GPipe)',
-    )
+  # repeats > 1 *is* the circular schedule (GPipe is its v=1 case, one loop runs both), so it never
+  # demands pipeline.schedule=circular as well.
   try:
     nan_steps = tuple(int(x) for x in str(t.inject_nan_at).split(',') if x.strip())
   except ValueError:
     _fail('train.inject_nan_at', t.inject_nan_at, 'comma-separated step numbers, e.g. "3,4"')
+  if not isinstance(cfg.hardware.memory_gb, int | float) or cfg.hardware.memory_gb < 0:
+    _fail('hardware.memory_gb', cfg.hardware.memory_gb, "a number of GB >= 0 (0 = the device's own limit)")
   if cfg.log.every < 1:
     _fail('log.every', cfg.log.every, 'an integer >= 1')
   if m.d_model % m.n_heads:

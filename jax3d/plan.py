@@ -19,7 +19,7 @@ from jax3d.config import ConfigError, validate
 from jax3d.tools import costmodel
 from jax3d.tools.costmodel import GB, Hardware, estimate
 from jax3d.tools.oom import oom_ladder
-from jax3d.tools.planner import LAYOUT_KEYS, Candidate, apply, explain, search, table, verify
+from jax3d.tools.planner import LAYOUT_KEYS, Candidate, apply, explain, search, table, verify, verify_memory
 
 FLAGS = {
   'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),
@@ -83,13 +83,11 @@ def run(args: cli.Args) -> int:
       seen.add(key)
       misfits.append(c)
   name = args.config_name
-  if f['json']:
-    print(
-      json.dumps(
-        [dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] + [dict(c.row(), rank=None) for c in misfits],
-        indent=1,
-      )
-    )
+  if f['json']:  # stdout is exactly one JSON document; --verify adds XLA's figures to rank 1
+    rows = [dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] + [dict(c.row(), rank=None) for c in misfits]
+    if f['verify'] and fit:
+      rows[0].update(verify_memory(apply(cfg, fit[0].overrides), fit[0].plan))
+    print(json.dumps(rows, indent=1))
   elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
   else:
@@ -119,7 +117,7 @@ def run(args: cli.Args) -> int:
       f'no layout of {name} fits {hw.nodes} x {hw.gpus_per_node} GPUs of '
       f'{hw.memory_gb:g} GB: the smallest {worst.est.reason}'
     )
-  if f['verify']:
+  if f['verify'] and not f['json']:
     best = fit[0]
     print('\n' + '\n'.join(verify(apply(cfg, best.overrides), best.plan)))
   return 0

@@ -103,6 +103,11 @@ def _run(args: cli.Args) -> int:
         trainer.log(line)
     trainer.log(f'  workdir: {os.path.abspath(workdir)}')
     trainer.log(trainer.init_state())
+    try:
+      for line in trainer.compile():  # the memory check: a ConfigError with the OOM ladder
+        trainer.log('  ' + line)
+    except config_lib.ConfigError as e:
+      return cli.fail(e) if jax.process_index() == 0 or not multi else 2
     trainer.train()
     if trainer._stop_signal is None and not multi:
       trainer.log('sample: ' + repr(trainer.sample()))

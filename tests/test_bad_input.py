@@ -64,7 +64,6 @@ CASES = [
   ),
   (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=3'], ['model.n_layers=4', '2*3 = 6']),
   (['--config.pipeline.schedule=1f1b'], ["pipeline.schedule='1f1b'", 'gpipe, circular']),
-  (['--config.pipeline.repeats=2'], ['pipeline.repeats=2', 'schedule=circular']),
 ]
 
 

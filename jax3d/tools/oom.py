@@ -86,8 +86,9 @@ def oom_ladder(
 
 def check_fits(cfg: ml_collections.ConfigDict, plan: RunPlan, compiled_bytes: int, device: jax.Device) -> str:
   """A line comparing the compiled bytes per device with the estimate's; raises ConfigError with
-  the out-of-memory ladder when the device (whose allocator reports a limit) cannot hold them. On
-  a GPU the estimate counts too (XLA:GPU may need more than it reports before it runs)."""
+  the out-of-memory ladder when they exceed the limit: `hardware.memory_gb` when set (on any
+  backend, CPU included), else what the device's allocator reports (none on CPU). On a GPU the
+  estimate counts too (XLA:GPU may need more than it reports before it runs)."""
   from jax3d.training import memory as memory_lib
   from jax3d.training.metrics import fmt_bytes
 
@@ -96,12 +97,14 @@ def check_fits(cfg: ml_collections.ConfigDict, plan: RunPlan, compiled_bytes: in
     f'memory per device: compiled {fmt_bytes(compiled_bytes)}, planner estimate '
     f'{fmt_bytes(est.total_bytes)} ({est.total_bytes / max(compiled_bytes, 1) - 1:+.0%})'
   )
-  limit = memory_lib.device_memory_limit(device)
+  budget = cfg.hardware.memory_gb
+  limit = budget * GB if budget else memory_lib.device_memory_limit(device)
   if limit and max(compiled_bytes, est.total_bytes if device.platform == 'gpu' else 0) > limit:
     ladder = oom_ladder(cfg, plan, limit)
+    source = f'hardware.memory_gb={budget:g} allows' if budget else 'the device has'
     raise ConfigError(
-      f'this layout needs {compiled_bytes / 1e9:.1f} GB per device, the device has '
-      f'{limit / 1e9:.1f} GB; what would fit, in the order to try: '
+      f'this layout needs {compiled_bytes / 1e9:.3g} GB per device, {source} '
+      f'{limit / 1e9:.3g} GB; what would fit, in the order to try: '
       + ' | '.join(rung.strip() for rung in ladder)
     )
   return line

@@ -187,9 +187,10 @@ def explain(
   return lines
 
 
-def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
+def verify_memory(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   """Ahead-of-time compile of the real train step of `cfg` on plan.n_devices CPU devices (nothing
-  is allocated): XLA's bytes per device beside the estimate's."""
+  is allocated): XLA's bytes per device (`compiled_memory_gb` and its parts) beside the CPU-minded
+  estimate's (`estimate_memory_gb`), in GB (1e9 bytes); `bf16_note` when compute is bf16."""
   import jax
 
   from jax3d import run
@@ -202,20 +203,31 @@ def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
     )
   est = estimate(cfg, plan, hw=Hardware(flash_attention=False))  # CPU: XLA's own attention
   m = run.compile_train_step(run.setup(cfg, devices[: plan.n_devices])).memory
-  total = m['total']
-  note = (
-    [
-      '(XLA:CPU computes bf16 matmuls in float32, converting around each dot: with bf16 compute '
-      "its temporaries exceed a GPU's, and the GPU-minded estimate comes out below them)"
-    ]
+  gb = lambda b: round(b / GB, 6)
+  return {
+    'compiled_on_cpu_devices': plan.n_devices,
+    'compiled_memory_gb': gb(m['total']),
+    'compiled_breakdown_gb': {k: gb(m[k]) for k in ('argument', 'temp', 'output', 'alias')},
+    'estimate_memory_gb': gb(est.total_bytes),
+    'estimate_vs_compiled': round(est.total_bytes / m['total'] - 1, 4),
+    'bf16_note': (
+      'XLA:CPU computes bf16 matmuls in float32, converting around each dot: with bf16 compute '
+      "its temporaries exceed a GPU's, and the GPU-minded estimate comes out below them"
+    )
     if cfg.train.compute_dtype == 'bfloat16'
-    else []
-  )
-  return note + [
-    f'XLA (compiled on {plan.n_devices} CPU devices): {total / GB:.4f} GB per device = '
-    f'arguments {m["argument"] / GB:.4f} + temporaries {m["temp"] / GB:.4f} + '
-    f'outputs {m["output"] / GB:.4f} - aliased {m["alias"] / GB:.4f}',
-    f'estimate: {est.total_bytes / GB:.4f} GB per device ({est.total_bytes / total - 1:+.1%})',
+    else None,
+  }
+
+
+def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
+  """`verify_memory` as text lines: XLA's bytes per device beside the estimate's."""
+  v = verify_memory(cfg, plan)
+  b = v['compiled_breakdown_gb']
+  return ([f'({v["bf16_note"]})'] if v['bf16_note'] else []) + [
+    f'XLA (compiled on {plan.n_devices} CPU devices): {v["compiled_memory_gb"]:.4f} GB per device = '
+    f'arguments {b["argument"]:.4f} + temporaries {b["temp"]:.4f} + '
+    f'outputs {b["output"]:.4f} - aliased {b["alias"]:.4f}',
+    f'estimate: {v["estimate_memory_gb"]:.4f} GB per device ({v["estimate_vs_compiled"]:+.1%})',
   ]
 
 

@@ -46,3 +46,13 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
   # stops after train.max_bad_steps in a row (jax3d/training/trainer.py); the large limit here
   # keeps optax from ever applying a non-finite update on its own.
   return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=10**9)
+
+
+def schedule_count(opt_state: Any, default: jax.Array) -> jax.Array:
+  """The step count the learning-rate schedule reads (optax's `ScaleByScheduleState.count` inside
+  `apply_if_finite`): it does not advance on a skipped (non-finite) step, unlike the train step.
+  `default` where the optimizer has no schedule state."""
+  count = optax.tree.get(
+    opt_state, 'count', filtering=lambda path, _: path[-1].tuple_name == 'ScaleByScheduleState'
+  )
+  return default if count is None else count

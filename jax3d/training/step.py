@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d.model import llama
 from jax3d.parallel import data_parallel, pipeline, sharding
+from jax3d.training import optim
 
 if TYPE_CHECKING:
   from jax3d.run import Setup
@@ -114,7 +116,23 @@ def _fault_drill(step: jax.Array, loss: jax.Array, grads: Any, steps: tuple[int,
   return loss * nan, jax.tree.map(lambda g: g * nan, grads)
 
 
+def check_batch(batch: Batch, rows: int, seq_len: int, what: str) -> None:
+  """The batch at a step's boundary, checked when the step is traced (chex; nothing runs per
+  step): `inputs` and `targets` are integer token ids of shape [rows, seq_len]. Another shape would
+  otherwise be split into micro-batches of the wrong size, or fail deep inside the pipeline."""
+  arrays, msg = (
+    [batch['inputs'], batch['targets']],
+    f'{what}: batch inputs and targets must be [{rows}, {seq_len}]',
+  )
+  chex.assert_rank(arrays, 2, custom_message=msg)
+  chex.assert_shape(arrays, (rows, seq_len), custom_message=msg)
+  chex.assert_type(arrays, int, custom_message=msg)
+
+
 def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
+  check_batch(
+    batch, s.plan.global_batch, s.plan.seq_len, 'train step (train.global_batch_size x train.seq_len)'
+  )
   with sharding.use_rules(s.rules):
     loss, grads, residual = loss_and_grads(state['params'], batch, state.get('grad_residual'), s)
   params = state['params']
@@ -142,11 +160,14 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
   }
   if residual is not None:
     new_state['grad_residual'] = keep(residual, state['grad_residual'])
-  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': s.schedule(state['step']), 'finite': ok}
+  # The rate the optimizer used: its schedule count (frozen on skipped steps), not the step counter.
+  lr = s.schedule(optim.schedule_count(state['opt_state'], default=state['step']))
+  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'finite': ok}
   return new_state, metrics
 
 
 def eval_step(params: Any, batch: Batch, s: Setup) -> jax.Array:
+  check_batch(batch, s.plan.chunk_batch, s.plan.seq_len, 'eval step (one accumulation chunk x train.seq_len)')
   with sharding.use_rules(s.rules):
     return loss_sum(params, batch['inputs'], batch['targets'], s) / batch['inputs'].size
 

@@ -1,9 +1,11 @@
 """GPT-2 small class (124M parameters with GPT-2's vocabulary), Llama-style blocks."""
 
+import ml_collections
+
 from jax3d.config import base_config
 
 
-def get_config():
+def get_config() -> ml_collections.ConfigDict:
   c = base_config()
   c.mesh.dp, c.mesh.pp, c.mesh.tp = -1, 1, 1
   c.model.n_layers = 12

@@ -1,9 +1,11 @@
 """Llama 3 70B shapes (for GPU clusters and planning): 80 layers, d 8192, GQA 64/8, d_ff 28672."""
 
+import ml_collections
+
 from jax3d.config import base_config
 
 
-def get_config():
+def get_config() -> ml_collections.ConfigDict:
   c = base_config()
   c.mesh.dp, c.mesh.pp, c.mesh.tp = -1, 2, 8
   c.model.n_layers = 80

@@ -4,10 +4,12 @@ python -m jax3d.train                       # this config, workdir runs/tiny
 python -m jax3d.train --config.mesh.tp=4 --config.mesh.pp=1
 """
 
+import ml_collections
+
 from jax3d.config import base_config
 
 
-def get_config():
+def get_config() -> ml_collections.ConfigDict:
   c = base_config()
   c.mesh.dp, c.mesh.pp, c.mesh.tp = 2, 2, 2
   c.pipeline.microbatches = 4  # bubble (p-1)/(m+p-1) = 1/5 = 20%

@@ -1,9 +1,11 @@
 """Llama 3 8B shapes (for GPU runs and planning): 32 layers, d 4096, GQA 32/8, d_ff 14336, vocab 128256."""
 
+import ml_collections
+
 from jax3d.config import base_config
 
 
-def get_config():
+def get_config() -> ml_collections.ConfigDict:
   c = base_config()
   c.mesh.dp, c.mesh.pp, c.mesh.tp = -1, 1, 8
   c.model.n_layers = 32
