@@ -56,9 +56,29 @@ def test_steps_and_seeds_differ_and_repeat(corpus):
   np.testing.assert_array_equal(part['inputs'], a['inputs'][rows])
 
 
+class _OneProcess:
+  """A sharding as one process of a multi-process run sees it: only `devices` are addressable."""
+
+  def __init__(self, sharding, devices):
+    self.sharding, self.devices = sharding, set(devices)
+
+  def addressable_devices_indices_map(self, shape):
+    return {d: i for d, i in self.sharding.devices_indices_map(shape).items() if d in self.devices}
+
+
 def test_local_rows_of_a_sharding():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2), ('dp', 'pp', 'tp'))
-  assert data_lib.local_rows(NamedSharding(mesh, P('dp')), 16).tolist() == list(range(16))
+  """The rows a process holds are the union of its devices' row blocks in the sharding's own index
+  map, in global order: all of them with every device, its dp blocks when it holds part of dp
+  (also non-adjacent ones), and each block once however many pp/tp devices replicate it."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 1, 2), ('dp', 'pp', 'tp'))
+  sh = NamedSharding(mesh, P('dp'))
+  assert data_lib.local_rows(sh, 16).tolist() == list(range(16))
+  devs = mesh.devices
+  assert data_lib.local_rows(_OneProcess(sh, devs[1].flat), 16).tolist() == [4, 5, 6, 7]
+  assert data_lib.local_rows(_OneProcess(sh, devs[[0, 2]].flat), 16).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+  assert data_lib.local_rows(_OneProcess(sh, devs[:, :, 1].flat), 16).tolist() == list(range(16))
+  sh2 = NamedSharding(mesh, P(('dp', 'tp')))  # rows over dp and tp: device (1, 0, 1) holds block 3
+  assert data_lib.local_rows(_OneProcess(sh2, [devs[1, 0, 1], devs[3, 0, 0]]), 16).tolist() == [6, 7, 12, 13]
 
 
 def test_default_corpus_is_the_standard_library_split_by_file(corpus):
