@@ -68,7 +68,7 @@ CASES = [
 
 
 def run_cli(args, tmp_path, env_extra=None):
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_LOG_COMPILES='1')
   env.update(env_extra or {})
   return subprocess.run(
     [sys.executable, '-m', 'jax3d.train', f'--workdir={tmp_path}/w', *args],
@@ -90,7 +90,17 @@ def test_bad_input_exits_2_with_one_clear_line(args, words, tmp_path):
   assert len(lines) == 1, r.stderr
   for w in words:
     assert w in lines[0], (w, lines[0])
+  # JAX_LOG_COMPILES=1 (run_cli) logs 'Compiling <name>' for every compile: nothing compiled.
   assert 'Compiling' not in r.stderr and time.time() - t0 < 60
+
+
+def test_compile_log_shows_a_compile(tmp_path):
+  """The sentinel the bad-input tests rely on: with run_cli's JAX_LOG_COMPILES=1, a compile does
+  print 'Compiling' on stderr (without it jax prints nothing, and 'no Compiling' proved nothing)."""
+  env = dict(os.environ, JAX_LOG_COMPILES='1')
+  code = 'import jax.numpy as jnp; (jnp.ones(3) + 1).block_until_ready()'
+  r = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0 and 'Compiling' in r.stderr, r.stderr[-2000:]
   assert not os.path.exists(f'{tmp_path}/w/checkpoints')  # nothing was written
 
 

@@ -140,16 +140,31 @@ def test_zero1_under_tp_moves_no_more_bytes():
   assert axis_wire_bytes(zero, 'tp') == pytest.approx(axis_wire_bytes(plain, 'tp'), rel=1e-6)
 
 
-def test_int8_with_zero1_runs():
-  losses, _ = train_steps(
-    small_cfg(mesh__dp=4, mesh__tp=2, train__grad_reduce_dtype='int8', train__shard_optimizer=True)
-  )
-  assert np.all(np.isfinite(losses)) and losses[2] < losses[0]
+def test_int8_with_zero1_equals_plain_run():
+  """ZeRO-1 with the int8 dp reduction (dp=4 x tp=2) trains like the plain float32 run. Losses
+  within rtol 1e-4: the measured gap is 1.0e-5 (int8 alone: 3.9e-5), and a sharded update applied
+  to the wrong shard or a reduction off by a factor moves the third loss by ~1e-3 or more.
+  Parameters: the mean |difference| after 3 steps within 5% of the mean |update| (measured 0.7%:
+  Adam's normalised update flips on a few near-zero gradients); a shard of the parameters updated
+  wrongly or not at all (1/dp of them) is ~25%."""
+  layout = {'mesh__dp': 4, 'mesh__tp': 2}
+  _, init = train_steps(small_cfg(**layout), n_steps=0)
+  plain_losses, plain_params = train_steps(small_cfg(**layout))
+  cfg = small_cfg(**layout, train__grad_reduce_dtype='int8', train__shard_optimizer=True)
+  losses, params = train_steps(cfg)
+  np.testing.assert_allclose(losses, plain_losses, rtol=1e-4)
+  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+  update = np.abs(flat(plain_params) - flat(init)).mean()
+  assert np.abs(flat(params) - flat(plain_params)).mean() < 0.05 * update
+  assert losses[2] < losses[0]
 
 
 @pytest.mark.slow
 def test_int8_error_feedback_matches_float32_held_out_loss():
-  """200 steps of the tiny config (smaller batch): int8 within 3% of float32's held-out loss."""
+  """200 steps of the tiny config (smaller batch): int8 within 1% of float32's held-out loss. The
+  measured gap is ~0.4% (int8's rounding, carried by error feedback, changes the trajectory a
+  little); 1% is 2.5x that, while int8 without error feedback or with a wrong scale drifts by
+  several percent."""
   from jax3d import config as config_lib
   from jax3d.training.trainer import Trainer
 
@@ -170,7 +185,7 @@ def test_int8_error_feedback_matches_float32_held_out_loss():
     t.train()
     losses[dtype] = t.evaluate()
     t.close()
-  assert abs(losses['int8'] / losses['float32'] - 1) < 0.03, losses
+  assert abs(losses['int8'] / losses['float32'] - 1) < 0.01, losses
 
 
 # --- GPU flags -----------------------------------------------------------------------------------

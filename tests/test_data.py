@@ -1,5 +1,8 @@
 """The batch of step i depends only on (seed, i): never on the layout or the process split."""
 
+import re
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -53,9 +56,29 @@ def test_steps_and_seeds_differ_and_repeat(corpus):
   np.testing.assert_array_equal(part['inputs'], a['inputs'][rows])
 
 
+class _OneProcess:
+  """A sharding as one process of a multi-process run sees it: only `devices` are addressable."""
+
+  def __init__(self, sharding, devices):
+    self.sharding, self.devices = sharding, set(devices)
+
+  def addressable_devices_indices_map(self, shape):
+    return {d: i for d, i in self.sharding.devices_indices_map(shape).items() if d in self.devices}
+
+
 def test_local_rows_of_a_sharding():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2), ('dp', 'pp', 'tp'))
-  assert data_lib.local_rows(NamedSharding(mesh, P('dp')), 16).tolist() == list(range(16))
+  """The rows a process holds are the union of its devices' row blocks in the sharding's own index
+  map, in global order: all of them with every device, its dp blocks when it holds part of dp
+  (also non-adjacent ones), and each block once however many pp/tp devices replicate it."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 1, 2), ('dp', 'pp', 'tp'))
+  sh = NamedSharding(mesh, P('dp'))
+  assert data_lib.local_rows(sh, 16).tolist() == list(range(16))
+  devs = mesh.devices
+  assert data_lib.local_rows(_OneProcess(sh, devs[1].flat), 16).tolist() == [4, 5, 6, 7]
+  assert data_lib.local_rows(_OneProcess(sh, devs[[0, 2]].flat), 16).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+  assert data_lib.local_rows(_OneProcess(sh, devs[:, :, 1].flat), 16).tolist() == list(range(16))
+  sh2 = NamedSharding(mesh, P(('dp', 'tp')))  # rows over dp and tp: device (1, 0, 1) holds block 3
+  assert data_lib.local_rows(_OneProcess(sh2, [devs[1, 0, 1], devs[3, 0, 0]]), 16).tolist() == [6, 7, 12, 13]
 
 
 def test_default_corpus_is_the_standard_library_split_by_file(corpus):
@@ -76,3 +99,106 @@ def test_text_and_token_files(tmp_path):
   assert c.vocab_size == 1000 and c.train.size == 10000 and c.held_out.size == 2000
   with pytest.raises(config_lib.ConfigError, match='model.vocab_size=256 is smaller'):
     data_lib.check_vocab(c, 256)
+
+
+def _records(arr: np.ndarray) -> set[bytes]:
+  """The whole 7-digit records in a byte stream (a record split by a cut counts on neither side)."""
+  return set(re.findall(rb'\d{7}', np.asarray(arr, np.uint8).tobytes()))
+
+
+def _write_records(path, first: int, n: int) -> None:
+  path.write_bytes(b''.join(b'%07d\n' % i for i in range(first, first + n)))
+
+
+@pytest.mark.parametrize('kind', ['stdlib', 'text_file', 'text_folder', 'text_folder_tail', 'bin', 'bin_val'])
+def test_held_out_is_never_trained_on(tmp_path, monkeypatch, kind):
+  """Every corpus kind: no record (or token, for .bin) of the held-out stream is in the training
+  stream. The text corpora are made of unique 7-digit records, the token corpora of unique tokens."""
+  root = tmp_path / 'data'
+  root.mkdir()
+  if kind == 'bin' or kind == 'bin_val':
+    np.arange(10_000, dtype=np.uint16).tofile(root / 'train.bin')
+    if kind == 'bin_val':
+      np.arange(10_000, 12_000, dtype=np.uint16).tofile(root / 'val.bin')
+    c = data_lib.load_corpus(str(root), 0.1, 33)
+    assert np.intersect1d(np.asarray(c.train), np.asarray(c.held_out)).size == 0
+    assert c.held_out.size == (2000 if kind == 'bin_val' else 1000)
+    assert c.train.size + (0 if kind == 'bin_val' else c.held_out.size) == 10_000
+    return
+  if kind == 'text_file':
+    _write_records(root / 'a.txt', 0, 3000)
+    path = str(root / 'a.txt')
+  else:
+    n_files = 1 if kind == 'text_folder_tail' else 40  # one file: too few to split by file
+    for j in range(n_files):
+      sub = root / f'd{j % 4}'
+      sub.mkdir(exist_ok=True)
+      _write_records(sub / f'f{j}.py', j * 1000, 1000)
+    path = str(root)
+    if kind == 'stdlib':
+      monkeypatch.setattr(data_lib.sysconfig, 'get_paths', lambda: {'stdlib': str(root)})
+      path = ''
+  c = data_lib.load_corpus(path, 0.1, 33)
+  train, held = _records(c.train), _records(c.held_out)
+  assert held and train and not train & held
+  assert len(train) + len(held) >= (3000 if kind == 'text_file' else 1000 * n_files) - 1
+
+
+def test_corpus_cap_stops_the_whole_walk(tmp_path, monkeypatch):
+  """The size cap ends the walk over all directories, not only the current one's files."""
+  monkeypatch.setattr(data_lib, 'MAX_CORPUS_BYTES', 1500)
+  for d in 'abcd':
+    (tmp_path / d).mkdir()
+    for j in range(3):
+      (tmp_path / d / f'{j}.txt').write_bytes(b'x' * 1000)
+  train, held = data_lib._read_files(str(tmp_path), 0.0)
+  assert held.size == 0
+  assert train.size == 2 * 1000 + 1  # the file that crossed the cap is the last one read
+
+
+def test_prefetch_error_reaches_the_caller(monkeypatch):
+  """A batch that fails on the prefetch thread raises in `next` (with its cause), within seconds."""
+
+  def broken(*args, **kwargs):
+    raise ValueError('disk on fire')
+
+  monkeypatch.setattr(data_lib, 'batch_rows', broken)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ('dp', 'pp', 'tp'))
+  corpus = data_lib.Corpus(np.zeros(1000, np.uint16), np.zeros(1000, np.uint16), 1, 'zeros')
+  pf = data_lib.Prefetcher(corpus, 0, 0, 5, 4, 8, NamedSharding(mesh, P('dp')))
+  out = {}
+
+  def call():
+    try:
+      pf.next(0)
+    except BaseException as e:  # noqa: BLE001 - the test reports whatever came
+      out['error'] = e
+
+  t = threading.Thread(target=call, daemon=True)
+  t.start()
+  t.join(timeout=20)
+  pf.close()
+  assert not t.is_alive(), 'Prefetcher.next hung after the prefetch thread failed'
+  e = out['error']
+  assert isinstance(e, data_lib.DataError) and 'disk on fire' in str(e) and 'step 0' in str(e)
+  assert isinstance(e.__cause__, ValueError)
+
+
+def test_train_cli_exits_3_when_the_prefetch_thread_fails(tmp_path, monkeypatch, capsys):
+  """End to end: `python -m jax3d.train` (its main, in this process) ends with status 3 and one
+  `error:` line naming the cause, instead of waiting forever for a batch."""
+  from jax3d import train as train_cli
+
+  def broken(*args, **kwargs):
+    raise ValueError('disk on fire')
+
+  monkeypatch.setattr(data_lib, 'batch_rows', broken)
+  argv = [
+    '--config=configs/tiny.py',
+    f'--workdir={tmp_path}',
+    '--config.train.steps=2',
+    '--config.eval.every=0',
+  ]
+  assert train_cli.main(argv) == 3
+  errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and 'disk on fire' in errors[0] and 'ValueError' in errors[0]

@@ -71,8 +71,19 @@ def test_steady_loop_raises_nothing(mesh):
 
 
 def test_single_jump_is_not_a_leak():
+  """A one-off jump then flat (e.g. a buffer allocated once) never warns, wherever the jump falls
+  in the window; steady growth of the same total does."""
+  for window in (3, 6, 7, 20):
+    for before in range(1, window + 2):
+      leak = memory.LeakDetector(window=window, threshold_mb_per_step=1.0)
+      series = [100 * MB] * before + [400 * MB] * (2 * window)
+      events = [leak.update(i * 10, [b]) for i, b in enumerate(series)]
+      assert not any(events), (window, before, [e for e in events if e])
+
+
+def test_steady_growth_is_a_leak():
+  """Growth every step (2 MB/step here, threshold 1) warns once the window is full."""
   leak = memory.LeakDetector(window=6, threshold_mb_per_step=1.0)
-  series = [100 * MB] * 5 + [400 * MB] * 20  # e.g. a buffer allocated once
-  events = [leak.update(i * 10, [b]) for i, b in enumerate(series)]
-  assert [e['step'] for e in events if e] in ([], [50])  # at most once, then flat: nothing
-  assert sum(e is not None for e in events) <= 1
+  events = [leak.update(i, [100 * MB + 2 * MB * i, 100 * MB]) for i in range(6)]
+  assert events[:5] == [None] * 5
+  assert events[5]['devices'] == [0] and events[5]['slope_mb_per_step'] == pytest.approx(2.0)

@@ -1,11 +1,13 @@
 """The README's commands work: every ```bash block right after a `<!-- runnable -->` line runs.
 
 A README whose commands rot is worse than none, so the blocks a reader is told to paste are run
-as they are (bash -e, from the repository root, 600 s each). Blocks without the marker (GPU runs,
+as they are (bash -e, from the repository root, 600 s each), except that their /tmp/NAME paths
+move under a fresh pytest folder: a rerun must train again, not resume a finished run. Blocks without the marker (GPU runs,
 multi-host launches, planner output shown for reading) are documentation only. A README without
 any runnable block fails: the quickstart must be executable.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -34,6 +36,13 @@ def runnable_blocks(text: str) -> list[tuple[int, str]]:
   return out
 
 
+def localize(script: str, tmp_dir: str) -> tuple[str, list[str]]:
+  """The script with every /tmp/NAME path moved to tmp_dir/NAME, and the workdirs of its
+  `jax3d.train` commands (after the move)."""
+  script = re.sub(r'/tmp/([\w.-]+)', lambda m: os.path.join(tmp_dir, m.group(1)), script)
+  return script, re.findall(r'jax3d\.train\b[^\n]*?--workdir=(\S+)', script)
+
+
 def _blocks():
   if not os.path.exists(README):
     return []
@@ -48,6 +57,15 @@ def test_parser():
     '<!-- runnable -->\n```bash\nexit 0\n```\n'
   )
   assert runnable_blocks(text) == [(4, 'echo a\necho b\n'), (16, 'exit 0\n')]
+
+
+def test_localize_moves_tmp_paths(tmp_path):
+  script, workdirs = localize('python -m jax3d.train --workdir=/tmp/a_b --x=1\nls /tmp/a_b/report\n', '/T')
+  assert script == 'python -m jax3d.train --workdir=/T/a_b --x=1\nls /T/a_b/report\n'
+  assert workdirs == ['/T/a_b']
+  for _, block in _blocks():  # the README's own blocks write nothing outside the fresh folder
+    moved, _ = localize(block, str(tmp_path))
+    assert '/tmp/' not in moved.replace(str(tmp_path), '')
 
 
 def test_readme_has_runnable_blocks():
@@ -67,12 +85,13 @@ def test_readme_has_runnable_blocks():
     )
   ],
 )
-def test_readme_block_runs(line, script):
+def test_readme_block_runs(line, script, tmp_path):
   # as a reader's shell
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
   env['PYTHONPATH'] = os.pathsep.join([ROOT, env.get('PYTHONPATH', '')])
   # `python` and `pytest` in a block are the interpreter running the tests (its venv).
   env['PATH'] = os.pathsep.join([os.path.dirname(sys.executable), env.get('PATH', '')])
+  script, workdirs = localize(script, str(tmp_path))
   try:
     r = subprocess.run(
       ['bash', '-e', '-c', script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
@@ -83,3 +102,7 @@ def test_readme_block_runs(line, script):
     f'README.md:{line}: exit status {r.returncode}\n{script}\n--- stdout\n'
     f'{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}'
   )
+  for workdir in workdirs:  # it trained (a fresh workdir: nothing to resume)
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      losses = [r for r in map(json.loads, f) if 'loss' in r and r.get('step')]
+    assert losses, f'README.md:{line}: {workdir} has no training steps in metrics.jsonl'

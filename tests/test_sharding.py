@@ -5,11 +5,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import config as config_lib, run
 from jax3d.model import llama as model_lib
 from jax3d.parallel import sharding
+from jax3d.tools import hlo as hlo_lib
 
 EXPECTED = {  # tiny model under (dp, pp, tp) = (2, 2, 2)
   'embed/embedding': P('tp', None),  # vocabulary-parallel
@@ -70,5 +72,13 @@ def test_one_layer_forward_has_exactly_the_megatron_all_reduces():
     'collective-permute': 0,
     'all-to-all': 0,
   }, counts
-  groups = re.findall(r'all-reduce(?:-start)?\([^\n]*replica_groups=(\S+)', hlo)
-  assert len(groups) == 2  # both over the tp pairs
+  lines = re.findall(r'all-reduce(?:-start)?\([^\n]*', hlo)
+  assert len(lines) == 2
+  # Both over exactly the tp groups of the mesh (positions in its device order): the pairs of
+  # devices that differ only in their tp coordinate.
+  shape = s.mesh.devices.shape
+  tp_groups = sorted(np.arange(s.mesh.devices.size).reshape(-1, shape[-1]).tolist())
+  for line in lines:
+    groups = hlo_lib.replica_groups(line, s.mesh.devices.size)
+    assert sorted(sorted(g) for g in groups) == tp_groups, line
+    assert hlo_lib.group_axes(groups, shape) == 'tp'

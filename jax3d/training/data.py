@@ -59,6 +59,8 @@ def _read_files(
   """The bytes of the files under `root` with these suffixes, split by file into (train, held out)."""
   train, held, total = [], [], 0
   for dirpath, dirnames, filenames in os.walk(root):
+    if total > MAX_CORPUS_BYTES:  # the cap ends the whole walk, not only this folder's files
+      break
     dirnames[:] = sorted(
       d for d in dirnames if d not in ('site-packages', '__pycache__') and not d.startswith('.')
     )
@@ -96,11 +98,11 @@ def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
   elif os.path.isdir(path) and os.path.exists(os.path.join(path, 'train.bin')):
     train = np.memmap(os.path.join(path, 'train.bin'), dtype=np.uint16, mode='r')
     val_path = os.path.join(path, 'val.bin')
-    held = (
-      np.memmap(val_path, dtype=np.uint16, mode='r')
-      if os.path.exists(val_path)
-      else train[int(len(train) * (1 - eval_fraction)) :]
-    )
+    if os.path.exists(val_path):
+      held = np.memmap(val_path, dtype=np.uint16, mode='r')
+    else:  # no val.bin: the tail is held out and so no longer trained on
+      cut = int(len(train) * (1 - eval_fraction))
+      train, held = train[:cut], train[cut:]
     corpus = Corpus(train, held, int(max(train.max(initial=0), held.max(initial=0))) + 1, f'tokens {path}')
   elif path.endswith('.bin'):
     tokens = np.memmap(path, dtype=np.uint16, mode='r')
@@ -167,8 +169,14 @@ def to_global(
   }
 
 
+class DataError(RuntimeError):
+  """Building a batch failed on the prefetch thread; raised by `Prefetcher.next` with the thread's
+  exception as its cause."""
+
+
 class Prefetcher:
-  """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step."""
+  """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step. An
+  exception on the thread is handed to the caller: `next` raises DataError from it."""
 
   def __init__(
     self,
@@ -189,23 +197,41 @@ class Prefetcher:
     self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
     self.thread.start()
 
+  def _put(self, item: tuple) -> bool:
+    """Puts item on the queue unless stopped first; False when stopped."""
+    while not self._stop.is_set():
+      try:
+        self.q.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
   def _run(self, start: int, stop: int) -> None:
     tokens, seed, batch, seq_len = self.args
-    for i in range(start, stop):
-      if self._stop.is_set():
-        return
-      local = batch_rows(tokens, seed, i, batch, seq_len, self.rows)
-      item = (i, to_global(local, self.sharding, self.batch))
-      while not self._stop.is_set():
-        try:
-          self.q.put(item, timeout=0.1)
-          break
-        except queue.Full:
-          continue
+    i = start
+    try:
+      for i in range(start, stop):
+        if self._stop.is_set():
+          return
+        local = batch_rows(tokens, seed, i, batch, seq_len, self.rows)
+        if not self._put((i, to_global(local, self.sharding, self.batch))):
+          return
+    except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting caller
+      self._put((i, e))
 
   def next(self, expected_step: int) -> dict[str, jax.Array]:
-    """The batch of step `expected_step` (waits for it); raises RuntimeError if another came."""
-    i, b = self.q.get()
+    """The batch of step `expected_step` (waits for it). Raises DataError when the thread failed
+    (or ended without it), RuntimeError if another step's batch came."""
+    while True:
+      try:
+        i, b = self.q.get(timeout=1.0)
+        break
+      except queue.Empty:
+        if not self.thread.is_alive() and self.q.empty():
+          raise DataError(f'data pipeline ended before the batch of step {expected_step}') from None
+    if isinstance(b, BaseException):
+      raise DataError(f'data pipeline failed building the batch of step {i}: {type(b).__name__}: {b}') from b
     if i != expected_step:
       raise RuntimeError(f'data pipeline out of order: got step {i}, expected {expected_step}')
     return b

@@ -76,7 +76,8 @@ def slope(steps: Sequence[float], values: Sequence[float]) -> float:
 
 class LeakDetector:
   """Warns when device memory grows steadily: a least-squares slope per device over the last
-  `window` samples above `threshold_mb_per_step`. After a warning the window starts afresh, so a
+  `window` samples, and over each half of them, above `threshold_mb_per_step` (a one-off jump then
+  flat is not a leak). After a warning the window starts afresh, so a
   persisting leak warns once per window of samples, not on every step.
 
     leak = LeakDetector(window=20, threshold_mb_per_step=1.0)
@@ -99,11 +100,15 @@ class LeakDetector:
     steps = [s for s, _ in self.history]
     per_dev = np.array([b for _, b in self.history], np.float64) / MB  # [window, devices]
     slopes = [slope(steps, per_dev[:, i]) for i in range(per_dev.shape[1])]
-    # Sustained: the fitted slope is above the threshold, and so is the growth from the first
-    # half of the window to the second (a single jump, e.g. a checkpoint buffer, is not a leak).
+    # Sustained: the fitted slope is above the threshold over the whole window and over each of its
+    # two halves (which share one sample, so no step-to-step change lies in both). A single jump,
+    # e.g. a checkpoint buffer, lies in one half at most and leaves the other flat: not a leak.
     half = self.window // 2
-    span = (np.mean(steps[half:]) - np.mean(steps[:half])) or 1.0
-    halves = (per_dev[half:].mean(0) - per_dev[:half].mean(0)) / span
+    first, second = slice(0, half + 1), slice(half, None)
+    halves = [
+      min(slope(steps[first], per_dev[first, i]), slope(steps[second], per_dev[second, i]))
+      for i in range(per_dev.shape[1])
+    ]
     growing = [
       i
       for i, (sl, hv) in enumerate(zip(slopes, halves, strict=True))

@@ -236,7 +236,10 @@ class Trainer:
       for i in range(start, stop):
         step = i + 1
         self._profile(i, start=True)
-        batch = prefetch.next(i)
+        try:
+          batch = prefetch.next(i)
+        except data_lib.DataError as e:  # the CLI's exit 3, with the cause on its one line
+          raise TrainingError(str(e)) from e
         t0 = time.time()
         self.state, m = self.compiled(self.state, batch)
         m = jax.device_get(m)
