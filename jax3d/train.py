@@ -92,6 +92,9 @@ def _run(args: cli.Args) -> int:
     trainer = Trainer(args.cfg, workdir=workdir)
   except config_lib.ConfigError as e:
     return cli.fail(e) if jax.process_index() == 0 or not multi else 2
+  except ckpt_lib.CheckpointError as e:  # another run holds the workdir
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    return 3
   try:
     for line in trainer.summary():
       trainer.log(line)

@@ -15,6 +15,8 @@ is permuted on the devices, never through one host.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +34,51 @@ PyTree = Any  # nested dicts / lists of arrays (or of jax.ShapeDtypeStruct for a
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used (message lists what is wrong)."""
+
+
+class WorkdirLock:
+  """An exclusive lock on WORKDIR/.lock (fcntl.flock) held for a run's life, so that two runs never
+  write the same checkpoints; the file names the holder (host and pid). The kernel releases it
+  when the process ends, however it ends. A second Trainer on the same workdir in the same process
+  (one not closed) goes on with a warning: the lock guards against other processes."""
+
+  def __init__(self, workdir: str, warn: Callable[[str], None] = print):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(os.path.abspath(workdir), '.lock')
+    self.file = open(self.path, 'a+')
+    try:
+      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      self.file.seek(0)
+      holder = self.file.read().strip() or 'unknown'
+      self.file.close()
+      self.file = None
+      if holder.endswith(f' pid {os.getpid()}'):
+        warn(f'workdir {os.path.dirname(self.path)} is already in use by this process (a Trainer not closed)')
+        return
+      raise CheckpointError(
+        f'workdir {os.path.dirname(self.path)} is in use by another run ({holder}, lock {self.path}); '
+        'stop it or choose another --workdir'
+      ) from e
+    self.file.seek(0)
+    self.file.truncate()
+    self.file.write(f'host {os.uname().nodename} pid {os.getpid()}\n')
+    self.file.flush()
+
+  def release(self) -> None:
+    """Releases the lock (idempotent)."""
+    if self.file is not None:
+      fcntl.flock(self.file, fcntl.LOCK_UN)
+      self.file.close()
+      self.file = None
+
+
+def _write_error(step: int, directory: str, e: OSError) -> CheckpointError:
+  what = 'the disk is full' if e.errno == errno.ENOSPC else 'the write failed'
+  return CheckpointError(
+    f'could not write checkpoint step {step} to {directory}: {what} ({e}); the previous checkpoints '
+    'are untouched, free space and run the same command again to resume'
+  )
 
 
 def _path_str(path: Sequence[Any]) -> str:
@@ -91,15 +138,22 @@ class Checkpointer:
     if not ok:
       raise CheckpointError(f'refusing to save step {step}: the state holds non-finite values')
     meta = dict(meta, arrays=array_signature(state))
-    return self.manager.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-      force=force,
-    )
+    self._step = step
+    try:
+      return self.manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=force,
+      )
+    except OSError as e:  # e.g. ENOSPC: Orbax never renamed the temporary folder into a step
+      raise _write_error(step, self.directory, e) from e
 
   def wait(self) -> None:
-    """Waits for an asynchronous save to finish."""
-    self.manager.wait_until_finished()
+    """Waits for an asynchronous save to finish; CheckpointError if its write failed."""
+    try:
+      self.manager.wait_until_finished()
+    except OSError as e:
+      raise _write_error(getattr(self, '_step', -1), self.directory, e) from e
 
   def close(self) -> None:
     """Finishes pending saves and releases the manager."""

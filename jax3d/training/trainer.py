@@ -52,6 +52,12 @@ class Trainer:
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
     config_lib.validate(cfg, len(devices))  # config errors before data errors
+    # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
+    self._lock = (
+      ckpt_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
+      if workdir and jax.process_index() == 0
+      else None
+    )
     self.corpus = data_lib.load_corpus(cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1)
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
     self.setup = run.setup(cfg, devices)
@@ -364,7 +370,11 @@ class Trainer:
     return loss
 
   def close(self) -> None:
-    if self.checkpointer:
-      self.checkpointer.close()
-    self.writer.close()
-    self.tb.close()
+    try:
+      if self.checkpointer:
+        self.checkpointer.close()
+      self.writer.close()
+      self.tb.close()
+    finally:
+      if self._lock is not None:
+        self._lock.release()

@@ -1,0 +1,94 @@
+"""Fault drills (issue 16): each injects one fault and checks what is lost (nothing): the checkpoints
+on disk stay intact and resumable, resume is exact where it says so, and the command exits with an
+`error:` line and status 3 for a failed run, or 0 after a SIGTERM that saved."""
+
+import errno
+import os
+import shutil
+
+import chex
+import orbax.checkpoint as ocp
+import pytest
+from test_checkpoint import cfg_for, cli, losses, read_ckpt
+
+from jax3d.training import checkpoint as ckpt_lib
+from jax3d.training.trainer import Trainer
+
+
+def steps_on_disk(workdir):
+  d = os.path.join(workdir, 'checkpoints')
+  return sorted(int(s) for s in os.listdir(d) if s.isdigit()) if os.path.isdir(d) else []
+
+
+# ---------------------------------------------------------------------------------------- 1. two runs
+@pytest.mark.slow
+def test_second_run_on_the_same_workdir_is_refused(tmp_path):
+  """A run holds WORKDIR/.lock; a second `python -m jax3d.train` there exits 3 naming the workdir
+  and the holder, before compiling; the first trains and saves as if alone, then frees the lock."""
+  w = str(tmp_path)
+  first = Trainer(cfg_for(2, 2, 2, m=2, checkpoint__every=1), workdir=w, console=False)
+  p = cli(w)
+  out = p.communicate(timeout=300)[0]
+  assert p.returncode == 3, out[-2000:]
+  assert f'error: workdir {w} is in use by another run' in out
+  assert f'pid {os.getpid()}' in out and 'compiled' not in out
+  first.train(steps=2)
+  first.close()
+  assert steps_on_disk(w) == [1, 2] and sorted(losses(w)) == [1, 2]
+  ckpt_lib.WorkdirLock(w).release()  # free again once the first run closed
+
+
+# ---------------------------------------------------------------------------------------- 2. damaged newest
+@pytest.mark.slow
+def test_newest_checkpoint_without_metadata_falls_back(tmp_path, capsys):
+  """The newest step lost its metadata (`meta`): resume uses the previous step and says which one
+  was skipped and why. (A truncated data file and a step with no state files are drilled in
+  tests/test_checkpoint.py::test_damaged_latest_checkpoint_falls_back.)"""
+  w = str(tmp_path)
+  t = Trainer(cfg_for(2, 2, 2, m=2, checkpoint__every=2), workdir=w, console=False)
+  t.train(steps=4)
+  t.close()
+  assert steps_on_disk(w) == [2, 4]
+  shutil.rmtree(os.path.join(w, 'checkpoints', '4', 'meta'))
+  t = Trainer(cfg_for(2, 2, 2, m=2), workdir=w, console=False)
+  assert 'resumed from ' + os.path.join(w, 'checkpoints', '2') in t.init_state()
+  err = capsys.readouterr().err
+  assert f'checkpoint {w}/checkpoints/4 is damaged or incomplete' in err and 'trying the previous one' in err
+  t.close()
+
+
+# ---------------------------------------------------------------------------------------- 3. disk full
+@pytest.mark.slow
+def test_disk_full_during_a_save_loses_nothing(tmp_path, monkeypatch):
+  """ENOSPC while Orbax writes step 4's arrays: CheckpointError (exit 3 through the CLI) naming the
+  step, the folder and the cause; step 2 stays intact, and a rerun resumes from it and finishes with
+  the losses of an uninterrupted run."""
+  ref = str(tmp_path / 'ref')
+  t = Trainer(cfg_for(2, 2, 2, m=2), workdir=ref, console=False)
+  t.train(steps=6)
+  t.close()
+  w = str(tmp_path / 'w')
+  t = Trainer(cfg_for(2, 2, 2, m=2, checkpoint__every=2), workdir=w, console=False)
+  t.train(steps=2)
+  t.checkpointer.wait()
+  saved2 = read_ckpt(w, 2)[0]
+
+  def full(*a, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(ocp.StandardCheckpointHandler, 'async_save', full)
+  with pytest.raises(ckpt_lib.CheckpointError) as e:
+    t.train(steps=4)
+  msg = str(e.value)
+  assert f'could not write checkpoint step 4 to {w}/checkpoints: the disk is full' in msg
+  assert 'No space left on device' in msg and 'previous checkpoints are untouched' in msg
+  t.close()
+  monkeypatch.undo()
+  assert steps_on_disk(w) == [2]
+  chex.assert_trees_all_equal(read_ckpt(w, 2)[0], saved2)
+  t = Trainer(cfg_for(2, 2, 2, m=2, checkpoint__every=2), workdir=w, console=False)
+  assert 'next step 2' in t.init_state()
+  t.train(steps=4)
+  t.close()
+  assert {s: l for s, l in losses(w).items() if s > 2} == {s: l for s, l in losses(ref).items() if s > 2}
+  chex.assert_trees_all_equal(read_ckpt(w, 6)[0], read_ckpt(ref, 6)[0])
