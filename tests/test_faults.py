@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from test_checkpoint import cfg_for, cli, losses, read_ckpt
 
-from jax3d.training import checkpoint as ckpt_lib
+from jax3d.training import checkpoint as ckpt_lib, lock as lock_lib
 from jax3d.training.trainer import Trainer
 
 
@@ -35,7 +35,7 @@ def test_second_run_on_the_same_workdir_is_refused(tmp_path):
   first.train(steps=2)
   first.close()
   assert steps_on_disk(w) == [1, 2] and sorted(losses(w)) == [1, 2]
-  ckpt_lib.WorkdirLock(w).release()  # free again once the first run closed
+  lock_lib.WorkdirLock(w).release()  # free again once the first run closed
 
 
 # ---------------------------------------------------------------------------------------- 2. damaged newest

@@ -31,6 +31,7 @@ from jax3d.training import (
   checkpoint as ckpt_lib,
   data as data_lib,
   distributed,
+  lock as lock_lib,
   memory as memory_lib,
   metrics as metrics_lib,
   step as step_lib,
@@ -54,7 +55,7 @@ class Trainer:
     config_lib.validate(cfg, len(devices))  # config errors before data errors
     # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
     self._lock = (
-      ckpt_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
+      lock_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
       if workdir and jax.process_index() == 0
       else None
     )
