@@ -5,6 +5,7 @@ on disk stay intact and resumable, resume is exact where it says so, and the com
 import errno
 import os
 import shutil
+import signal
 
 import chex
 import orbax.checkpoint as ocp
@@ -92,3 +93,41 @@ def test_disk_full_during_a_save_loses_nothing(tmp_path, monkeypatch):
   t.close()
   assert {s: l for s, l in losses(w).items() if s > 2} == {s: l for s, l in losses(ref).items() if s > 2}
   chex.assert_trees_all_equal(read_ckpt(w, 6)[0], read_ckpt(ref, 6)[0])
+
+
+# ---------------------------------------------------------------------------------------- 4. SIGTERM
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  'phase, args, trigger, first_step',
+  [
+    # the line printed just before the train step compiles
+    ('compilation', [], 'initialised from seed', 0),
+    # the step-2 line comes just before the step-2 evaluation (16 held-out batches)
+    ('evaluation', ['--config.eval.every=2', '--config.eval.batches=16'], 'step      2/', 2),
+    # with a checkpoint every step, the step-3 line comes just before step 3's save
+    ('save', ['--config.checkpoint.every=1'], 'step      3/', 3),
+  ],
+)
+def test_sigterm_in_each_phase_exits_0_resumable(tmp_path, phase, args, trigger, first_step):
+  """SIGTERM while XLA compiles, while the held-out loss is computed, or while a checkpoint is
+  written: exit 0, the state after the last completed step saved, every step on disk readable,
+  and a new Trainer resumes from the saved step."""
+  w = str(tmp_path)
+  p = cli(w, *args)
+  lines = []
+  for line in p.stdout:
+    lines.append(line)
+    if trigger in line:
+      p.send_signal(signal.SIGTERM)
+      break
+  out = ''.join(lines) + p.communicate(timeout=300)[0]
+  assert p.returncode == 0, f'{phase}: {out[-2000:]}'
+  assert 'SIGTERM: saved step' in out, out[-2000:]
+  saved = int(out.split('SIGTERM: saved step ')[1].split()[0])
+  assert first_step <= saved <= first_step + 1, out[-2000:]  # the signal may land a moment late
+  assert steps_on_disk(w)[-1] == saved
+  for s in steps_on_disk(w):
+    read_ckpt(w, s)
+  t = Trainer(cfg_for(2, 2, 2, m=2), workdir=w, console=False)
+  assert f'next step {saved}' in t.init_state()
+  t.close()
