@@ -8,6 +8,7 @@ import shutil
 import signal
 
 import chex
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from test_checkpoint import cfg_for, cli, losses, read_ckpt
@@ -131,3 +132,53 @@ def test_sigterm_in_each_phase_exits_0_resumable(tmp_path, phase, args, trigger,
   t = Trainer(cfg_for(2, 2, 2, m=2), workdir=w, console=False)
   assert f'next step {saved}' in t.init_state()
   t.close()
+
+
+# ---------------------------------------------------------------------------------------- 5. data file
+def token_file(path, n=1 << 18):
+  np.random.default_rng(0).integers(0, 256, size=n, dtype=np.uint16).tofile(path)
+  return str(path)
+
+
+@pytest.mark.slow
+def test_data_file_truncated_mid_run_exits_3(tmp_path):
+  """The memory-mapped `.bin` token file is truncated after step 2: the prefetch thread sees it
+  before reading past the end (which would be a SIGBUS), the run exits 3 with an `error:` line
+  naming the file, and the checkpoints written so far are intact and resumable."""
+  data, w = token_file(tmp_path / 'tokens.bin'), str(tmp_path / 'w')
+  original = open(data, 'rb').read()
+  p = cli(w, f'--config.data.path={data}', '--config.checkpoint.every=2', '--config.train.steps=40')
+  lines = []
+  for line in p.stdout:
+    lines.append(line)
+    if line.startswith('step      2/'):
+      os.truncate(data, 4096)
+      break
+  out = ''.join(lines) + p.communicate(timeout=300)[0]
+  assert p.returncode == 3, out[-2000:]
+  assert f'error: data file {data} was truncated while the run reads it' in out
+  assert 'Traceback' not in out
+  saved = steps_on_disk(w)
+  assert saved and saved[-1] < 40
+  for s in saved:
+    read_ckpt(w, s)
+  open(data, 'wb').write(original)
+  t = Trainer(cfg_for(2, 2, 2, m=2, data__path=data), workdir=w, console=False)
+  assert f'next step {saved[-1]}' in t.init_state()
+  t.close()
+
+
+@pytest.mark.slow
+def test_data_file_deleted_mid_run_is_not_an_error(tmp_path):
+  """A deleted token file stays readable through its memory map: the run goes on, with the
+  batches (and so the losses) it would have had."""
+  data = token_file(tmp_path / 'tokens.bin')
+  ref = Trainer(cfg_for(2, 2, 2, m=2, data__path=data), workdir=str(tmp_path / 'ref'), console=False)
+  ref.train(steps=3)
+  ref.close()
+  t = Trainer(cfg_for(2, 2, 2, m=2, data__path=data), workdir=str(tmp_path / 'w'), console=False)
+  t.train(steps=1)
+  os.remove(data)
+  t.train(steps=2)
+  t.close()
+  assert losses(str(tmp_path / 'w')) == losses(str(tmp_path / 'ref'))

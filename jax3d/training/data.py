@@ -167,8 +167,17 @@ def to_global(
   }
 
 
+class DataError(RuntimeError):
+  """The training data changed under a running run (a token file truncated); the CLI exits 3."""
+
+
 class Prefetcher:
-  """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step."""
+  """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step.
+
+  A memory-mapped token file is checked (fstat of the mapped inode) before each batch: reading a
+  mapped page past a truncated file's end would kill the process with SIGBUS, so a file shorter
+  than at the start is a DataError, raised by `next` in the main thread. A deleted file is not an
+  error: the mapping keeps its data readable until the run ends."""
 
   def __init__(
     self,
@@ -186,14 +195,32 @@ class Prefetcher:
     self.sharding, self.batch = sharding, batch
     self.q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
     self._stop = threading.Event()
+    self.error: BaseException | None = None
+    self.file = getattr(corpus.train, 'filename', None)
+    try:  # a file deleted since it was mapped cannot be truncated: nothing to watch
+      self._fd = os.open(self.file, os.O_RDONLY) if self.file else None
+    except FileNotFoundError:
+      self._fd = None
+    self._size = os.fstat(self._fd).st_size if self._fd is not None else 0
     self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
     self.thread.start()
 
   def _run(self, start: int, stop: int) -> None:
+    try:
+      self._produce(start, stop)
+    except BaseException as e:  # handed to the main thread by `next`
+      self.error = e
+
+  def _produce(self, start: int, stop: int) -> None:
     tokens, seed, batch, seq_len = self.args
     for i in range(start, stop):
       if self._stop.is_set():
         return
+      if self._fd is not None and (size := os.fstat(self._fd).st_size) < self._size:
+        raise DataError(
+          f'data file {self.file} was truncated while the run reads it ({self._size} bytes at the '
+          f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
+        )
       local = batch_rows(tokens, seed, i, batch, seq_len, self.rows)
       item = (i, to_global(local, self.sharding, self.batch))
       while not self._stop.is_set():
@@ -205,7 +232,15 @@ class Prefetcher:
 
   def next(self, expected_step: int) -> dict[str, jax.Array]:
     """The batch of step `expected_step` (waits for it); raises RuntimeError if another came."""
-    i, b = self.q.get()
+    while True:
+      try:
+        i, b = self.q.get(timeout=0.2)
+        break
+      except queue.Empty:
+        if not self.thread.is_alive():
+          if self.error is not None:
+            raise self.error from None
+          raise RuntimeError(f'data pipeline stopped before the batch of step {expected_step}') from None
     if i != expected_step:
       raise RuntimeError(f'data pipeline out of order: got step {i}, expected {expected_step}')
     return b
@@ -215,3 +250,6 @@ class Prefetcher:
     exits can abort the process ('FATAL: exception not rethrown')."""
     self._stop.set()
     self.thread.join(timeout=30)
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
