@@ -4,13 +4,16 @@ on disk stay intact and resumable, resume is exact where it says so, and the com
 
 import errno
 import os
+import re
 import shutil
 import signal
+import time
 
 import chex
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import test_multihost
 from test_checkpoint import cfg_for, cli, losses, read_ckpt
 
 from jax3d.training import checkpoint as ckpt_lib, lock as lock_lib
@@ -182,3 +185,61 @@ def test_data_file_deleted_mid_run_is_not_an_error(tmp_path):
   t.train(steps=2)
   t.close()
   assert losses(str(tmp_path / 'w')) == losses(str(tmp_path / 'ref'))
+
+
+# ---------------------------------------------------------------------------------------- 6. kill -9
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
+  """Five SIGKILLs at seeded random moments (start-up and compilation, a step, an asynchronous
+  save: a checkpoint every step), each followed by a rerun of the same command: every step on disk
+  stays readable, and the final losses and train state equal an uninterrupted run's bit for bit."""
+  ref = str(tmp_path / 'ref')
+  assert cli(ref).wait(timeout=300) == 0
+  w, rng = str(tmp_path / 'w'), np.random.default_rng(16)
+  for _ in range(5):
+    left = 10 - (steps_on_disk(w) or [0])[-1]
+    if left < 2:
+      break
+    after, delay = int(rng.integers(0, left - 1)), float(rng.uniform(0, 0.5))
+    p = cli(w, '--config.checkpoint.every=1')
+    seen = 0
+    for line in p.stdout:
+      if line.startswith(('initialised', 'resumed')) and after == 0 or line.startswith('step '):
+        seen += line.startswith('step ')
+        if seen >= after:
+          time.sleep(delay)
+          p.send_signal(signal.SIGKILL)
+          break
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    for s in steps_on_disk(w):
+      read_ckpt(w, s)
+  p = cli(w, '--config.checkpoint.every=1')
+  out = p.communicate(timeout=300)[0]
+  assert p.returncode == 0, out[-2000:]
+  assert losses(w) == losses(ref)
+  chex.assert_trees_all_equal(read_ckpt(w, 10)[0], read_ckpt(ref, 10)[0])
+
+
+# ---------------------------------------------------------------------------------------- 7. coordinator
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@test_multihost.hard_timeout(300)
+def test_coordinator_death_stops_the_others(tmp_path):
+  """Process 0 (which hosts JAX's coordination service) is killed with SIGKILL mid-run: process 1
+  exits non-zero by itself within a bound (heartbeat 10 s), never hangs and is not killed by the
+  launcher. (A peer's death: tests/test_multihost.py::test_sigkill_of_one_process_stops_the_others.)"""
+  run = test_multihost.launch(2, test_multihost.train_cmd(str(tmp_path / 'w'), steps=10_000), grace=60)
+  try:
+    run.wait_for(r'^\[p1\] .*step +2/|^\[p0\] step +2/', 240)
+    t_kill = time.time()
+    os.kill(run.child_pid(0), signal.SIGKILL)
+    t_end = run.wait_for(r'process 1 \(pid \d+\) (exited with status [1-9]|killed by)', 90)
+    rc = run.wait(90)
+  finally:
+    run.kill()
+  out = run.text
+  assert rc != 0
+  assert re.search(r'launch_local: process 0 \(pid \d+\) killed by SIGKILL', out), out[-4000:]
+  assert t_end - t_kill < 45, (t_end - t_kill, out[-4000:])
+  assert 'killing process 1' not in out, out[-4000:]
