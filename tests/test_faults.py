@@ -202,18 +202,19 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
       break
     after, delay = int(rng.integers(0, left - 1)), float(rng.uniform(0, 0.5))
     p = cli(w, '--config.checkpoint.every=1')
-    seen = 0
+    seen, lines = 0, []
     for line in p.stdout:
+      lines.append(line)
       if line.startswith(('initialised', 'resumed')) and after == 0 or line.startswith('step '):
         seen += line.startswith('step ')
         if seen >= after:
           time.sleep(delay)
           p.send_signal(signal.SIGKILL)
           break
-    p.communicate(timeout=60)
-    assert p.returncode == -signal.SIGKILL
+    out = ''.join(lines) + p.communicate(timeout=60)[0]
+    assert p.returncode == -signal.SIGKILL, (after, delay, p.returncode, out[-3000:])
     for s in steps_on_disk(w):
-      read_ckpt(w, s)
+      read_ckpt(w, s)  # every step on disk is complete
   p = cli(w, '--config.checkpoint.every=1')
   out = p.communicate(timeout=300)[0]
   assert p.returncode == 0, out[-2000:]
