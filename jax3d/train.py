@@ -10,7 +10,8 @@ Several processes (one per host, or per GPU group; see docs/multihost.md):
 
 Exit status: 0 done (also after a SIGTERM that saved a checkpoint, on every process); 2 invalid
 configuration or input (one line on stderr, before anything compiles); 3 the run failed (non-finite
-steps, a checkpoint that does not match, a coordinator that cannot be reached, a lost peer process).
+steps, a checkpoint that does not match, a coordinator that cannot be reached, a lost peer process,
+the workdir in use by another run, a checkpoint write that failed (disk full), a truncated data file).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _run(args: cli.Args) -> int:
 
   from jax3d import config as config_lib
   from jax3d.parallel import mesh as mesh_lib
-  from jax3d.training import checkpoint as ckpt_lib
+  from jax3d.training import checkpoint as ckpt_lib, data as data_lib
   from jax3d.training.trainer import Trainer, TrainingError
 
   multi = distributed.info().multi
@@ -92,6 +93,9 @@ def _run(args: cli.Args) -> int:
     trainer = Trainer(args.cfg, workdir=workdir)
   except config_lib.ConfigError as e:
     return cli.fail(e) if jax.process_index() == 0 or not multi else 2
+  except ckpt_lib.CheckpointError as e:  # another run holds the workdir
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    return 3
   try:
     for line in trainer.summary():
       trainer.log(line)
@@ -111,7 +115,7 @@ def _run(args: cli.Args) -> int:
     trainer.train()
     if trainer._stop_signal is None and not multi:
       trainer.log('sample: ' + repr(trainer.sample()))
-  except (TrainingError, ckpt_lib.CheckpointError) as e:
+  except (TrainingError, ckpt_lib.CheckpointError, data_lib.DataError) as e:
     print(f'error: {e}', file=sys.stderr, flush=True)  # the same on every process
     return 3
   finally:

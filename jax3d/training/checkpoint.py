@@ -15,6 +15,7 @@ is permuted on the devices, never through one host.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,14 @@ PyTree = Any  # nested dicts / lists of arrays (or of jax.ShapeDtypeStruct for a
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used (message lists what is wrong)."""
+
+
+def _write_error(step: int, directory: str, e: OSError) -> CheckpointError:
+  what = 'the disk is full' if e.errno == errno.ENOSPC else 'the write failed'
+  return CheckpointError(
+    f'could not write checkpoint step {step} to {directory}: {what} ({e}); the previous checkpoints '
+    'are untouched, free space and run the same command again to resume'
+  )
 
 
 def _path_str(path: Sequence[Any]) -> str:
@@ -91,15 +100,22 @@ class Checkpointer:
     if not ok:
       raise CheckpointError(f'refusing to save step {step}: the state holds non-finite values')
     meta = dict(meta, arrays=array_signature(state))
-    return self.manager.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-      force=force,
-    )
+    self._step = step
+    try:
+      return self.manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=force,
+      )
+    except OSError as e:  # e.g. ENOSPC: Orbax never renamed the temporary folder into a step
+      raise _write_error(step, self.directory, e) from e
 
   def wait(self) -> None:
-    """Waits for an asynchronous save to finish."""
-    self.manager.wait_until_finished()
+    """Waits for an asynchronous save to finish; CheckpointError if its write failed."""
+    try:
+      self.manager.wait_until_finished()
+    except OSError as e:
+      raise _write_error(getattr(self, '_step', -1), self.directory, e) from e
 
   def close(self) -> None:
     """Finishes pending saves and releases the manager."""

@@ -170,13 +170,18 @@ def to_global(
 
 
 class DataError(RuntimeError):
-  """Building a batch failed on the prefetch thread; raised by `Prefetcher.next` with the thread's
-  exception as its cause."""
+  """The data pipeline failed: building a batch raised on the prefetch thread (that exception is the
+  cause), or the training data changed under the run (a token file truncated). The CLI exits 3."""
 
 
 class Prefetcher:
   """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step. An
-  exception on the thread is handed to the caller: `next` raises DataError from it."""
+  exception on the thread is handed to the caller: `next` raises DataError from it.
+
+  A memory-mapped token file is checked (fstat of the mapped inode) before each batch: reading a
+  mapped page past a truncated file's end would kill the process with SIGBUS, so a file shorter
+  than at the start is a DataError. A deleted file is not an error: the mapping keeps its data
+  readable until the run ends."""
 
   def __init__(
     self,
@@ -194,6 +199,12 @@ class Prefetcher:
     self.sharding, self.batch = sharding, batch
     self.q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
     self._stop = threading.Event()
+    self.file = getattr(corpus.train, 'filename', None)
+    try:  # a file deleted since it was mapped cannot be truncated: nothing to watch
+      self._fd = os.open(self.file, os.O_RDONLY) if self.file else None
+    except FileNotFoundError:
+      self._fd = None
+    self._size = os.fstat(self._fd).st_size if self._fd is not None else 0
     self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
     self.thread.start()
 
@@ -214,6 +225,11 @@ class Prefetcher:
       for i in range(start, stop):
         if self._stop.is_set():
           return
+        if self._fd is not None and (size := os.fstat(self._fd).st_size) < self._size:
+          raise DataError(
+            f'data file {self.file} was truncated while the run reads it ({self._size} bytes at the '
+            f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
+          )
         local = batch_rows(tokens, seed, i, batch, seq_len, self.rows)
         if not self._put((i, to_global(local, self.sharding, self.batch))):
           return
@@ -230,6 +246,8 @@ class Prefetcher:
       except queue.Empty:
         if not self.thread.is_alive() and self.q.empty():
           raise DataError(f'data pipeline ended before the batch of step {expected_step}') from None
+    if isinstance(b, DataError):
+      raise b
     if isinstance(b, BaseException):
       raise DataError(f'data pipeline failed building the batch of step {i}: {type(b).__name__}: {b}') from b
     if i != expected_step:
@@ -241,3 +259,6 @@ class Prefetcher:
     exits can abort the process ('FATAL: exception not rethrown')."""
     self._stop.set()
     self.thread.join(timeout=30)
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None

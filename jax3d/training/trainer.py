@@ -31,6 +31,7 @@ from jax3d.training import (
   checkpoint as ckpt_lib,
   data as data_lib,
   distributed,
+  lock as lock_lib,
   memory as memory_lib,
   metrics as metrics_lib,
   step as step_lib,
@@ -52,6 +53,12 @@ class Trainer:
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
     config_lib.validate(cfg, len(devices))  # config errors before data errors
+    # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
+    self._lock = (
+      lock_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
+      if workdir and jax.process_index() == 0
+      else None
+    )
     self.corpus = data_lib.load_corpus(cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1)
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
     self.setup = run.setup(cfg, devices)
@@ -206,33 +213,38 @@ class Trainer:
     cfg, plan = self.cfg, self.plan
     if self.state is None:
       self.log(self.init_state())
-    self._compile()
-    start = self.step
-    stop = cfg.train.steps if steps is None else start + steps
-    n_first = len(self.writer.records)
-    self.writer.write({'event': 'start', 'step': start, 'layout': self.layout, 'config': cfg.to_dict()})
     # Several processes: JAX's preemption service owns SIGTERM (a Python handler would replace its
-    # notifier) and makes every process stop at the same step; one process: a Python flag.
+    # notifier) and makes every process stop at the same step; one process: a Python flag, set
+    # before compiling so that a SIGTERM while XLA compiles also saves and exits cleanly.
     multi = jax.process_count() > 1
     prev_handler = (
       signal.signal(signal.SIGTERM, self._on_sigterm)
       if threading.current_thread() is threading.main_thread() and not multi
       else None
     )
-    prefetch = data_lib.Prefetcher(
-      self.corpus,
-      cfg.train.seed,
-      start,
-      stop,
-      plan.global_batch,
-      plan.seq_len,
-      self.setup.batch_sharding,
-      cfg.data.prefetch,
-    )
-    self._bad, clock = 0, metrics_lib.Clock()
-    if start == 0 and cfg.eval.every and stop > 0:
-      self._eval_and_log(0)  # where held-out loss starts (ln(vocab) for an untrained model)
+    prefetch = None
     try:
+      self._compile()
+      start = self.step
+      stop = cfg.train.steps if steps is None else start + steps
+      n_first = len(self.writer.records)
+      self.writer.write({'event': 'start', 'step': start, 'layout': self.layout, 'config': cfg.to_dict()})
+      prefetch = data_lib.Prefetcher(
+        self.corpus,
+        cfg.train.seed,
+        start,
+        stop,
+        plan.global_batch,
+        plan.seq_len,
+        self.setup.batch_sharding,
+        cfg.data.prefetch,
+      )
+      self._bad, clock = 0, metrics_lib.Clock()
+      if start == 0 and cfg.eval.every and stop > 0:
+        self._eval_and_log(0)  # where held-out loss starts (ln(vocab) for an untrained model)
+      if self._stop_signal is not None:  # SIGTERM while compiling or in that first evaluation
+        self._preempted(start, multi)
+        return self.writer.records[n_first:]
       for i in range(start, stop):
         step = i + 1
         self._profile(i, start=True)
@@ -268,7 +280,8 @@ class Trainer:
         self.checkpointer.wait()
     finally:
       self.console.stop()
-      prefetch.close()
+      if prefetch is not None:
+        prefetch.close()
       if prev_handler is not None:
         signal.signal(signal.SIGTERM, prev_handler)
     return self.writer.records[n_first:]
@@ -367,7 +380,11 @@ class Trainer:
     return loss
 
   def close(self) -> None:
-    if self.checkpointer:
-      self.checkpointer.close()
-    self.writer.close()
-    self.tb.close()
+    try:
+      if self.checkpointer:
+        self.checkpointer.close()
+      self.writer.close()
+      self.tb.close()
+    finally:
+      if self._lock is not None:
+        self._lock.release()
