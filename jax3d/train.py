@@ -107,12 +107,10 @@ def _run(args: cli.Args) -> int:
         trainer.log(line)
     trainer.log(f'  workdir: {os.path.abspath(workdir)}')
     trainer.log(trainer.init_state())
-    try:
-      for line in trainer.compile():  # the memory check: a ConfigError with the OOM ladder
-        trainer.log('  ' + line)
+    try:  # train() compiles first (with its SIGTERM handler already set): a ConfigError there is
+      trainer.train()  # the memory check, with the OOM ladder
     except config_lib.ConfigError as e:
       return cli.fail(e) if jax.process_index() == 0 or not multi else 2
-    trainer.train()
     if trainer._stop_signal is None and not multi:
       trainer.log('sample: ' + repr(trainer.sample()))
   except (TrainingError, ckpt_lib.CheckpointError, data_lib.DataError) as e:
