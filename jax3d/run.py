@@ -81,15 +81,20 @@ class Setup:
     return sharding.tree_shardings(llama.param_logical_axes(self.dims), self.mesh, self.rules)
 
   @functools.cached_property
+  def _state_shapes(self) -> dict:
+    """The train state's shapes and dtypes (traced once, nothing allocated)."""
+    return jax.eval_shape(lambda k: step_lib.init_state(k, self), jax.random.key(0))
+
+  @functools.cached_property
   def zero_shardings(self) -> Any:
     """The ZeRO-1 layout of parameter-shaped trees (moments, reduced gradients, the update)."""
-    params = jax.eval_shape(lambda k: llama.init_params(k, self.dims, self.layer_order), jax.random.key(0))
+    params = self._state_shapes['params']
     return data_parallel.zero_shardings(params, self.param_shardings, self.mesh, self.plan.dp)
 
   @functools.cached_property
   def state_shardings(self) -> dict:
     replicated = NamedSharding(self.mesh, P())
-    shapes = jax.eval_shape(lambda k: step_lib.init_state(k, self), jax.random.key(0))
+    shapes = self._state_shapes
     # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
     moments = self.zero_shardings if self.zero1 else self.param_shardings
     opt = optax.tree_map_params(
@@ -103,9 +108,10 @@ class Setup:
   @functools.cached_property
   def abstract_state(self) -> dict:
     """The train state as shapes with their shardings (for compiling and restoring)."""
-    shapes = jax.eval_shape(lambda k: step_lib.init_state(k, self), jax.random.key(0))
     return jax.tree.map(
-      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, self.state_shardings
+      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+      self._state_shapes,
+      self.state_shardings,
     )
 
   @functools.cached_property
