@@ -56,6 +56,20 @@ def test_steps_and_seeds_differ_and_repeat(corpus):
   np.testing.assert_array_equal(part['inputs'], a['inputs'][rows])
 
 
+def test_every_window_start_is_drawn():
+  """Windows start anywhere from 0 to size - seq_len - 1: a stream of exactly seq_len + 1 tokens
+  (the smallest the validation accepts) gives its one window, and the last start is drawn too (it
+  never was: the draw stopped one short, and seq_len + 1 tokens crashed the first batch)."""
+  tokens = np.arange(33, dtype=np.uint16)
+  b = data_lib.batch_rows(tokens, 0, 0, 4, 32)
+  np.testing.assert_array_equal(b['inputs'], np.tile(np.arange(32), (4, 1)))
+  np.testing.assert_array_equal(b['targets'], np.tile(np.arange(1, 33), (4, 1)))
+  starts = {
+    int(data_lib.batch_rows(np.arange(36), 0, s, 8, 32)['inputs'][r, 0]) for s in range(20) for r in range(8)
+  }
+  assert starts == {0, 1, 2, 3}
+
+
 class _OneProcess:
   """A sharding as one process of a multi-process run sees it: only `devices` are addressable."""
 

@@ -106,3 +106,20 @@ def test_readme_block_runs(line, script, tmp_path):
     with open(os.path.join(workdir, 'metrics.jsonl')) as f:
       losses = [r for r in map(json.loads, f) if 'loss' in r and r.get('step')]
     assert losses, f'README.md:{line}: {workdir} has no training steps in metrics.jsonl'
+
+
+def test_reliability_counts_are_the_suites():
+  """The README's "N bad inputs, M fault drills, nothing lost" are the test suite's own counts
+  (collected, slow tests and parametrizations included), not figures written from memory."""
+  out = subprocess.run(
+    [sys.executable, '-m', 'pytest', '--collect-only', '-q', '-m', 'slow or not slow']
+    + ['tests/test_bad_input.py', 'tests/test_faults.py'],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  ).stdout
+  counts = {k: int(v) for k, v in re.findall(r'tests/(test_\w+)\.py: (\d+)', out)}
+  m = re.search(r'(\d+) bad inputs, (\d+) fault drills, nothing lost', open(README).read())
+  assert m, 'README.md lost its "N bad inputs, M fault drills, nothing lost" line'
+  assert (int(m[1]), int(m[2])) == (counts['test_bad_input'], counts['test_faults']), out

@@ -4,7 +4,7 @@ By default data parallelism is the compiler's: the batch is sharded over dp
 (jax3d/parallel/sharding.py), the weights are replicated, and XLA sums the weight gradients over
 dp once per step (the pipeline loop is manual over dp so that this sum happens after it, not once
 per iteration; jax3d/parallel/pipeline.py). Two
-settings make the reduction explicit, done here by hand (`explicit`):
+settings, and bf16 parameters, make the reduction explicit, done here by hand (`explicit`):
 
   train.shard_optimizer=True   ZeRO-1. Adam's moments are sharded over dp on the first dimension of
                                each parameter that is replicated and divisible by dp (`zero_dim`);
@@ -14,6 +14,12 @@ settings make the reduction explicit, done here by hand (`explicit`):
                                per-dp-rank gradients are reduced here, in a `shard_map` manual over
                                dp (and nested over tp, so each device reduces its own tp block), so
                                the bytes on the wire are 16 or 8 bits.
+  train.param_dtype=bfloat16   the bf16 gradients are summed here in float32 (`float32` below, then
+                               cast back): the compiler would sum them in bf16 along the ring
+                               (bits lost with every rank; Megatron also reduces in fp32), and
+                               XLA:CPU aborts on that bf16 sum inside a shard_map ('Invalid binary
+                               instruction opcode copy': its reducer ends in a sharding copy).
+                               grad_reduce_dtype=bfloat16 keeps the 16-bit wire.
 
 `value_and_grad` computes the loss and gradients per device inside one shard_map manual over dp and
 pp (tp stays automatic): the parameters are made varying over dp before differentiation, so no
@@ -215,7 +221,7 @@ def reduce(
     k = None if k < 0 else k
     r_local = None if r is None else r[..., 0]
     red, nr = _reduce_leaf(g.astype(jnp.float32), r_local, dtype, k, n, shard)
-    out.append(red)
+    out.append(red.astype(g.dtype))  # the optimizer sees the parameters' dtype
     new_res.append(None if nr is None else nr[..., None])
   reduced = tdef.unflatten(out)
   return reduced, (tdef.unflatten(new_res) if residual is not None else None)
@@ -239,8 +245,10 @@ def zero1(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
 
 def explicit(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """Whether the dp gradient sum is done here by hand rather than by the compiler: for a 16-/8-bit
-  wire format, and under ZeRO-1."""
-  return plan.dp > 1 and (cfg.train.grad_reduce_dtype != 'float32' or zero1(cfg, plan))
+  wire format, under ZeRO-1, and for bf16 parameters (summed in float32)."""
+  return plan.dp > 1 and (
+    cfg.train.grad_reduce_dtype != 'float32' or zero1(cfg, plan) or cfg.train.param_dtype != 'float32'
+  )
 
 
 def has_residual(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
@@ -282,8 +290,8 @@ def value_and_grad(
   `local_grads(params, batch)` returns (loss, grads) of this device's rows, traced inside a
   shard_map manual over dp and pp; `params` arrive varying over dp, so the gradients come back
   un-reduced. `reduce` then sums them over dp in `dtype`, in a shard_map nested over tp so each
-  device reduces its own tp block (sums over pp, for the embedding and head, stay automatic and
-  fp32). `grads_sh` is the layout the gradients leave in (ZeRO-1's when `shard`)."""
+  device reduces its own tp block (sums over pp, for the embedding and head, are psums in fp32).
+  `grads_sh` is the layout the gradients leave in (ZeRO-1's when `shard`)."""
   dp = mesh.shape[AXIS]
   manual = {ax for ax in (DP, PP) if mesh.shape[ax] > 1}
   dims = dims_tree(params, params_sh, dp)
@@ -292,7 +300,22 @@ def value_and_grad(
   r_specs = None if residual is None else specs(residual, res_sh, manual)
 
   def local(params, batch, residual):
-    loss, grads = local_grads(jax.tree.map(vary, params), batch)
+    # The weights every stage holds (embedding, head) are made varying over pp too, and their
+    # gradient sum over pp is done here in float32: for bf16 weights the automatic sum would be a
+    # bf16 all-reduce in a shard_map, which XLA:CPU aborts on (its reducer ends in a sharding copy).
+    leaves, tdef = jax.tree.flatten(params)
+    over_pp = [PP in manual and PP not in jax.typeof(a).manual_axis_type.varying for a in leaves]
+    varied = [
+      jax.lax.pcast(vary(a), (PP,), to='varying') if o else vary(a)
+      for a, o in zip(leaves, over_pp, strict=True)
+    ]
+    loss, grads = local_grads(tdef.unflatten(varied), batch)
+    grads = tdef.unflatten(
+      [
+        jax.lax.psum(g.astype(jnp.float32), PP).astype(g.dtype) if o else g
+        for g, o in zip(tdef.flatten_up_to(grads), over_pp, strict=True)
+      ]
+    )
     loss = jax.lax.psum(
       loss, tuple(ax for ax in (DP, PP) if ax in manual and ax in jax.typeof(loss).manual_axis_type.varying)
     )

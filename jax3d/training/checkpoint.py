@@ -6,7 +6,8 @@ Layout on disk: WORKDIR/checkpoints/<step>/{state, meta}. `state` is the whole t
 the seed, and the shape and dtype of every saved array.
 
 Orbax writes a step into a temporary directory and renames it when complete, so a write killed
-with SIGKILL never becomes a step. A step that fails to restore (missing or truncated files) is
+with SIGKILL never becomes a step; a step past `keep` is renamed into `checkpoints/.deleted` and
+removed from there, so a deletion killed half-way never leaves a torn step behind. A step that fails to restore (missing or truncated files) is
 reported with its path and the previous one is used. Shapes and dtypes are compared with the
 config before reading (Orbax would cast dtypes silently). Arrays are read straight into the
 target shardings; when the pipeline layer order differs (another pp or repeats), the layer axis
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +29,8 @@ import orbax.checkpoint as ocp
 
 from jax3d.parallel import pipeline
 
-SOFT = 'grad_residual'  # train-state entry restored when it matches, else restarted at zero
+SOFT = 'grad_residual'
+TRASH = '.deleted'  # old steps are renamed here (atomic), then removed  # train-state entry restored when it matches, else restarted at zero
 PyTree = Any  # nested dicts / lists of arrays (or of jax.ShapeDtypeStruct for an abstract state)
 
 
@@ -83,9 +86,21 @@ class Checkpointer:
       self.directory,
       item_names=('state', 'meta'),
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True
+        max_to_keep=keep,
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,
+        todelete_subdir=TRASH,
       ),
     )
+    self._empty_trash()
+
+  def _empty_trash(self) -> None:
+    """Removes the steps Orbax renamed into the trash (never read; safe to interrupt). Called when
+    no save is in flight, by the primary process only."""
+    trash = os.path.join(self.directory, TRASH)
+    if jax.process_index() == 0 and os.path.isdir(trash):
+      for name in os.listdir(trash):
+        shutil.rmtree(os.path.join(trash, name), ignore_errors=True)
 
   def steps(self) -> list[int]:
     """The saved steps, oldest first."""
@@ -116,11 +131,13 @@ class Checkpointer:
       self.manager.wait_until_finished()
     except OSError as e:
       raise _write_error(getattr(self, '_step', -1), self.directory, e) from e
+    self._empty_trash()
 
   def close(self) -> None:
     """Finishes pending saves and releases the manager."""
     self.manager.wait_until_finished()
     self.manager.close()
+    self._empty_trash()
 
   def read_meta(self, step: int) -> dict:
     """The JSON metadata saved with `step`."""

@@ -142,7 +142,8 @@ def batch_rows(
 ) -> dict[str, np.ndarray]:
   """Rows `rows` of the batch of step `step`: windows of seq_len+1 tokens at (seed, step) offsets,
   as {'inputs', 'targets'} int32 arrays of [rows, seq_len] (targets shifted by one token)."""
-  offsets = np.random.default_rng([seed, step]).integers(0, tokens.size - seq_len - 1, size=batch)
+  # Every window start 0 .. size - seq_len - 1 (a stream of exactly seq_len + 1 tokens has one).
+  offsets = np.random.default_rng([seed, step]).integers(0, tokens.size - seq_len, size=batch)
   windows = np.stack([np.asarray(tokens[o : o + seq_len + 1]) for o in offsets[rows]]).astype(np.int32)
   return {'inputs': windows[:, :-1], 'targets': windows[:, 1:]}
 
