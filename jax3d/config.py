@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import ml_collections
 
 DTYPES = ('float32', 'bfloat16')
-REMAT_POLICIES = ('none', 'full', 'dots', 'attn')
+REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 SCHEDULES = ('gpipe', 'circular')
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')

@@ -41,7 +41,7 @@ def test_3d_layouts_equal_one_device(dp, pp, tp, m_per_p):
   check({'mesh__dp': dp, 'mesh__pp': pp, 'mesh__tp': tp, 'pipeline__microbatches': m_per_p * pp})
 
 
-@pytest.mark.parametrize('policy', ['none', 'full', 'dots', 'attn'])
+@pytest.mark.parametrize('policy', ['none', 'full', 'dots', 'attn', 'stage'])
 def test_remat_policies_equal_one_device(policy):
   check({'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4, 'train__remat': policy})
 

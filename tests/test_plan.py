@@ -41,7 +41,7 @@ def llama70b_8x8():
 
 
 def test_estimate_by_hand_tiny():
-  cfg = config.load_config('tiny', {'train.remat': 'full'})  # dp=2 pp=2 tp=2, m=4, fp32
+  cfg = config.load_config('tiny', {'train.remat': 'stage'})  # dp=2 pp=2 tp=2, m=4, fp32
   p = config.validate(cfg, 8)
   e = costmodel.estimate(cfg, p, hw=CPU)
   # Layer matrices 256*64*(2*4 + 2*2) + 3*256*768 = 786432, over tp; norms 2*256; 4 layers / pp.
@@ -51,13 +51,16 @@ def test_estimate_by_hand_tiny():
   assert e.breakdown['params'] == 4 * n_local == e.breakdown['grads']
   assert e.breakdown['optimizer'] == 8 * n_local  # AdamW m and v, fp32, not sharded
   assert e.breakdown['update'] == 4 * n_local  # the step's new parameters beside the old
-  # remat=full: each of the v*m+p-1 = 5 iterations keeps its input and the 4-entry stage-0 queue,
+  # remat=stage: each of the v*m+p-1 = 5 iterations keeps its input and the 4-entry stage-0 queue,
   # micro-batch [2 rows, 128, 256] fp32; plus one iteration recomputed (2 checkpointed layers + 1 layer).
   carry = 5 * (4 + 1) * 2 * 128 * 256 * 4
   layer_full = costmodel.layer_residual_bytes(256, 4, 2, 768, 128, 2, 'full', 'float32', 'float32', False, 2)
   assert layer_full == pytest.approx(2 * 128 * 256 * 4 + 393728 * 4, rel=0.02)  # input + weights
   layer_none = costmodel.layer_residual_bytes(256, 4, 2, 768, 128, 2, 'none', 'float32', 'float32', False, 2)
   assert e.breakdown['activations'] == pytest.approx(carry + 2 * layer_full + layer_none)
+  # remat=full: each iteration keeps the input of each of its 2 layers; one layer recomputed.
+  full = costmodel.estimate(config.load_config('tiny', {'train.remat': 'full'}), p, hw=CPU)
+  assert full.breakdown['activations'] == pytest.approx(5 * 2 * layer_full + layer_none)
   # Head: 4 rows (16 / (dp*pp)) x 128 x (3 fp32 copies of 128 vocab columns + the 256-wide input).
   assert e.breakdown['head'] == 4 * 128 * (3 * 4 * 128 + 2 * 256 * 4)
   # Model FLOPs per token 6P + 12*L*h*s, P = 3279104 parameters less the 256*256 input embedding.
@@ -166,7 +169,10 @@ def _verified_ratio(*args):
   return est / xla
 
 
-@pytest.mark.parametrize('overrides', [[], ['--config.train.remat=full'], ['--config.train.remat=dots']])
+@pytest.mark.parametrize(
+  'overrides',
+  [[], ['--config.train.remat=full'], ['--config.train.remat=stage'], ['--config.train.remat=dots']],
+)
 def test_verify_tiny_within_25_percent(overrides):
   assert _verified_ratio('--config=configs/tiny.py', *overrides) == pytest.approx(1, abs=0.25)
 

@@ -130,10 +130,24 @@ def apply(
   return sharding.constrain(merge_microbatches(y_mbtd), ('batch_all', 'seq', 'embed'))
 
 
-def run_layers(layer_fn: LayerFn, layers: Any, x: jax.Array, policy: str) -> jax.Array:
-  """Sequential scan of `layer_fn` over the stacked `layers` (each layer under the remat policy)."""
-  step = remat.wrap_layer(lambda h, p: (layer_fn(p, h), None), policy)
-  return jax.lax.scan(step, x, layers)[0]
+def run_layers(
+  layer_fn: LayerFn, layers: Any, x: jax.Array, policy: str, chunk: jax.Array | None = None
+) -> jax.Array:
+  """Sequential scan of `layer_fn` over the stacked `layers` (each layer under the remat policy).
+
+  With `chunk`, `layers` is [v, lc, ...] and the layers of chunk `chunk` (a traced index) run:
+  each layer's weights are sliced inside its checkpoint, so the backward pass slices them again
+  instead of saving a copy of the chunk's weights for every pipeline iteration."""
+  if chunk is None:
+    step = remat.wrap_layer(lambda h, p: (layer_fn(p, h), None), policy)
+    return jax.lax.scan(step, x, layers)[0]
+
+  def one(h, j):
+    p = jax.tree.map(lambda a: a[chunk, j], layers)
+    return layer_fn(p, h), None
+
+  lc = jax.tree.leaves(layers)[0].shape[1]
+  return jax.lax.scan(remat.wrap_layer(one, policy), x, jnp.arange(lc))[0]
 
 
 def run(
@@ -203,10 +217,9 @@ def _ring(layer_fn, layers_local, x_mbtd, p, v, m, policy):
   ring = [(i, (i + 1) % p) for i in range(p)]
 
   def stage_work(chunks, r, x_btd):  # this stage's layer chunk r on one micro-batch
-    chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), chunks)
-    return run_layers(layer_fn, chunk, x_btd, policy)
+    return run_layers(layer_fn, chunks, x_btd, policy, chunk=r)
 
-  # Under 'full' remat an iteration keeps only its stage input; the queue and outputs carried by
+  # Under 'stage' remat an iteration keeps only its stage input; the queue and outputs carried by
   # the loop are updated in place and never saved per iteration.
   stage_fn = remat.wrap_iteration(stage_work, policy)
 

@@ -14,7 +14,7 @@ figure (`python -m jax3d.plan --verify`) and printed by the trainer before the f
     pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
     `jax3d.model.llama.Block` at the tp-local shapes, under the remat policy), so it follows the
     code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    where the layer is Megatron's. With remat 'full' an iteration keeps only its carry (its input,
+    where the layer is Megatron's. With remat 'stage' an iteration keeps only its carry (its input,
     the stage-0 queue and the outputs: (2m+1) micro-batches).
   - step time: compute at `efficiency` of peak, tp/pp/dp traffic over the links each axis is
     placed on (jax3d/parallel/mesh.py: tp inside a node, then pp, dp outermost), the dp all-reduce
@@ -251,7 +251,7 @@ def estimate(
     batch=b,
   )
   act_mb = b * s * h * cb  # one micro-batch's activation [b, s, h]
-  if t.remat == 'full':  # per iteration its carry (input and, with pp > 1, the stage-0 queue of m
+  if t.remat == 'stage':  # per iteration its carry (input and, with pp > 1, the stage-0 queue of m
     # micro-batches), plus one iteration recomputed in the backward pass
     carry = mb + 1 if pp > 1 else 1
     acts = plan.iterations * carry * act_mb + lc * res(policy='full') + res(policy='none')
@@ -278,9 +278,11 @@ def estimate(
   dims_p = formulas.param_count(dims)
   p_layers = m.n_layers * formulas.layer_params(dims)
   attn = formulas.attention_flops_per_token(dims, s)
-  # Recomputed forward work per token: 'full' reruns each iteration and, inside it, each layer
-  # (both are checkpointed: 2 extra forwards); 'dots' the attention core; 'attn' the matmuls.
-  extra = {'none': 0, 'dots': attn / 3, 'attn': 2 * p_layers, 'full': 2 * (2 * p_layers + attn / 3)}
+  # Recomputed forward work per token: 'full' reruns each layer once; 'stage' each iteration and,
+  # inside it, each layer (both are checkpointed: 2 extra forwards); 'dots' the attention core;
+  # 'attn' the matmuls.
+  fwd = 2 * p_layers + attn / 3
+  extra = {'none': 0, 'dots': attn / 3, 'attn': 2 * p_layers, 'full': fwd, 'stage': 2 * fwd}
   layer_flops = 6 * p_layers + attn + extra[t.remat]
   waste = plan.iterations / (v * mb)  # (v*m+p-1)/(v*m): bubble iterations compute too
   peak = hw.peak_tflops * 1e12 * (1.0 if t.compute_dtype == 'bfloat16' else 0.5)
@@ -292,10 +294,10 @@ def estimate(
   pp_in = tp * pp <= per_host
   dp_in = tp * pp * dp <= per_host
   bw = lambda inside: (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
-  fwd_passes = 1 + {'none': 0, 'dots': 0, 'attn': 1, 'full': 2}[t.remat]
+  fwd_passes = 1 + {'none': 0, 'dots': 0, 'attn': 1, 'full': 1, 'stage': 2}[t.remat]
   layer_calls = plan.iterations * lc * plan.grad_accum
   tp_bytes = layer_calls * (2 * fwd_passes + 2) * 2 * (tp - 1) / tp * act_mb
-  pp_bytes = plan.iterations * plan.grad_accum * (2 + (t.remat == 'full')) * act_mb if pp > 1 else 0
+  pp_bytes = plan.iterations * plan.grad_accum * (2 + (t.remat == 'stage')) * act_mb if pp > 1 else 0
   dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
   t_dp = dp_bytes / bw(dp_in)
   times = {

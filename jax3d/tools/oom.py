@@ -48,11 +48,14 @@ def oom_ladder(
     f'{e.breakdown["activations"] / GB:.1f} GB, saves '
     f'{1 - e.breakdown["activations"] / base.breakdown["activations"]:.0%})'
   )
-  if cfg.train.remat != 'full':
+  if cfg.train.remat not in ('full', 'stage'):
     lines.append(rung('1. recompute activations', {'train.remat': 'full'}, acts))
+  elif cfg.train.remat == 'full' and plan.pp > 1:
+    lines.append(rung('1. recompute whole pipeline iterations', {'train.remat': 'stage'}, acts))
   else:
     lines.append(
-      f'1. recomputation is already on (train.remat=full): activations {base.breakdown["activations"] / GB:.1f} GB'
+      f'1. recomputation is already on (train.remat={cfg.train.remat}): activations '
+      f'{base.breakdown["activations"] / GB:.1f} GB'
     )
   lines.append('2. drop needless copies: the step keeps none (state donated, logs read scalars only)')
   lines.append(rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, acts))
@@ -116,14 +119,14 @@ def smallest_cluster(cfg: ml_collections.ConfigDict, hw: Hardware) -> str:
   while nodes <= 4096:
     h = dataclasses.replace(hw, nodes=nodes)
     try:
-      fits = [c for c in search(cfg, h, policies=('full',)) if c.est.fits]
+      fits = [c for c in search(cfg, h, policies=('full', 'stage')) if c.est.fits]
     except ConfigError:
       fits = []
     if fits:
       p = fits[0].plan
       return (
         f'Smallest cluster that fits: {nodes} node(s) x {hw.gpus_per_node} GPUs of '
-        f'{hw.memory_gb:g} GB (dp={p.dp}, pp={p.pp}, tp={p.tp}, remat=full: '
+        f'{hw.memory_gb:g} GB (dp={p.dp}, pp={p.pp}, tp={p.tp}, remat={fits[0].remat}: '
         f'{fits[0].est.total_bytes / GB:.1f} GB per GPU)'
       )
     nodes *= 2

@@ -23,7 +23,7 @@ from jax3d.config import ConfigError, RunPlan, set_key, validate
 from jax3d.tools import costmodel
 from jax3d.tools.costmodel import GB, Hardware, estimate
 
-POLICIES = ('none', 'dots', 'attn', 'full')
+POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 LAYOUT_KEYS = (
   'mesh.dp',
   'mesh.pp',

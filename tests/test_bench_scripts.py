@@ -1,0 +1,125 @@
+"""scripts/bench_vs_maxtext.py without running a trainer: layouts, both trainers' arguments, FLOPs
+from jax3d's formulas, the roof's weighting, the parsing of jax3d's output and the table."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from jax3d import config as config_lib
+from jax3d.model import formulas
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+  'bench_vs_maxtext', os.path.join(ROOT, 'scripts', 'bench_vs_maxtext.py')
+)
+bvm = importlib.util.module_from_spec(_spec)
+sys.modules['bench_vs_maxtext'] = bvm  # dataclasses look their module up
+_spec.loader.exec_module(bvm)
+
+
+def test_layouts_parse_and_label():
+  lay = bvm.parse_layout('2x2x2m4')
+  assert (lay.dp, lay.pp, lay.tp, lay.microbatches, lay.n_kv_heads) == (2, 2, 2, 4, 4)
+  assert lay.label == '2x2x2 m4'
+  assert bvm.parse_layout('1x2x4').microbatches == 4  # pipelined: 4 micro-batches by default
+  assert bvm.parse_layout('8x1x1').microbatches == 1
+  gqa = bvm.parse_layout('4x1x2kv2')
+  assert gqa.label == '4x1x2 kv2' and gqa.shape().n_kv_heads == 2
+  for bad in ('4x2', '4x1x1', '2x2x2m8', '1x1x8', '4x1x2kv3', '2x4x1m3'):
+    with pytest.raises(ValueError, match='--layouts'):
+      bvm.parse_layout(bad)
+  assert [x.spec for x in bvm.parse_args([]).layout_list] == bvm.DEFAULT_LAYOUTS.split(',')
+
+
+def test_bad_flags_exit_2(capsys):
+  for argv in (['--layouts=3x1x1'], ['--dtypes=float16'], ['--rounds=0']):
+    with pytest.raises(SystemExit) as e:
+      bvm.parse_args(argv)
+    assert e.value.code == 2
+  assert '--layouts' in capsys.readouterr().err
+
+
+def test_jax3d_arguments_are_valid_config_keys():
+  """Every override the benchmark passes is a key of jax3d's config, of the right type."""
+  for spec in ('4x1x2', '2x4x1m4', '4x1x2kv2'):
+    lay = bvm.parse_layout(spec)
+    args = bvm.jax3d_args(lay, 'bfloat16', 20, '/tmp/w')
+    assert args[:3] == ['-m', 'jax3d.train', '--workdir=/tmp/w']
+    overrides = dict(a[len('--config.') :].split('=', 1) for a in args[3:])
+    cfg = config_lib.load_config('tiny', overrides)
+    plan = config_lib.validate(cfg, bvm.N_DEVICES)
+    assert (plan.dp, plan.pp, plan.tp, plan.microbatches) == (lay.dp, lay.pp, lay.tp, lay.microbatches)
+    assert cfg.train.compute_dtype == 'bfloat16' and cfg.train.param_dtype == 'float32'
+    assert cfg.model.n_kv_heads == lay.n_kv_heads and cfg.log.every == 1 and cfg.checkpoint.every == 0
+
+
+def test_maxtext_arguments():
+  assert bvm.maxtext_args(bvm.parse_layout('4x1x2'), 'float32', 20) == ['4', '2', '1', 'float32']
+  assert bvm.maxtext_args(bvm.parse_layout('2x4x1m4'), 'bfloat16', 20) == [
+    '2',
+    '1',
+    '4',
+    'bfloat16',
+    'num_pipeline_microbatches=4',
+    'num_layers_per_pipeline_stage=1',
+  ]
+  assert bvm.maxtext_args(bvm.parse_layout('4x1x2kv2'), 'float32', 30)[4:] == [
+    'base_num_kv_heads=2',
+    'steps=30',
+  ]
+
+
+def test_flops_come_from_the_formulas():
+  s = bvm.Shape()
+  f = bvm.step_flops(s)
+  assert f['model'] == formulas.flops_per_token(s, s.seq_len) * s.tokens
+  assert 1.3 < f['executed'] / f['model'] < 4 / 3  # one forward of the layers (not the head) again
+  assert bvm.step_flops(bvm.parse_layout('4x1x2kv2').shape())['model'] < f['model']
+
+
+def test_weighted_roof():
+  s = bvm.Shape()
+  keys = {f'{m}x{k}x{n}' for _, (m, k, n), _ in bvm.gemm_shapes(s)}
+  assert bvm.weighted_roof(dict.fromkeys(keys, 100e9), s) == pytest.approx(100e9)
+  slow = dict.fromkeys(keys, 100e9) | {'1024x1024x256': 50e9}  # the down projection at half speed
+  assert 50e9 < bvm.weighted_roof(slow, s) < 100e9
+
+
+def test_jax3d_output_parsing():
+  records = [{'event': 'start', 'step': 0}] + [
+    {'step': i, 'step_time_s': 0.0 if i == 1 else (1.0 if i <= 5 else 0.5 + i / 1000)} for i in range(1, 21)
+  ]
+  med, n = bvm.median_step(records)
+  assert n == 15 and med == pytest.approx(0.513)
+  lines = [
+    (2.0, 'jax3d: 8 cpu devices, mesh dp=4 x pp=1 x tp=2'),
+    (4.0, 'initialised from seed 0'),
+    (9.5, '  compiled the train step in 5.2 s'),
+    (10.5, '  first step (compile + run): 1.0 s'),
+    (10.6, 'step      1/20  loss 7.4'),
+  ]
+  assert bvm.startup_split(lines) == {'summary': 2.0, 'init': 4.0, 'compiled': 9.5, 'first_step': 10.5}
+
+
+def test_table():
+  lays = [bvm.parse_layout('4x1x2'), bvm.parse_layout('2x2x2m4')]
+  runs = []
+  for rnd in (1, 2):
+    for lay in lays:
+      for who, step in (('jax3d', 0.4), ('maxtext', 0.5)):
+        r = {'trainer': who, 'spec': lay.spec, 'dtype': 'float32', 'round': rnd, 'step_s': step * rnd}
+        r.update(first_step_s=8.0, startup={'summary': 2.0, 'init': 3.0, 'compiled': 7.0, 'first_step': 8.0})
+        runs.append(r)
+  roof = {'weighted': {'float32 kv4': {'roof': 100e9}}}
+  rows = bvm.summarize(runs, lays, ['float32'], roof)
+  assert rows[0]['ratio'] == pytest.approx([0.8, 0.8]) and rows[0]['jax3d']['median_step_s'] == pytest.approx(
+    0.6
+  )
+  table = bvm.format_table(rows)
+  assert table.count('\n') == 3 and '| 4x1x2 | float32 | 0.500, 1.000 | 0.400, 0.800 | 0.80, 0.80 |' in table
+  assert f'{29.0 / 0.6:.1f} (48%)' in table  # 29.0 GFLOP per step / 0.6 s against a 100 GFLOP/s roof
+  assert 'compile 4.0 s' in bvm.format_startup(runs)[0]
+  only = bvm.summarize([r for r in runs if r['trainer'] == 'jax3d'], lays, ['float32'], None)
+  assert '| - |' in bvm.format_table(only)
