@@ -120,6 +120,20 @@ def test_kv_cache_matches_full_forward(run):
     )
 
 
+def test_sharded_decoding_equals_one_device(run, monkeypatch):
+  """Small models decode on one device (generate.ONE_DEVICE_BYTES); larger ones on the training
+  layout. Both give the same greedy tokens and the same seeded draws."""
+  t, _ = run
+  dims, layout = t.setup.dims, (t.cfg.model.n_layers, t.plan.pp, t.plan.repeats)
+  prompt, params = list(b'def main(x):\n  return'), t.state['params']
+  args = (dims, params, layout, prompt, 16, t.cfg.model.max_seq_len)
+  one = [gen_lib.generate(*args, temperature=0.0), gen_lib.generate(*args, temperature=1.0, seed=5)]
+  monkeypatch.setattr(gen_lib, 'ONE_DEVICE_BYTES', 0)
+  assert len(gen_lib._for_decoding(params)['embed']['embedding'].sharding.device_set) == 8
+  sharded = [gen_lib.generate(*args, temperature=0.0), gen_lib.generate(*args, temperature=1.0, seed=5)]
+  assert sharded == one
+
+
 def test_greedy_and_seeded_sampling_are_deterministic(run):
   t, workdir = run
   greedy = jax3d.sample(t, PROMPT, n_tokens=24, greedy=True)
