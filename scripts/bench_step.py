@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
@@ -64,6 +65,39 @@ def measure(overrides: dict, steps: int) -> dict:
   }
 
 
+def log_overhead(rounds: int = 3, steps: int = 30) -> dict:
+  """Seconds per step of the real trainer loop (prefetch, metrics, console, no checkpoints or
+  evals) with a record every step against one every 100, alternating in one process."""
+  import tempfile
+
+  from jax3d.training.trainer import Trainer
+
+  ov = dict(SHAPE, **{'mesh.dp': 4, 'mesh.pp': 1, 'mesh.tp': 2, 'pipeline.microbatches': 1})
+  ov.update({'train.steps': 10_000, 'eval.every': 0, 'eval.batches': 1, 'log.progress': False})
+  trainers = {}
+  for every in (1, 100):
+    t = Trainer(
+      config_lib.load_config('tiny', dict(ov, **{'log.every': every})), tempfile.mkdtemp(), console=False
+    )
+    t.checkpointer = None  # train() saves when it returns: only the loop is timed here
+    t.train(steps=5)  # compile and warm up
+    trainers[every] = t
+  times = {1: [], 100: []}
+  for _ in range(rounds):
+    for every, t in trainers.items():
+      t0 = time.perf_counter()
+      t.train(steps=steps)
+      times[every].append((time.perf_counter() - t0) / steps)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  print(
+    f'trainer loop, s/step: log.every=1 {med[1]:.4f}, log.every=100 {med[100]:.4f}, '
+    f'ratio {med[1] / med[100]:.3f} (median of {rounds} rounds of {steps} steps)'
+  )
+  for t in trainers.values():
+    t.close()
+  return {'every_1_s': med[1], 'every_100_s': med[100], 'ratio': med[1] / med[100], 'times': times}
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--steps', type=int, default=20)
@@ -71,6 +105,11 @@ def main():
   ap.add_argument('--dtype', default='float32,bfloat16')
   ap.add_argument('--layouts', default='1x1x1,8x1x1,4x1x2,2x2x2,1x2x4,2x4x1m4')
   ap.add_argument('--layer-sweep', action='store_true', help='compile time against 4, 16, 64 layers')
+  ap.add_argument(
+    '--log-overhead',
+    action='store_true',
+    help='the trainer loop at 4x1x2 with log.every=1 against log.every=100 (alternating, 3 rounds)',
+  )
   ap.add_argument(
     '--remat-sweep',
     action='store_true',
@@ -109,7 +148,7 @@ def main():
   remat = []
   if args.remat_sweep:
     print(f'{"remat":>6} {"temp MiB":>9} {"vs none":>8} {"step s":>8} {"vs none":>8}')
-    for policy in ('none', 'full', 'dots', 'attn'):
+    for policy in ('none', 'dots', 'attn', 'full', 'stage'):
       ov = dict(
         SHAPE,
         **{
@@ -129,6 +168,7 @@ def main():
         f'{r["step_s"]:>8.3f} {r["step_s"] / remat[0]["step_s"]:>8.2f}',
         flush=True,
       )
+  overhead = log_overhead() if args.log_overhead else None
   sweep = []
   if args.layer_sweep:
     for L in (4, 16, 64):
@@ -140,7 +180,17 @@ def main():
       print(f'compile time, {L:>2} layers (2x2x2): {r["compile_s"]:.2f} s')
     print(f'ratio 64 layers / 4 layers: {sweep[-1]["compile_s"] / sweep[0]["compile_s"]:.2f}')
   with open(args.json, 'w') as f:
-    json.dump({'rows': rows, 'layer_sweep': sweep, 'remat_sweep': remat, 'jax': jax.__version__}, f, indent=1)
+    json.dump(
+      {
+        'rows': rows,
+        'layer_sweep': sweep,
+        'remat_sweep': remat,
+        'log_overhead': overhead,
+        'jax': jax.__version__,
+      },
+      f,
+      indent=1,
+    )
   print(f'wrote {args.json}')
 
 

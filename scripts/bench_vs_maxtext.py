@@ -642,6 +642,20 @@ def format_startup(runs: Sequence[dict]) -> list[str]:
   return out
 
 
+def format_load(runs: Sequence[dict], cores: int | None = None) -> str:
+  """The machine's load during the runs, and a warning when other work shared the cores (a run
+  itself keeps about `cores` busy): then the timings say as much about the scheduler as the step."""
+  cores = cores or os.cpu_count() or 1
+  loads = [x['load'] for x in runs if x.get('load') is not None]
+  if not loads:
+    return ''
+  med = statistics.median(loads)
+  line = f'load average (1 min) after each run: median {med:.1f}, max {max(loads):.1f}, on {cores} cores'
+  if med > cores + 1:
+    line += ' (warning: other processes shared the cores; rerun on a quiet machine to trust the ratios)'
+  return line
+
+
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """The flags; bad layouts or dtypes exit 2 with the reason."""
@@ -724,10 +738,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           r.update(
             trainer=who, spec=lay.spec, layout=lay.label, dtype=dtype, round=rnd, wall_s=time.time() - t0
           )
+          r['load'] = os.getloadavg()[0]  # the 1-minute load average: about this run's minute
           runs.append(r)
           print(
             f'[round {rnd}/{args.rounds}] {lay.label:>12} {dtype:>8} {who:>7}: {r["step_s"]:.3f} s/step, '
-            f'start to step 0 {r["first_step_s"]:.1f} s ({r["wall_s"]:.0f} s wall)',
+            f'start to step 0 {r["first_step_s"]:.1f} s ({r["wall_s"]:.0f} s wall, load {r["load"]:.1f})',
             flush=True,
           )
   except RunFailed as e:
@@ -736,7 +751,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   roof_after = measure_roof(j_python, args.dtype_list, shapes)
   rows = summarize(runs, args.layout_list, args.dtype_list, average_roof(roof_before, roof_after))
   text = '\n'.join(
-    [format_table(rows), '', *format_roof(roof_before, roof_after, args.dtype_list), *format_startup(runs)]
+    [
+      format_table(rows),
+      '',
+      *format_roof(roof_before, roof_after, args.dtype_list),
+      *format_startup(runs),
+      format_load(runs),
+    ]
   )
   print('\n' + text)
   print(f'({time.time() - t_start:.0f} s in all)')

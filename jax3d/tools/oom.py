@@ -126,7 +126,7 @@ def smallest_cluster(cfg: ml_collections.ConfigDict, hw: Hardware) -> str:
       p = fits[0].plan
       return (
         f'Smallest cluster that fits: {nodes} node(s) x {hw.gpus_per_node} GPUs of '
-        f'{hw.memory_gb:g} GB (dp={p.dp}, pp={p.pp}, tp={p.tp}, remat={fits[0].remat}: '
+        f'{hw.memory_gb:g} GB (dp={p.dp}, pp={p.pp}, tp={p.tp}, remat={fits[0].est.remat}: '
         f'{fits[0].est.total_bytes / GB:.1f} GB per GPU)'
       )
     nodes *= 2

@@ -6,9 +6,9 @@ Layout on disk: WORKDIR/checkpoints/<step>/{state, meta}. `state` is the whole t
 the seed, and the shape and dtype of every saved array.
 
 Orbax writes a step into a temporary directory and renames it when complete, so a write killed
-with SIGKILL never becomes a step; a step past `keep` is renamed into `checkpoints/.deleted` and
-removed from there, so a deletion killed half-way never leaves a torn step behind. A step that fails to restore (missing or truncated files) is
-reported with its path and the previous one is used. Shapes and dtypes are compared with the
+with SIGKILL never becomes a step; a step past `keep` is renamed into `checkpoints/.deleted`, then
+removed, so neither leaves a torn step. A step that fails to restore (missing or truncated files)
+is reported with its path and the previous one is used. Shapes and dtypes are compared with the
 config before reading (Orbax would cast dtypes silently). Arrays are read straight into the
 target shardings; when the pipeline layer order differs (another pp or repeats), the layer axis
 is permuted on the devices, never through one host.
@@ -29,8 +29,8 @@ import orbax.checkpoint as ocp
 
 from jax3d.parallel import pipeline
 
-SOFT = 'grad_residual'
-TRASH = '.deleted'  # old steps are renamed here (atomic), then removed  # train-state entry restored when it matches, else restarted at zero
+SOFT = 'grad_residual'  # train-state entry restored when it matches, else restarted at zero
+TRASH = '.deleted'  # old steps are renamed here (atomic), then removed
 PyTree = Any  # nested dicts / lists of arrays (or of jax.ShapeDtypeStruct for an abstract state)
 
 
@@ -82,25 +82,19 @@ class Checkpointer:
 
   def __init__(self, directory: str, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory)
-    self.manager = ocp.CheckpointManager(
-      self.directory,
-      item_names=('state', 'meta'),
-      options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
-        enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True,
-        todelete_subdir=TRASH,
-      ),
+    opts = ocp.CheckpointManagerOptions(
+      max_to_keep=keep,
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=True,
+      todelete_subdir=TRASH,
     )
+    self.manager = ocp.CheckpointManager(self.directory, item_names=('state', 'meta'), options=opts)
     self._empty_trash()
 
-  def _empty_trash(self) -> None:
-    """Removes the steps Orbax renamed into the trash (never read; safe to interrupt). Called when
-    no save is in flight, by the primary process only."""
+  def _empty_trash(self) -> None:  # with no save in flight; never read, so safe to interrupt
     trash = os.path.join(self.directory, TRASH)
-    if jax.process_index() == 0 and os.path.isdir(trash):
-      for name in os.listdir(trash):
-        shutil.rmtree(os.path.join(trash, name), ignore_errors=True)
+    for name in os.listdir(trash) if jax.process_index() == 0 and os.path.isdir(trash) else []:
+      shutil.rmtree(os.path.join(trash, name), ignore_errors=True)
 
   def steps(self) -> list[int]:
     """The saved steps, oldest first."""
@@ -135,9 +129,8 @@ class Checkpointer:
 
   def close(self) -> None:
     """Finishes pending saves and releases the manager."""
-    self.manager.wait_until_finished()
+    self.wait()
     self.manager.close()
-    self._empty_trash()
 
   def read_meta(self, step: int) -> dict:
     """The JSON metadata saved with `step`."""

@@ -245,6 +245,10 @@ class Trainer:
       if self._stop_signal is not None:  # SIGTERM while compiling or in that first evaluation
         self._preempted(start, multi)
         return self.writer.records[n_first:]
+      # The host reads a step's metrics after dispatching the next step (one step behind), so
+      # logging, the finite-check count and the console never hold the device up. Evaluations,
+      # saves and stops read the current step first: the state is donated to the next step.
+      pending = None
       for i in range(start, stop):
         step = i + 1
         self._profile(i, start=True)
@@ -254,16 +258,15 @@ class Trainer:
           raise TrainingError(str(e)) from e
         t0 = time.time()
         self.state, m = self.compiled(self.state, batch)
-        m = jax.device_get(m)
-        if clock.tick():
-          self.log(f'  first step (compile + run): {time.time() - t0:.1f} s')
-        self._profile(step, start=False)
-        self._check_finite(step, m)
-        if step % cfg.log.every == 0 or step == stop:
-          self._log_step(step, stop, m, clock)
-        self.console.progress(
-          step, start, float(m['loss']), plan.tokens_per_step / max(time.time() - t0, 1e-9), time.time() - t0
+        if pending is not None:
+          self._after_step(*pending, start, stop, clock)
+        pending = (step, m, t0)
+        boundary = (cfg.eval.every and step % cfg.eval.every == 0) or (
+          cfg.checkpoint.every and step % cfg.checkpoint.every == 0
         )
+        if boundary or step == stop or self._stop_signal is not None:
+          self._after_step(*pending, start, stop, clock)
+          pending = None
         if cfg.eval.every and step % cfg.eval.every == 0 and step != stop:
           self._eval_and_log(step)
           clock.t_last = time.time()
@@ -285,6 +288,21 @@ class Trainer:
       if prev_handler is not None:
         signal.signal(signal.SIGTERM, prev_handler)
     return self.writer.records[n_first:]
+
+  def _after_step(
+    self, step: int, m: dict, t0: float, start: int, stop: int, clock: metrics_lib.Clock
+  ) -> None:
+    """The host's part of step `step` (dispatched at `t0`): its metrics read back, the profile
+    stopped, the non-finite count, the metric record and the console."""
+    m = jax.device_get(m)
+    if clock.tick():
+      self.log(f'  first step (compile + run): {time.time() - t0:.1f} s')
+    self._profile(step, start=False)
+    self._check_finite(step, m)
+    if step % self.cfg.log.every == 0 or step == stop:
+      self._log_step(step, stop, m, clock)
+    dt = max(time.time() - t0, 1e-9)
+    self.console.progress(step, start, float(m['loss']), self.plan.tokens_per_step / dt, dt)
 
   def _profile(self, at: int, start: bool) -> None:
     """profile.start/steps: a jax.profiler trace of those steps in WORKDIR/profile (started before
