@@ -171,3 +171,24 @@ def test_cli_config_error_exits_2():
     env={**os.environ, 'PYTHONPATH': REPO},
   )
   assert proc.returncode == 2 and proc.stderr.startswith('error: ') and 'mesh' in proc.stderr
+
+
+# Every layout of the equivalence matrix (tests/test_equivalence.py) and every remat policy: the
+# compiled step's tp, pp and dp bytes equal what the formulas say it executes, within 5% (no
+# communication the layout does not need). Compile only, nothing runs.
+@pytest.mark.parametrize(
+  'dp,pp,tp,remat',
+  [
+    (dp, pp, tp, 'none')
+    for dp, pp, tp in [(8, 1, 1), (4, 1, 2), (2, 1, 4), (4, 2, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]
+  ]
+  + [(2, 2, 2, r) for r in ('dots', 'attn', 'full', 'stage')]
+  + [(4, 1, 2, 'full'), (1, 2, 4, 'full')],
+)
+def test_collective_bytes_equal_the_formulas_at_every_layout(dp, pp, tp, remat):
+  over = {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp, 'pipeline.microbatches': 2 * pp, 'train.remat': remat}
+  over['model.n_kv_heads'] = max(tp, 2)  # tiny has 2 KV heads; tp must divide them
+  r = run.inspect(config.load_config('tiny', over))
+  for c in r['checks']:
+    if 'spmd' in c:
+      assert c['measured'] == pytest.approx(c['spmd'], rel=0.05, abs=1.0), (c['what'], c)

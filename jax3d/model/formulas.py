@@ -135,3 +135,19 @@ class MFUMeter:
 
   def __call__(self, tokens_per_sec: float) -> float | None:
     return mfu(tokens_per_sec, self.per_token, self.peak, self.n_devices)
+
+
+# Of a layer's 2 forward tp all-reduces (after attention, after the MLP), how many the backward pass
+# runs again, read off the compiled HLO (jax3d.inspect): 'full' and 'attn' recompute the attention
+# block's (its sum feeds the MLP) but not the MLP's, whose sum is the layer's output, which the
+# layer's own backward never needs; 'stage' recomputes the iteration (both) and then each layer (1).
+TP_ALL_REDUCES_RECOMPUTED = {'none': 0, 'dots': 0, 'attn': 1, 'full': 1, 'stage': 3}
+
+
+def pipeline_edge_bytes(pp: int, microbatch_rows: int, seq_len: int, d_model: int) -> float:
+  """Wire bytes per device of entering and leaving the pipeline loop, per optimizer step and
+  accumulation chunk: the m micro-batches on one dp shard (fp32 at the boundary, X = rows*s*h*4)
+  with their rows split over (dp, pp) take an all-gather in and a reduce-scatter out, each
+  transposed in the backward pass (4 of (p-1)/p X); otherwise a psum out over pp and, backward,
+  the psum of the input's gradient (2 of 2(p-1)/p X). The same bytes either way."""
+  return 4 * (pp - 1) / pp * microbatch_rows * seq_len * d_model * 4 if pp > 1 else 0.0

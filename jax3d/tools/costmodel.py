@@ -127,8 +127,11 @@ def layer_residual_bytes(
   flash: bool,
   batch: int,
 ) -> float:
-  """Bytes one tp shard of one layer keeps for its backward pass, inputs and weights included
-  (in the pipeline both are per-iteration values). Linear in the rows: traced at 1 and 2 rows."""
+  """Bytes one tp shard of one layer keeps for its backward pass, its input included. Its weights
+  count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
+  stack in the backward pass (jax3d/parallel/pipeline.py `run_layers`); without one, XLA keeps
+  the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
+  rows: traced at 1 and 2 rows."""
   one, two = (
     _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, b)
     for b in (1, 2)
@@ -171,15 +174,16 @@ def _traced_residuals(
   block = model_lib.Block(dims)
   params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
   fn = remat.wrap_layer(lambda h, p: (block.apply({'params': p}, h), None), policy)
-  res = _saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x)
+  res = _saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x, policy != 'none')
   scores = lambda a: len(a.shape) >= 2 and a.shape[-2:] == (seq, seq)
   kept = [a for a in res if not (flash and scores(a))]
   lse = batch * (n_heads // tp) * seq * 4 if flash else 0
   return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept) + lse)
 
 
-def _saved_residuals(f, *args) -> list:
-  """The abstract values (shape, dtype) that reverse-mode differentiation of `f` keeps.
+def _saved_residuals(f, p, h, drop_weights: bool) -> list:
+  """The abstract values (shape, dtype) that reverse-mode differentiation of `f(p, h)` keeps
+  (less the weights `p` themselves when `drop_weights`).
 
   jax's public API only prints this list (`jax.ad_checkpoint.print_saved_residuals`, as text);
   the function that returns it lives in jax's private modules, so this is the one place that
@@ -187,7 +191,8 @@ def _saved_residuals(f, *args) -> list:
   """
   from jax._src.ad_checkpoint import saved_residuals
 
-  return [aval for aval, _ in saved_residuals(f, *args)]
+  res = saved_residuals(f, p, h)
+  return [aval for aval, src in res if not (drop_weights and src.startswith('from the argument p['))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,10 +299,12 @@ def estimate(
   pp_in = tp * pp <= per_host
   dp_in = tp * pp * dp <= per_host
   bw = lambda inside: (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
-  fwd_passes = 1 + {'none': 0, 'dots': 0, 'attn': 1, 'full': 1, 'stage': 2}[t.remat]
   layer_calls = plan.iterations * lc * plan.grad_accum
-  tp_bytes = layer_calls * (2 * fwd_passes + 2) * 2 * (tp - 1) / tp * act_mb
-  pp_bytes = plan.iterations * plan.grad_accum * (2 + (t.remat == 'stage')) * act_mb if pp > 1 else 0
+  all_reduces = 4 + formulas.TP_ALL_REDUCES_RECOMPUTED[t.remat]  # per layer: 2 forward, 2 backward
+  tp_bytes = layer_calls * all_reduces * 2 * (tp - 1) / tp * act_mb
+  # The ring's ppermute is outside every checkpoint: one send forward, one backward.
+  pp_bytes = plan.iterations * plan.grad_accum * 2 * act_mb if pp > 1 else 0
+  pp_bytes += formulas.pipeline_edge_bytes(pp, mb * b, s, h) * plan.grad_accum
   dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
   t_dp = dp_bytes / bw(dp_in)
   times = {

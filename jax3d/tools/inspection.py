@@ -25,7 +25,8 @@ def expected_comm(s: Setup) -> dict:
   """Wire bytes per device per step from the formulas, two ways where they differ:
   'formula'  the papers' count of useful work (m micro-batches through L/p layers per stage);
   'spmd'     what this SPMD pipeline executes: every stage runs and sends in all v*m+p-1
-             iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m).
+             iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m); and
+             the tp all-reduces the remat policy recomputes (formulas.TP_ALL_REDUCES_RECOMPUTED).
              dp is the same either way: the pipeline loop is manual over dp, so the weight
              gradients are summed over dp once per step, after the loop.
   dp: 2(d-1)/d * P_local * bytes, P_local = parameters this device holds after tp/pp sharding;
@@ -47,14 +48,19 @@ def expected_comm(s: Setup) -> dict:
   explicit = s.explicit_dp
   reduce_b = {'float32': 4, 'bfloat16': 2, 'int8': 1}[s.cfg.train.grad_reduce_dtype] if explicit else pb
   gather_b = pb if s.zero1 else reduce_b
-  grads = n_local * reduce_b  # the gradient bytes that enter the dp reduction
+  grads = n_local * reduce_b if d > 1 else 0  # the gradient bytes that enter the dp reduction
   dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
+  edge = formulas.pipeline_edge_bytes(p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model) * a
+  tp_spmd = per_layer_mb * layers_per_chunk * iters * a  # no recomputation
+  recomputed = formulas.TP_ALL_REDUCES_RECOMPUTED[s.cfg.train.remat]  # of 4 per layer
   return {
     'tp': {
       'formula': per_layer_mb * dims.n_layers // p * m * a,
-      'spmd': per_layer_mb * layers_per_chunk * iters * a,
+      'spmd': tp_spmd * (4 + recomputed) / 4,
+      'spmd_forward': tp_spmd / 2,  # the recomputed all-reduces count as backward
     },
     'pp': {'formula': 2 * v * m * bsh * a if p > 1 else 0.0, 'spmd': 2 * iters * bsh * a if p > 1 else 0.0},
+    'pp_edges': {'formula': edge, 'spmd': edge},
     'dp': {'formula': dp_wire, 'spmd': dp_wire},
     'p_local_bytes': p_local,
     'dp_grad_bytes': grads,
@@ -100,7 +106,7 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
       'what': 'tp all-reduces in the layers (forward)',
       'measured': total(lambda c: tp_layers(c) and c['pass'] == 'forward'),
       'formula': e['tp']['formula'] / 2,
-      'spmd': e['tp']['spmd'] / 2,
+      'spmd': e['tp']['spmd_forward'],
     },
     {
       'axis': 'pp',
@@ -113,8 +119,8 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
       'axis': 'pp',
       'what': 'pp collectives besides the ring (pipeline entry/exit)',
       'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] != 'collective-permute'),
-      'formula': 0.0,
-      'spmd': 0.0,
+      'formula': e['pp_edges']['formula'],
+      'spmd': e['pp_edges']['spmd'],
     },
     {
       'axis': 'dp',

@@ -51,7 +51,7 @@ def oom_ladder(
   if cfg.train.remat not in ('full', 'stage'):
     lines.append(rung('1. recompute activations', {'train.remat': 'full'}, acts))
   elif cfg.train.remat == 'full' and plan.pp > 1:
-    lines.append(rung('1. recompute whole pipeline iterations', {'train.remat': 'stage'}, acts))
+    lines.append(rung('1. recomputation of whole pipeline iterations', {'train.remat': 'stage'}, acts))
   else:
     lines.append(
       f'1. recomputation is already on (train.remat={cfg.train.remat}): activations '
