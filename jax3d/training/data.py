@@ -25,6 +25,8 @@ import jax
 import numpy as np
 
 from jax3d.config import ConfigError
+from jax3d.training import shards, tokenizer
+from jax3d.training.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = ('.py', '.txt', '.md', '.rst', '.c', '.h', '.json', '.toml', '.cfg', '.ini', '.html')
 MAX_CORPUS_BYTES = 64 << 20
@@ -55,7 +57,7 @@ def _held_out(rel_path: str, fraction: float) -> bool:
 
 def _read_files(
   root: str, fraction: float, suffixes: tuple[str, ...] = TEXT_SUFFIXES
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[list[bytes], list[bytes]]:
   """The bytes of the files under `root` with these suffixes, split by file into (train, held out)."""
   train, held, total = [], [], 0
   for dirpath, dirnames, filenames in os.walk(root):
@@ -79,17 +81,43 @@ def _read_files(
       total += len(raw)
       if total > MAX_CORPUS_BYTES:
         break
-  to_arr = lambda parts: np.frombuffer(b'\n'.join(parts), dtype=np.uint8)
-  return to_arr(train), to_arr(held)
+  return train, held
 
 
-def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
-  """Reads the corpus named by `data.path` ('' = the standard library). Raises ConfigError when
-  the path does not exist or holds too little usable data for one sequence."""
+def _tokens(parts: list[bytes], tok: Tokenizer | None) -> np.ndarray:
+  """Documents as one stream: bytes joined by a newline, or a subword tokenizer's ids with EOS
+  after each document."""
+  if tok is None or tok.name == tokenizer.BYTES:
+    return np.frombuffer(b'\n'.join(parts), dtype=np.uint8)
+  eos = [tok.eos_id] if tok.eos_id is not None else []
+  ids = tok.encode_batch([p.decode('utf-8', errors='replace') for p in parts])
+  return np.asarray([t for doc in ids for t in doc + eos], dtype=shards.dtype_for(tok.vocab_size))
+
+
+def _shard_corpus(path: str, tok: Tokenizer | None) -> Corpus:
+  """Token shards written by jax3d.prepare (index checked against the files and the tokenizer)."""
+  index = shards.read_index(path)
+  made_with = index.get('tokenizer', {}).get('sha256')
+  if tok is not None and made_with and made_with != tokenizer.fingerprint(tok):
+    raise ConfigError(
+      f'data.path={path!r} was tokenized with {index["tokenizer"].get("path")}, not with '
+      f'data.tokenizer={tok.path or tok.name!r} (the shards record its sha256)'
+    )
+  train, held = shards.streams(index)
+  return Corpus(train, held, index['vocab_size'], f'token shards {index["folder"]}')
+
+
+def load_corpus(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | None = None) -> Corpus:
+  """Reads the corpus named by `data.path` ('' = the standard library), text tokenized with `tok`
+  (default bytes). Raises ConfigError when the path does not exist or holds too little usable
+  data for one sequence."""
+  text_vocab = tok.vocab_size if tok is not None else 256
   if not path:
     root = sysconfig.get_paths()['stdlib']
-    train, held = _read_files(root, eval_fraction, ('.py',))
-    corpus = Corpus(train, held, 256, f'Python standard library source ({root})')
+    train, held = (_tokens(p, tok) for p in _read_files(root, eval_fraction, ('.py',)))
+    corpus = Corpus(train, held, text_vocab, f'Python standard library source ({root})')
+  elif shards.is_shards(path):
+    corpus = _shard_corpus(path, tok)
   elif not os.path.exists(path):
     raise ConfigError(
       f'data.path={path!r} does not exist (give a text file, a folder of text files, '
@@ -109,17 +137,17 @@ def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
     cut = int(len(tokens) * (1 - eval_fraction))
     corpus = Corpus(tokens[:cut], tokens[cut:], int(tokens.max(initial=0)) + 1, f'tokens {path}')
   elif os.path.isdir(path):
-    train, held = _read_files(path, eval_fraction)
+    train, held = (_tokens(p, tok) for p in _read_files(path, eval_fraction))
     if held.size < min_tokens:  # too few files to split by file: hold out the tail instead
       stream = np.concatenate([train, held])
       cut = int(len(stream) * (1 - eval_fraction))
       train, held = stream[:cut], stream[cut:]
-    corpus = Corpus(train, held, 256, f'text files under {path}')
+    corpus = Corpus(train, held, text_vocab, f'text files under {path}')
   else:
     with open(path, 'rb') as f:
-      stream = np.frombuffer(f.read(), dtype=np.uint8)
+      stream = _tokens([f.read()], tok)
     cut = int(len(stream) * (1 - eval_fraction))
-    corpus = Corpus(stream[:cut], stream[cut:], 256, f'text file {path}')
+    corpus = Corpus(stream[:cut], stream[cut:], text_vocab, f'text file {path}')
   for name, arr in (('training', corpus.train), ('held-out', corpus.held_out)):
     if arr.size < min_tokens:
       raise ConfigError(
