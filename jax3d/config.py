@@ -96,7 +96,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.every = 200  # steps between checkpoints (also at the end and on SIGTERM)
   c.checkpoint.keep = 3  # newest checkpoints kept
   c.checkpoint.async_save = True  # write in the background while training continues
-  c.checkpoint.init_from = ''  # warm start: parameters of another run's WORKDIR, or hf:PATH (Llama safetensors)
+  c.checkpoint.init_from = (
+    ''  # warm start: parameters of another run's WORKDIR, or hf:PATH (Llama safetensors)
+  )
 
   c.profile = ml_collections.ConfigDict()
   c.profile.start = -1  # first profiled step; -1 = no profile

@@ -71,7 +71,11 @@ def write(file: str, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype, Fet
   header, offset = {'__metadata__': meta}, 0
   for name, shape, dtype, _ in tensors:
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    header[name] = {'dtype': NAMES[np.dtype(dtype)], 'shape': list(shape), 'data_offsets': [offset, offset + size]}
+    header[name] = {
+      'dtype': NAMES[np.dtype(dtype)],
+      'shape': list(shape),
+      'data_offsets': [offset, offset + size],
+    }
     offset += size
   raw = json.dumps(header, separators=(',', ':')).encode()
   raw += b' ' * (-len(raw) % 8)  # the data starts 8-byte aligned

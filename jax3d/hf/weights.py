@@ -27,7 +27,6 @@ import numpy as np
 
 from jax3d.hf import safetensors_io
 from jax3d.hf.config import HFModel
-from jax3d.parallel import pipeline
 
 if TYPE_CHECKING:
   from jax3d.run import Setup
@@ -69,7 +68,9 @@ class _Blocks:
       q = self.read(p + 'self_attn.q_proj.weight', slice(k0 * g * h, k1 * g * h), sd)
       dd = q.shape[1]
       kv = [self.read(p + f'self_attn.{x}_proj.weight', slice(k0 * h, k1 * h), sd) for x in 'kv']
-      qkv_kchd = np.concatenate([q.reshape(k1 - k0, g, h, dd)] + [x.reshape(k1 - k0, 1, h, dd) for x in kv], 1)
+      qkv_kchd = np.concatenate(
+        [q.reshape(k1 - k0, g, h, dd)] + [x.reshape(k1 - k0, 1, h, dd) for x in kv], 1
+      )
       return qkv_kchd[:, sc, sh, :].transpose(3, 0, 1, 2)
     if leaf == 'o/kernel':
       sn, sh, sd = idx
@@ -137,9 +138,9 @@ def hf_tensors(params: Any, setup: Setup) -> Iterator[tuple[str, tuple[int, ...]
     p = f'model.layers.{i}.'
     qkv = lambda i=i: lay('qkv', i)  # [d, k, g+2, h]
     yield p + 'input_layernorm.weight', (d,), dtype, lambda i=i: lay('attn_norm', i)
-    yield p + 'self_attn.q_proj.weight', (n * h, d), dtype, lambda: qkv()[:, :, :g].reshape(d, n * h).T
-    yield p + 'self_attn.k_proj.weight', (k * h, d), dtype, lambda: qkv()[:, :, g].reshape(d, k * h).T
-    yield p + 'self_attn.v_proj.weight', (k * h, d), dtype, lambda: qkv()[:, :, g + 1].reshape(d, k * h).T
+    yield p + 'self_attn.q_proj.weight', (n * h, d), dtype, lambda q=qkv: q()[:, :, :g].reshape(d, n * h).T
+    yield p + 'self_attn.k_proj.weight', (k * h, d), dtype, lambda q=qkv: q()[:, :, g].reshape(d, k * h).T
+    yield p + 'self_attn.v_proj.weight', (k * h, d), dtype, lambda q=qkv: q()[:, :, g + 1].reshape(d, k * h).T
     yield p + 'self_attn.o_proj.weight', (d, n * h), dtype, lambda i=i: lay('o', i).reshape(n * h, d).T
     yield p + 'post_attention_layernorm.weight', (d,), dtype, lambda i=i: lay('mlp_norm', i)
     yield p + 'mlp.gate_proj.weight', (dm.d_ff, d), dtype, lambda i=i: lay('gate_up', i)[:, 0].T

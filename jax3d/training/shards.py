@@ -41,7 +41,9 @@ class TokenStream:
 
   def __init__(self, files: list[str], dtype: np.dtype, counts: list[int]):
     self.filenames = [f for f, n in zip(files, counts, strict=True) if n > 0]
-    self.maps = [np.memmap(f, dtype=dtype, mode='r', shape=(n,)) for f, n in zip(files, counts, strict=True) if n]
+    self.maps = [
+      np.memmap(f, dtype=dtype, mode='r', shape=(n,)) for f, n in zip(files, counts, strict=True) if n
+    ]
     self.starts = np.cumsum([0] + [m.size for m in self.maps])
     self.size = int(self.starts[-1])
     self.dtype = np.dtype(dtype)
@@ -101,6 +103,8 @@ def streams(index: dict) -> tuple[TokenStream, TokenStream]:
   """(train, held out) token streams of a checked index."""
   dtype = np.dtype(index['dtype'])
   make = lambda split: TokenStream(
-    [os.path.join(index['folder'], s['file']) for s in index[split]], dtype, [s['tokens'] for s in index[split]]
+    [os.path.join(index['folder'], s['file']) for s in index[split]],
+    dtype,
+    [s['tokens'] for s in index[split]],
   )
   return make('train'), make('val')

@@ -117,7 +117,9 @@ def _special_tokens_from_config(folder: str) -> dict[str, str]:
   except (OSError, ValueError):
     return {}
   text = lambda v: v.get('content') if isinstance(v, dict) else v
-  return {k: text(cfg.get(f'{k}_token')) for k in ('bos', 'eos') if isinstance(text(cfg.get(f'{k}_token')), str)}
+  return {
+    k: text(cfg.get(f'{k}_token')) for k in ('bos', 'eos') if isinstance(text(cfg.get(f'{k}_token')), str)
+  }
 
 
 def find(spec: str) -> str:
