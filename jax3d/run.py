@@ -137,6 +137,7 @@ def resolve(cfg: ml_collections.ConfigDict, n_devices: int | None = None) -> ml_
 
   * `checkpoint.init_from=hf:PATH`: model.* from PATH/config.json, its tensors checked (names and
     shapes, from the safetensors headers), and PATH's own tokenizer when data.tokenizer is 'bytes';
+  * token shards (data.path) made with a subword tokenizer: that one when data.tokenizer is 'bytes';
   * a subword `data.tokenizer`: its absolute path (recorded in checkpoints, so that jax3d.sample
     finds it) and model.vocab_size from it, or, when an import fixes the vocabulary, a check that
     the tokenizer's fits in it.
@@ -144,7 +145,7 @@ def resolve(cfg: ml_collections.ConfigDict, n_devices: int | None = None) -> ml_
   ConfigError (exit 2) naming the file and what is wrong; with `n_devices`, also the layout check,
   naming the imported config.json when its heads do not split over the mesh."""
   from jax3d.hf import config as hf_config
-  from jax3d.training import tokenizer as tok_lib
+  from jax3d.training import shards, tokenizer as tok_lib
 
   hf = hf_config.read(cfg.checkpoint.init_from) if hf_config.is_hf(cfg.checkpoint.init_from) else None
   if hf is not None:
@@ -156,6 +157,10 @@ def resolve(cfg: ml_collections.ConfigDict, n_devices: int | None = None) -> ml_
       config_lib.set_key(cfg, 'data.tokenizer', hf.path)
   else:
     cfg = copy.deepcopy(cfg)
+  if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(cfg.data.path):
+    made_with = shards.read_index(cfg.data.path).get('tokenizer', {}).get('path', tok_lib.BYTES)
+    if made_with != tok_lib.BYTES and os.path.exists(made_with):  # the shards' own tokenizer
+      config_lib.set_key(cfg, 'data.tokenizer', made_with)
   if cfg.data.tokenizer != tok_lib.BYTES:
     tok = tok_lib.load(cfg.data.tokenizer)
     config_lib.set_key(cfg, 'data.tokenizer', tok.path)

@@ -15,7 +15,6 @@ its own data-parallel shard; a background thread prepares the next batches while
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import queue
 import sysconfig
@@ -26,9 +25,9 @@ import numpy as np
 
 from jax3d.config import ConfigError
 from jax3d.training import shards, tokenizer
+from jax3d.training.documents import TEXT_SUFFIXES, held_out, iter_files
 from jax3d.training.tokenizer import Tokenizer
 
-TEXT_SUFFIXES = ('.py', '.txt', '.md', '.rst', '.c', '.h', '.json', '.toml', '.cfg', '.ini', '.html')
 MAX_CORPUS_BYTES = 64 << 20
 
 
@@ -50,37 +49,23 @@ class Corpus:
     )
 
 
-def _held_out(rel_path: str, fraction: float) -> bool:
-  h = int.from_bytes(hashlib.sha1(rel_path.encode()).digest()[:4], 'little')
-  return h / 2**32 < fraction
-
-
 def _read_files(
   root: str, fraction: float, suffixes: tuple[str, ...] = TEXT_SUFFIXES
 ) -> tuple[list[bytes], list[bytes]]:
   """The bytes of the files under `root` with these suffixes, split by file into (train, held out)."""
   train, held, total = [], [], 0
-  for dirpath, dirnames, filenames in os.walk(root):
-    if total > MAX_CORPUS_BYTES:  # the cap ends the whole walk, not only this folder's files
+  for path in iter_files(root, suffixes):
+    try:
+      with open(path, 'rb') as f:
+        raw = f.read()
+    except OSError:
+      continue
+    if not raw:
+      continue
+    (held if held_out(os.path.relpath(path, root), fraction) else train).append(raw)
+    total += len(raw)
+    if total > MAX_CORPUS_BYTES:  # the cap ends the whole walk
       break
-    dirnames[:] = sorted(
-      d for d in dirnames if d not in ('site-packages', '__pycache__') and not d.startswith('.')
-    )
-    for name in sorted(filenames):
-      if not name.endswith(suffixes):
-        continue
-      path = os.path.join(dirpath, name)
-      try:
-        with open(path, 'rb') as f:
-          raw = f.read()
-      except OSError:
-        continue
-      if not raw:
-        continue
-      (held if _held_out(os.path.relpath(path, root), fraction) else train).append(raw)
-      total += len(raw)
-      if total > MAX_CORPUS_BYTES:
-        break
   return train, held
 
 
