@@ -14,6 +14,7 @@ does not grow with the corpus (what data.batch_rows reads is its own rows' windo
 from __future__ import annotations
 
 import json
+import mmap
 import os
 
 import numpy as np
@@ -34,6 +35,23 @@ def is_shards(path: str) -> bool:
   return bool(path) and (
     os.path.basename(path) == INDEX or (os.path.isdir(path) and os.path.exists(os.path.join(path, INDEX)))
   )
+
+
+RELEASE_ALIGN = 4 << 20  # at least the largest page-cache folio the kernel maps in one fault (2 MiB)
+
+
+def _release(m: np.memmap, start: int, stop: int) -> None:
+  """Unmaps the pages around bytes [start, stop) of a memory map from this process (madvise
+  MADV_DONTNEED; the data stays in the page cache). Without it, each window read maps a whole
+  page-cache folio (up to 2 MiB on current kernels) into the process, and the resident set grows
+  with the number of distinct windows read, towards the corpus size."""
+  mm = getattr(m, '_mmap', None)
+  if mm is None or not hasattr(mm, 'madvise'):
+    return
+  a = start // RELEASE_ALIGN * RELEASE_ALIGN
+  b = min(-(-stop // RELEASE_ALIGN) * RELEASE_ALIGN, len(mm))
+  if b > a:
+    mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
 class TokenStream:
@@ -60,7 +78,8 @@ class TokenStream:
     while a < b:
       m, base = self.maps[first], int(self.starts[first])
       take = min(b, base + m.size) - a
-      parts.append(np.asarray(m[a - base : a - base + take]))
+      parts.append(np.array(m[a - base : a - base + take]))  # a copy: the mapping is released next
+      _release(m, (a - base) * self.dtype.itemsize, (a - base + take) * self.dtype.itemsize)
       a, first = a + take, first + 1
     return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
