@@ -196,3 +196,27 @@ def test_prepare_bad_input_exits_2(tmp_path):
   r = _prepare(f'--out={tmp_path}', '--train_tokenizer=100')
   assert r.returncode == 2 and '--train_tokenizer=100' in r.stderr and 'at least 257' in r.stderr
   assert prepare.EOS_TOKEN == '<|endoftext|>'
+
+
+def test_a_truncated_shard_is_a_data_error(bpe, tmp_path):
+  """The prefetcher watches every mapped shard: one cut short mid-run is a DataError naming it
+  (reading past the end of a memory map would be a SIGBUS)."""
+  import shutil
+
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  out = tmp_path / 'shards'
+  shutil.copytree(bpe[1], out)
+  corpus = data_lib.load_corpus(str(out), 0.05, 65)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ('dp', 'pp', 'tp'))
+  pf = data_lib.Prefetcher(corpus, 0, 0, 100, 4, 64, NamedSharding(mesh, P('dp')), depth=1)
+  try:
+    pf.next(0)
+    with open(out / 'train-00002.bin', 'r+b') as f:
+      f.truncate(10)
+    with pytest.raises(data_lib.DataError, match='train-00002.bin was truncated'):
+      for i in range(1, 100):
+        pf.next(i)
+  finally:
+    pf.close()

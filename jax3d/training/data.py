@@ -212,12 +212,15 @@ class Prefetcher:
     self.sharding, self.batch = sharding, batch
     self.q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
     self._stop = threading.Event()
-    self.file = getattr(corpus.train, 'filename', None)
-    try:  # a file deleted since it was mapped cannot be truncated: nothing to watch
-      self._fd = os.open(self.file, os.O_RDONLY) if self.file else None
-    except FileNotFoundError:
-      self._fd = None
-    self._size = os.fstat(self._fd).st_size if self._fd is not None else 0
+    # The mapped files (one .bin, or every token shard), each with its size at the start.
+    files = getattr(corpus.train, 'filenames', None) or [getattr(corpus.train, 'filename', None)]
+    self._watch: list[tuple[str, int, int]] = []
+    for file in filter(None, files):
+      try:  # a file deleted since it was mapped cannot be truncated: nothing to watch
+        fd = os.open(file, os.O_RDONLY)
+      except FileNotFoundError:
+        continue
+      self._watch.append((file, fd, os.fstat(fd).st_size))
     self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
     self.thread.start()
 
@@ -238,11 +241,12 @@ class Prefetcher:
       for i in range(start, stop):
         if self._stop.is_set():
           return
-        if self._fd is not None and (size := os.fstat(self._fd).st_size) < self._size:
-          raise DataError(
-            f'data file {self.file} was truncated while the run reads it ({self._size} bytes at the '
-            f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
-          )
+        for file, fd, start_size in self._watch:
+          if (size := os.fstat(fd).st_size) < start_size:
+            raise DataError(
+              f'data file {file} was truncated while the run reads it ({start_size} bytes at the '
+              f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
+            )
         local = batch_rows(tokens, seed, i, batch, seq_len, self.rows)
         if not self._put((i, to_global(local, self.sharding, self.batch))):
           return
@@ -272,6 +276,6 @@ class Prefetcher:
     exits can abort the process ('FATAL: exception not rethrown')."""
     self._stop.set()
     self.thread.join(timeout=30)
-    if self._fd is not None:
-      os.close(self._fd)
-      self._fd = None
+    for _, fd, _ in self._watch:
+      os.close(fd)
+    self._watch = []
