@@ -38,6 +38,7 @@ _API = (
   'plan_layouts',
   'Plan',
   'losses',
+  'export_hf',
 )
 __all__ = list(_API) + ['sample']
 

@@ -47,6 +47,7 @@ __all__ = [
   'Plan',
   'sample',
   'losses',
+  'export_hf',
 ]
 
 
@@ -148,6 +149,18 @@ def build(
       t.log(line)
     t.log(what)
   return t
+
+
+def export_hf(source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30) -> list[str]:
+  """Writes a Hugging Face Llama folder (config.json, safetensors, tokenizer files) that
+  `transformers.AutoModelForCausalLM.from_pretrained(out)` loads, from a Trainer's current
+  parameters or a run's workdir (its newest checkpoint); returns the files written. Importing is
+  `build(load_config(..., checkpoint__init_from='hf:PATH'))`."""
+  from jax3d.hf import export
+
+  if isinstance(source, str | os.PathLike):
+    return export.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes)
+  return export.export(source.state['params'], source.setup, out, max_shard_bytes)
 
 
 def placement(trainer: Trainer) -> list[str]:

@@ -80,6 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.path = ''  # '' = the Python standard library's own source, as bytes
   c.data.eval_fraction = 0.05  # held-out share (by file where the corpus has files)
   c.data.prefetch = 2  # batches prepared ahead on a background thread
+  c.data.tokenizer = 'bytes'  # bytes | a tokenizer.json | a SentencePiece .model | a folder with one
 
   c.log = ml_collections.ConfigDict()
   c.log.every = 10  # steps between metric records and console lines
@@ -95,7 +96,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.every = 200  # steps between checkpoints (also at the end and on SIGTERM)
   c.checkpoint.keep = 3  # newest checkpoints kept
   c.checkpoint.async_save = True  # write in the background while training continues
-  c.checkpoint.init_from = ''  # warm start: load only the parameters of another run
+  c.checkpoint.init_from = (
+    ''  # warm start: parameters of another run's WORKDIR, or hf:PATH (Llama safetensors)
+  )
 
   c.profile = ml_collections.ConfigDict()
   c.profile.start = -1  # first profiled step; -1 = no profile

@@ -10,8 +10,10 @@ benchmarks all go through these two functions, so what they report is what runs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -128,6 +130,53 @@ class Setup:
     return {
       k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding) for k in ('inputs', 'targets')
     }
+
+
+def resolve(cfg: ml_collections.ConfigDict, n_devices: int | None = None) -> ml_collections.ConfigDict:
+  """The config a run really has (a copy; cfg is left as it is), before anything compiles:
+
+  * `checkpoint.init_from=hf:PATH`: model.* from PATH/config.json, its tensors checked (names and
+    shapes, from the safetensors headers), and PATH's own tokenizer when data.tokenizer is 'bytes';
+  * token shards (data.path) made with a subword tokenizer: that one when data.tokenizer is 'bytes';
+  * a subword `data.tokenizer`: its absolute path (recorded in checkpoints, so that jax3d.sample
+    finds it) and model.vocab_size from it, or, when an import fixes the vocabulary, a check that
+    the tokenizer's fits in it.
+
+  ConfigError (exit 2) naming the file and what is wrong; with `n_devices`, also the layout check,
+  naming the imported config.json when its heads do not split over the mesh."""
+  from jax3d.hf import config as hf_config
+  from jax3d.training import shards, tokenizer as tok_lib
+
+  hf = hf_config.read(cfg.checkpoint.init_from) if hf_config.is_hf(cfg.checkpoint.init_from) else None
+  if hf is not None:
+    hf_config.check_tensors(hf)
+    cfg = hf_config.apply(cfg, hf)
+    if cfg.data.tokenizer == tok_lib.BYTES and any(
+      os.path.exists(os.path.join(hf.path, n)) for n in ('tokenizer.json', 'tokenizer.model')
+    ):
+      config_lib.set_key(cfg, 'data.tokenizer', hf.path)
+  else:
+    cfg = copy.deepcopy(cfg)
+  if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(cfg.data.path):
+    made_with = shards.read_index(cfg.data.path).get('tokenizer', {}).get('path', tok_lib.BYTES)
+    if made_with != tok_lib.BYTES and os.path.exists(made_with):  # the shards' own tokenizer
+      config_lib.set_key(cfg, 'data.tokenizer', made_with)
+  if cfg.data.tokenizer != tok_lib.BYTES:
+    tok = tok_lib.load(cfg.data.tokenizer)
+    config_lib.set_key(cfg, 'data.tokenizer', tok.path)
+    if hf is None:
+      config_lib.set_key(cfg, 'model.vocab_size', tok.vocab_size)
+    elif tok.vocab_size > cfg.model.vocab_size:
+      raise config_lib.ConfigError(
+        f'data.tokenizer={tok.path!r} has {tok.vocab_size} tokens, more than model.vocab_size='
+        f'{cfg.model.vocab_size} of {hf.path}/config.json'
+      )
+  if hf is not None and n_devices is not None:
+    try:
+      config_lib.validate(cfg, n_devices)
+    except config_lib.ConfigError as e:
+      raise config_lib.ConfigError(f'{e} (model.* from {hf.path}/config.json)') from None
+  return cfg
 
 
 def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Setup:

@@ -143,9 +143,13 @@ def test_validation_raises_real_exceptions_not_asserts():
 # ---------------------------------------------------------------------------------------------
 # One command-line convention for the five commands (jax3d/cli.py)
 # ---------------------------------------------------------------------------------------------
-COMMANDS = ['train', 'plan', 'inspect', 'report', 'sample']
-WITH_CONFIG = ['train', 'plan', 'inspect', 'sample']
-REQUIRED = {'sample': ['--workdir=/nonexistent/run']}  # so that the error is about the flag tested
+COMMANDS = ['train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export']
+WITH_CONFIG = ['train', 'plan', 'inspect', 'sample', 'export']
+REQUIRED = {  # so that the error is about the flag tested
+  'sample': ['--workdir=/nonexistent/run'],
+  'prepare': ['--out=/nonexistent/out'],
+  'export': ['--workdir=/nonexistent/run', '--out=/nonexistent/out'],
+}
 
 # `python -m jax3d.COMMAND ARGS...`, then one more line on stdout: was jax imported?
 RUN_AS_MAIN = (

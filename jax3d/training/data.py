@@ -15,7 +15,6 @@ its own data-parallel shard; a background thread prepares the next batches while
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import queue
 import sysconfig
@@ -25,8 +24,10 @@ import jax
 import numpy as np
 
 from jax3d.config import ConfigError
+from jax3d.training import shards, tokenizer
+from jax3d.training.documents import TEXT_SUFFIXES, held_out, iter_files
+from jax3d.training.tokenizer import Tokenizer
 
-TEXT_SUFFIXES = ('.py', '.txt', '.md', '.rst', '.c', '.h', '.json', '.toml', '.cfg', '.ini', '.html')
 MAX_CORPUS_BYTES = 64 << 20
 
 
@@ -48,48 +49,60 @@ class Corpus:
     )
 
 
-def _held_out(rel_path: str, fraction: float) -> bool:
-  h = int.from_bytes(hashlib.sha1(rel_path.encode()).digest()[:4], 'little')
-  return h / 2**32 < fraction
-
-
 def _read_files(
   root: str, fraction: float, suffixes: tuple[str, ...] = TEXT_SUFFIXES
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[list[bytes], list[bytes]]:
   """The bytes of the files under `root` with these suffixes, split by file into (train, held out)."""
   train, held, total = [], [], 0
-  for dirpath, dirnames, filenames in os.walk(root):
-    if total > MAX_CORPUS_BYTES:  # the cap ends the whole walk, not only this folder's files
+  for path in iter_files(root, suffixes):
+    try:
+      with open(path, 'rb') as f:
+        raw = f.read()
+    except OSError:
+      continue
+    if not raw:
+      continue
+    (held if held_out(os.path.relpath(path, root), fraction) else train).append(raw)
+    total += len(raw)
+    if total > MAX_CORPUS_BYTES:  # the cap ends the whole walk
       break
-    dirnames[:] = sorted(
-      d for d in dirnames if d not in ('site-packages', '__pycache__') and not d.startswith('.')
+  return train, held
+
+
+def _tokens(parts: list[bytes], tok: Tokenizer | None) -> np.ndarray:
+  """Documents as one stream: bytes joined by a newline, or a subword tokenizer's ids with EOS
+  after each document."""
+  if tok is None or tok.name == tokenizer.BYTES:
+    return np.frombuffer(b'\n'.join(parts), dtype=np.uint8)
+  eos = [tok.eos_id] if tok.eos_id is not None else []
+  ids = tok.encode_batch([p.decode('utf-8', errors='replace') for p in parts])
+  return np.asarray([t for doc in ids for t in doc + eos], dtype=shards.dtype_for(tok.vocab_size))
+
+
+def _shard_corpus(path: str, tok: Tokenizer | None) -> Corpus:
+  """Token shards written by jax3d.prepare (index checked against the files and the tokenizer)."""
+  index = shards.read_index(path)
+  made_with = index.get('tokenizer', {}).get('sha256')
+  if tok is not None and made_with and made_with != tokenizer.fingerprint(tok):
+    raise ConfigError(
+      f'data.path={path!r} was tokenized with {index["tokenizer"].get("path")}, not with '
+      f'data.tokenizer={tok.path or tok.name!r} (the shards record its sha256)'
     )
-    for name in sorted(filenames):
-      if not name.endswith(suffixes):
-        continue
-      path = os.path.join(dirpath, name)
-      try:
-        with open(path, 'rb') as f:
-          raw = f.read()
-      except OSError:
-        continue
-      if not raw:
-        continue
-      (held if _held_out(os.path.relpath(path, root), fraction) else train).append(raw)
-      total += len(raw)
-      if total > MAX_CORPUS_BYTES:
-        break
-  to_arr = lambda parts: np.frombuffer(b'\n'.join(parts), dtype=np.uint8)
-  return to_arr(train), to_arr(held)
+  train, held = shards.streams(index)
+  return Corpus(train, held, index['vocab_size'], f'token shards {index["folder"]}')
 
 
-def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
-  """Reads the corpus named by `data.path` ('' = the standard library). Raises ConfigError when
-  the path does not exist or holds too little usable data for one sequence."""
+def load_corpus(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | None = None) -> Corpus:
+  """Reads the corpus named by `data.path` ('' = the standard library), text tokenized with `tok`
+  (default bytes). Raises ConfigError when the path does not exist or holds too little usable
+  data for one sequence."""
+  text_vocab = tok.vocab_size if tok is not None else 256
   if not path:
     root = sysconfig.get_paths()['stdlib']
-    train, held = _read_files(root, eval_fraction, ('.py',))
-    corpus = Corpus(train, held, 256, f'Python standard library source ({root})')
+    train, held = (_tokens(p, tok) for p in _read_files(root, eval_fraction, ('.py',)))
+    corpus = Corpus(train, held, text_vocab, f'Python standard library source ({root})')
+  elif shards.is_shards(path):
+    corpus = _shard_corpus(path, tok)
   elif not os.path.exists(path):
     raise ConfigError(
       f'data.path={path!r} does not exist (give a text file, a folder of text files, '
@@ -109,17 +122,17 @@ def load_corpus(path: str, eval_fraction: float, min_tokens: int) -> Corpus:
     cut = int(len(tokens) * (1 - eval_fraction))
     corpus = Corpus(tokens[:cut], tokens[cut:], int(tokens.max(initial=0)) + 1, f'tokens {path}')
   elif os.path.isdir(path):
-    train, held = _read_files(path, eval_fraction)
+    train, held = (_tokens(p, tok) for p in _read_files(path, eval_fraction))
     if held.size < min_tokens:  # too few files to split by file: hold out the tail instead
       stream = np.concatenate([train, held])
       cut = int(len(stream) * (1 - eval_fraction))
       train, held = stream[:cut], stream[cut:]
-    corpus = Corpus(train, held, 256, f'text files under {path}')
+    corpus = Corpus(train, held, text_vocab, f'text files under {path}')
   else:
     with open(path, 'rb') as f:
-      stream = np.frombuffer(f.read(), dtype=np.uint8)
+      stream = _tokens([f.read()], tok)
     cut = int(len(stream) * (1 - eval_fraction))
-    corpus = Corpus(stream[:cut], stream[cut:], 256, f'text file {path}')
+    corpus = Corpus(stream[:cut], stream[cut:], text_vocab, f'text file {path}')
   for name, arr in (('training', corpus.train), ('held-out', corpus.held_out)):
     if arr.size < min_tokens:
       raise ConfigError(
@@ -200,12 +213,15 @@ class Prefetcher:
     self.sharding, self.batch = sharding, batch
     self.q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
     self._stop = threading.Event()
-    self.file = getattr(corpus.train, 'filename', None)
-    try:  # a file deleted since it was mapped cannot be truncated: nothing to watch
-      self._fd = os.open(self.file, os.O_RDONLY) if self.file else None
-    except FileNotFoundError:
-      self._fd = None
-    self._size = os.fstat(self._fd).st_size if self._fd is not None else 0
+    # The mapped files (one .bin, or every token shard), each with its size at the start.
+    files = getattr(corpus.train, 'filenames', None) or [getattr(corpus.train, 'filename', None)]
+    self._watch: list[tuple[str, int, int]] = []
+    for file in filter(None, files):
+      try:  # a file deleted since it was mapped cannot be truncated: nothing to watch
+        fd = os.open(file, os.O_RDONLY)
+      except FileNotFoundError:
+        continue
+      self._watch.append((file, fd, os.fstat(fd).st_size))
     self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
     self.thread.start()
 
@@ -226,11 +242,12 @@ class Prefetcher:
       for i in range(start, stop):
         if self._stop.is_set():
           return
-        if self._fd is not None and (size := os.fstat(self._fd).st_size) < self._size:
-          raise DataError(
-            f'data file {self.file} was truncated while the run reads it ({self._size} bytes at the '
-            f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
-          )
+        for file, fd, start_size in self._watch:
+          if (size := os.fstat(fd).st_size) < start_size:
+            raise DataError(
+              f'data file {file} was truncated while the run reads it ({start_size} bytes at the '
+              f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
+            )
         local = batch_rows(tokens, seed, i, batch, seq_len, self.rows)
         if not self._put((i, to_global(local, self.sharding, self.batch))):
           return
@@ -260,6 +277,6 @@ class Prefetcher:
     exits can abort the process ('FATAL: exception not rethrown')."""
     self._stop.set()
     self.thread.join(timeout=30)
-    if self._fd is not None:
-      os.close(self._fd)
-      self._fd = None
+    for _, fd, _ in self._watch:
+      os.close(fd)
+    self._watch = []

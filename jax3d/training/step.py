@@ -42,6 +42,12 @@ def loss_sum(
   the sum is this device's share (summed over dp and pp by the caller)."""
   if manual:
     tokens_bt, targets_bt = pipeline.local_rows(tokens_bt, s.plan), pipeline.local_rows(targets_bt, s.plan)
+  return llama.cross_entropy_sum(logits(params, tokens_bt, s, manual), targets_bt)
+
+
+def logits(params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False) -> jax.Array:
+  """fp32 logits [b, t, v_padded] (vocab over tp): embed -> the pipeline -> head, as training
+  computes them (the loss is their cross-entropy)."""
   x_btd = llama.embed_apply(s.dims, params, tokens_bt)
   y_btd = pipeline.apply(
     lambda p, h: llama.block_apply(s.dims, p, h),
@@ -53,7 +59,7 @@ def loss_sum(
     policy=s.cfg.train.remat,
     manual=manual,
   )
-  return llama.cross_entropy_sum(llama.head_apply(s.dims, params, y_btd), targets_bt)
+  return llama.head_apply(s.dims, params, y_btd)
 
 
 def accumulate(
@@ -197,6 +203,16 @@ def make_init(s: Setup) -> MeshJit:
       return init_state(jax.random.key(seed), s)
 
   return MeshJit(init, s.mesh, out_shardings=s.state_shardings)
+
+
+def make_logits(s: Setup) -> MeshJit:
+  """jit(logits) for a batch of `train.global_batch_size` rows of token ids (checks and compares)."""
+
+  def fn(params, tokens_bt):
+    with sharding.use_rules(s.rules):
+      return logits(params, tokens_bt, s)
+
+  return MeshJit(fn, s.mesh, in_shardings=(s.param_shardings, s.batch_sharding))
 
 
 def make_train_step(s: Setup) -> MeshJit:

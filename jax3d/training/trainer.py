@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 
 from jax3d import config as config_lib, run
+from jax3d.hf import config as hf_config, weights as hf_weights
 from jax3d.model import formulas as flops_lib, generate as gen_lib
 from jax3d.tools import inspection, oom
 from jax3d.training import (
@@ -35,6 +36,7 @@ from jax3d.training import (
   memory as memory_lib,
   metrics as metrics_lib,
   step as step_lib,
+  tokenizer as tokenizer_lib,
 )
 
 
@@ -50,8 +52,10 @@ class Trainer:
     devices: Sequence[jax.Device] | None = None,
     console: bool = True,
   ):
-    self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
+    # The model of a Hugging Face import, the tokenizer's vocabulary (all checked, exit 2 on bad input).
+    cfg = run.resolve(cfg, len(devices))
+    self.cfg, self.workdir = cfg, workdir
     config_lib.validate(cfg, len(devices))  # config errors before data errors
     # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
     self._lock = (
@@ -59,7 +63,10 @@ class Trainer:
       if workdir and jax.process_index() == 0
       else None
     )
-    self.corpus = data_lib.load_corpus(cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1)
+    self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
+    self.corpus = data_lib.load_corpus(
+      cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1, self.tokenizer
+    )
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
     self.setup = run.setup(cfg, devices)
     self.plan, self.mesh = self.setup.plan, self.setup.mesh
@@ -117,6 +124,10 @@ class Trainer:
           f'pp={saved["pp"]} tp={saved["tp"]} repeats={saved["repeats"]}), next step {meta["step"]}'
         )
     self.state = step_lib.make_init(self.setup)(self.cfg.train.seed)
+    if hf_config.is_hf(self.cfg.checkpoint.init_from):
+      hf = hf_config.read(self.cfg.checkpoint.init_from)
+      self.state['params'] = hf_weights.load_params(hf, self.setup)
+      return f'initialised, parameters imported from {hf.path} (Hugging Face {hf.config["architectures"][0]})'
     if self.cfg.checkpoint.init_from:
       params, step = ckpt_lib.load_params(
         self.cfg.checkpoint.init_from, abstract['params'], self.layout, warn=self.console.warn

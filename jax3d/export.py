@@ -1,0 +1,56 @@
+"""`python -m jax3d.export --workdir=DIR --out=HF_DIR [--max_shard_mb=2048] [--config.KEY=VALUE ...]`
+
+Writes the newest good checkpoint of a training run as a Hugging Face Llama folder: config.json,
+generation_config.json, safetensors weights (split into files of at most --max_shard_mb, with an
+index) and the run's tokenizer files, so that
+
+  transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)
+  tokenizers.Tokenizer.from_file(HF_DIR + '/tokenizer.json')
+
+load it. Any layout the run was trained on; --config.mesh.* reads it onto another one (this
+machine's devices). One tensor at a time goes through the host (jax3d/hf/export.py).
+
+Exit status: 0 written; 2 bad flags or no checkpoint in the workdir (one line on stderr); 3 a
+checkpoint that does not match its config.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jax3d import cli
+
+FLAGS = {
+  'workdir': cli.Flag(str, None, "a training run's workdir, holding checkpoints/", required=True),
+  'out': cli.Flag(str, None, 'the Hugging Face folder to write', required=True),
+  'max_shard_mb': cli.Flag(int, 2048, 'largest safetensors file, in MiB', cli.POSITIVE),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs `python -m jax3d.export` with argv (default sys.argv[1:]); returns the exit status."""
+  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
+  if isinstance(args, int):
+    return args
+  cli.prepare_devices()
+  from jax3d import config as config_lib
+  from jax3d.hf import export
+  from jax3d.tools.sampling import NoCheckpoint
+  from jax3d.training import checkpoint as ckpt_lib
+
+  f = args.flags
+  try:
+    files = export.export_workdir(
+      f['workdir'], f['out'], args.overrides, max_shard_bytes=f['max_shard_mb'] << 20
+    )
+  except (NoCheckpoint, config_lib.ConfigError) as e:
+    return cli.fail(e)
+  except ckpt_lib.CheckpointError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 3
+  print(f'wrote {f["out"]}: {", ".join(files)}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,205 @@
+"""A Hugging Face Llama checkpoint folder: its config.json read into jax3d's model keys, its
+safetensors files found and their tensor headers checked, all before anything compiles.
+
+  hf = hf_config.read('path/to/llama')        # ConfigError (exit 2) on a folder that cannot work
+  cfg = hf_config.apply(cfg, hf)              # model.* from config.json
+
+Llama-like means: a decoder of RMSNorm, rotary attention without biases (grouped-query allowed)
+and a SwiGLU MLP without biases, no experts, no rope scaling; this covers Llama 2/3, Mistral
+(sliding window off or longer than model.max_seq_len) and TinyLlama. Tied embeddings are
+read (the input embedding is also the head) and untied in jax3d.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from typing import Any
+
+import ml_collections
+
+from jax3d.config import ConfigError, set_key
+
+PREFIX = 'hf:'
+ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM')
+
+
+@dataclasses.dataclass
+class HFModel:
+  """A checkpoint folder: config.json, and tensor name -> (file, shape, dtype) of its safetensors."""
+
+  path: str
+  config: dict
+  tensors: dict[str, tuple[str, tuple[int, ...], str]]
+
+  @property
+  def tied(self) -> bool:
+    return bool(self.config.get('tie_word_embeddings', False)) and 'lm_head.weight' not in self.tensors
+
+
+def is_hf(init_from: str) -> bool:
+  """Whether checkpoint.init_from names a Hugging Face folder ('hf:PATH')."""
+  return isinstance(init_from, str) and init_from.startswith(PREFIX)
+
+
+def _bad(path: str, what: str) -> ConfigError:
+  return ConfigError(f'checkpoint.init_from=hf:{path}: {what}')
+
+
+def rope_theta(c: dict) -> float:
+  """rope_theta of a config.json (transformers 5 writes it in rope_parameters)."""
+  params = c.get('rope_parameters') or {}
+  return float(c.get('rope_theta', params.get('rope_theta', 10000.0)))
+
+
+def _check_llama(path: str, c: dict) -> None:
+  cfg_file = os.path.join(path, 'config.json')
+  arch = (c.get('architectures') or ['?'])[0]
+  if c.get('model_type') not in ('llama', 'mistral') or arch not in ARCHITECTURES:
+    raise _bad(
+      path,
+      f'{cfg_file} describes {arch} (model_type {c.get("model_type")!r}); only Llama-architecture '
+      f'models load ({", ".join(ARCHITECTURES)})',
+    )
+  for key in ('num_local_experts', 'num_experts', 'n_routed_experts'):
+    if c.get(key):
+      raise _bad(path, f'{cfg_file} has {key}={c[key]} (mixture of experts); only dense Llama models load')
+  for key in ('attention_bias', 'mlp_bias'):
+    if c.get(key):
+      raise _bad(path, f'{cfg_file} has {key}=true; jax3d layers have no biases')
+  if c.get('hidden_act', 'silu') != 'silu':
+    raise _bad(path, f'{cfg_file} has hidden_act={c["hidden_act"]!r}; jax3d uses SwiGLU (silu)')
+  scaling = c.get('rope_scaling') or c.get('rope_parameters') or {}
+  if (scaling.get('rope_type') or scaling.get('type') or 'default') != 'default':
+    raise _bad(path, f'{cfg_file} has rope scaling {scaling}; jax3d supports plain rotary embeddings only')
+  heads, d = c.get('num_attention_heads'), c.get('hidden_size')
+  if c.get('head_dim') not in (None, (d // heads) if heads else None):
+    raise _bad(path, f'{cfg_file} has head_dim={c["head_dim"]}, not hidden_size/num_attention_heads')
+
+
+def _tensor_index(path: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
+  """name -> (file, shape, dtype) from the safetensors headers (nothing else is read)."""
+  from safetensors import safe_open
+
+  index = os.path.join(path, 'model.safetensors.index.json')
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)['weight_map'].values()))
+  else:
+    files = sorted(n for n in os.listdir(path) if n.endswith('.safetensors'))
+  if not files:
+    raise _bad(path, f'no *.safetensors file in {path} (only safetensors checkpoints load)')
+  out = {}
+  for name in files:
+    file = os.path.join(path, name)
+    if not os.path.exists(file):
+      raise _bad(path, f'{index} names {name}, which does not exist')
+    try:
+      with safe_open(file, 'numpy') as f:
+        for key in f.keys():
+          sl = f.get_slice(key)
+          out[key] = (file, tuple(sl.get_shape()), sl.get_dtype())
+    except Exception as e:  # noqa: BLE001 - a damaged header is bad input naming the file
+      raise _bad(path, f'{file} is not a readable safetensors file ({str(e)[:200]})') from None
+  return out
+
+
+def read(path: str) -> HFModel:
+  """The checkpoint folder at `path` (ConfigError naming the file when it cannot be loaded)."""
+  path = path.removeprefix(PREFIX)
+  cfg_file = os.path.join(path, 'config.json')
+  if not os.path.isdir(path):
+    raise _bad(path, 'no such folder (give a folder with config.json and *.safetensors)')
+  if not os.path.exists(cfg_file):
+    raise _bad(path, f'no config.json in {path}')
+  try:
+    with open(cfg_file) as f:
+      c = json.load(f)
+  except ValueError as e:
+    raise _bad(path, f'{cfg_file} is not valid JSON ({e})') from None
+  missing = [
+    k
+    for k in ('num_hidden_layers', 'hidden_size', 'num_attention_heads', 'intermediate_size', 'vocab_size')
+    if not isinstance(c.get(k), int)
+  ]
+  if missing:
+    raise _bad(path, f'{cfg_file} lacks {", ".join(missing)}')
+  _check_llama(path, c)
+  return HFModel(os.path.abspath(path), c, _tensor_index(path))
+
+
+def model_keys(hf: HFModel) -> dict[str, Any]:
+  """The jax3d model.* settings of the checkpoint."""
+  c = hf.config
+  return {
+    'model.n_layers': c['num_hidden_layers'],
+    'model.d_model': c['hidden_size'],
+    'model.n_heads': c['num_attention_heads'],
+    'model.n_kv_heads': c.get('num_key_value_heads') or c['num_attention_heads'],
+    'model.d_ff': c['intermediate_size'],
+    'model.vocab_size': c['vocab_size'],
+    'model.rope_theta': rope_theta(c),
+    'model.norm_eps': float(c.get('rms_norm_eps', 1e-6)),
+    'model.max_seq_len': int(c.get('max_position_embeddings', 2048)),
+  }
+
+
+def apply(cfg: ml_collections.ConfigDict, hf: HFModel) -> ml_collections.ConfigDict:
+  """A copy of cfg with the model settings of the checkpoint. A Mistral sliding window shorter than
+  model.max_seq_len is refused (jax3d attends over the whole sequence)."""
+  cfg = copy.deepcopy(cfg)
+  for key, value in model_keys(hf).items():
+    set_key(cfg, key, value)
+  window = hf.config.get('sliding_window')
+  if window and window < cfg.train.seq_len:
+    raise _bad(
+      hf.path,
+      f'config.json has sliding_window={window} < train.seq_len={cfg.train.seq_len}; '
+      'jax3d attends over the whole sequence (use a shorter train.seq_len)',
+    )
+  return cfg
+
+
+def expected_shapes(hf: HFModel) -> dict[str, tuple[int, ...]]:
+  """The tensors a Llama checkpoint of this config.json holds, with their shapes."""
+  m = model_keys(hf)
+  d, n, k, f, v = (m[f'model.{x}'] for x in ('d_model', 'n_heads', 'n_kv_heads', 'd_ff', 'vocab_size'))
+  h = d // n
+  out = {'model.embed_tokens.weight': (v, d), 'model.norm.weight': (d,)}
+  if not hf.tied:
+    out['lm_head.weight'] = (v, d)
+  for i in range(m['model.n_layers']):
+    p = f'model.layers.{i}.'
+    out |= {
+      p + 'input_layernorm.weight': (d,),
+      p + 'post_attention_layernorm.weight': (d,),
+      p + 'self_attn.q_proj.weight': (n * h, d),
+      p + 'self_attn.k_proj.weight': (k * h, d),
+      p + 'self_attn.v_proj.weight': (k * h, d),
+      p + 'self_attn.o_proj.weight': (d, n * h),
+      p + 'mlp.gate_proj.weight': (f, d),
+      p + 'mlp.up_proj.weight': (f, d),
+      p + 'mlp.down_proj.weight': (d, f),
+    }
+  return out
+
+
+def check_tensors(hf: HFModel) -> None:
+  """Every tensor the config implies is there with its shape, and no other weight (a bias, an
+  expert) is: ConfigError naming the file, the tensor and both shapes."""
+  want = expected_shapes(hf)
+  for name, shape in want.items():
+    if name not in hf.tensors:
+      raise _bad(hf.path, f'tensor {name} is missing from the safetensors files')
+    file, got, _ = hf.tensors[name]
+    if got != shape:
+      raise _bad(hf.path, f'{file}: tensor {name} has shape {list(got)}, config.json implies {list(shape)}')
+  extra = [n for n in hf.tensors if n not in want and not n.endswith('rotary_emb.inv_freq')]
+  if extra:
+    raise _bad(
+      hf.path,
+      f'{hf.tensors[extra[0]][0]}: tensor {extra[0]} is not part of a Llama model '
+      f'({len(extra)} unexpected tensor(s); biases and experts are not supported)',
+    )

@@ -1,0 +1,141 @@
+"""Export a jax3d model to a Hugging Face folder that `transformers.AutoModelForCausalLM
+.from_pretrained` and `tokenizers` load: config.json (LlamaForCausalLM), generation_config.json,
+model.safetensors (or model-0000i-of-0000n.safetensors with model.safetensors.index.json past
+`max_shard_bytes`) and the run's tokenizer files.
+
+Tensors are written one at a time (jax3d/hf/safetensors_io.write): each is gathered from its
+devices, converted to the Hugging Face layout (jax3d/hf/weights.hf_tensors) and written, so the
+host holds one tensor at a time. The head is exported untied (`tie_word_embeddings: false`), also
+for a model imported with tied embeddings: jax3d trains the two separately.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jax3d.hf import safetensors_io, weights
+from jax3d.training import tokenizer as tok_lib
+
+if TYPE_CHECKING:
+  from jax3d.run import Setup
+
+
+def config_json(setup: Setup, tok: tok_lib.Tokenizer) -> dict:
+  """The transformers LlamaConfig of the model (the real vocabulary, not the padded one)."""
+  dm, m = setup.dims, setup.cfg.model
+  dtype = str(np.dtype(dm.param_dtype))
+  return {
+    'architectures': ['LlamaForCausalLM'],
+    'model_type': 'llama',
+    'hidden_size': dm.d_model,
+    'intermediate_size': dm.d_ff,
+    'num_hidden_layers': dm.n_layers,
+    'num_attention_heads': dm.n_heads,
+    'num_key_value_heads': dm.n_kv_heads,
+    'head_dim': dm.head_dim,
+    'vocab_size': dm.vocab_size,
+    'max_position_embeddings': m.max_seq_len,
+    'rope_theta': dm.rope_theta,
+    'rms_norm_eps': dm.norm_eps,
+    'hidden_act': 'silu',
+    'attention_bias': False,
+    'mlp_bias': False,
+    'tie_word_embeddings': False,
+    'bos_token_id': tok.bos_id,
+    'eos_token_id': tok.eos_id,
+    'torch_dtype': dtype,
+  }
+
+
+def _copy_tokenizer(tok: tok_lib.Tokenizer, out: str) -> list[str]:
+  """The tokenizer's file (and its tokenizer_config.json / special_tokens_map.json when beside it),
+  or a minimal tokenizer_config.json naming BOS/EOS. Nothing for the bytes tokenizer."""
+  if not tok.path:
+    return []
+  folder, written = os.path.dirname(tok.path), []
+  name = 'tokenizer.json' if tok.path.endswith('.json') else 'tokenizer.model'
+  shutil.copyfile(tok.path, os.path.join(out, name))
+  written.append(name)
+  for extra in ('tokenizer_config.json', 'special_tokens_map.json'):
+    if os.path.exists(os.path.join(folder, extra)):
+      shutil.copyfile(os.path.join(folder, extra), os.path.join(out, extra))
+      written.append(extra)
+  if 'tokenizer_config.json' not in written and name == 'tokenizer.json':
+    token = lambda i: tok.tok.id_to_token(i) if i is not None else None
+    cfg = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': token(tok.bos_id)}
+    cfg |= {'eos_token': token(tok.eos_id), 'clean_up_tokenization_spaces': False}
+    with open(os.path.join(out, 'tokenizer_config.json'), 'w') as f:
+      json.dump(cfg, f, indent=2)
+    written.append('tokenizer_config.json')
+  return written
+
+
+def export(params: Any, setup: Setup, out: str, max_shard_bytes: int = 2 << 30) -> list[str]:
+  """Writes the Hugging Face folder `out` from `params` (any layout of `setup`, one process);
+  returns the file names written."""
+  os.makedirs(out, exist_ok=True)
+  tok = tok_lib.load(setup.cfg.data.tokenizer)
+  tensors = list(weights.hf_tensors(params, setup))
+  groups, size = [[]], 0
+  for t in tensors:  # consecutive tensors, max_shard_bytes per file (at least one tensor each)
+    nbytes = int(np.prod(t[1])) * np.dtype(t[2]).itemsize
+    if groups[-1] and size + nbytes > max_shard_bytes:
+      groups.append([])
+      size = 0
+    groups[-1].append(t)
+    size += nbytes
+  names = (
+    ['model.safetensors']
+    if len(groups) == 1
+    else [f'model-{i + 1:05d}-of-{len(groups):05d}.safetensors' for i in range(len(groups))]
+  )
+  for name, group in zip(names, groups, strict=True):
+    safetensors_io.write(os.path.join(out, name), group, {'format': 'pt'})
+  written = list(names)
+  if len(groups) > 1:
+    index = {
+      'metadata': {'total_size': sum(int(np.prod(t[1])) * np.dtype(t[2]).itemsize for t in tensors)},
+      'weight_map': {t[0]: n for n, g in zip(names, groups, strict=True) for t in g},
+    }
+    with open(os.path.join(out, 'model.safetensors.index.json'), 'w') as f:
+      json.dump(index, f, indent=2)
+    written.append('model.safetensors.index.json')
+  cfg = config_json(setup, tok)
+  with open(os.path.join(out, 'config.json'), 'w') as f:
+    json.dump(cfg, f, indent=2)
+  gen = {k: cfg[k] for k in ('bos_token_id', 'eos_token_id') if cfg[k] is not None}
+  with open(os.path.join(out, 'generation_config.json'), 'w') as f:
+    json.dump(gen, f, indent=2)
+  return written + ['config.json', 'generation_config.json'] + _copy_tokenizer(tok, out)
+
+
+def export_workdir(
+  workdir: str,
+  out: str,
+  overrides: dict | None = None,
+  devices: list | None = None,
+  max_shard_bytes: int = 2 << 30,
+) -> list[str]:
+  """Exports the newest good checkpoint of a run (its saved config, read onto this machine's
+  devices in the saved layout or the one `overrides` sets) to `out`; returns the files written."""
+  import jax
+
+  from jax3d.tools import sampling
+
+  sampling.checkpoint_steps(workdir)  # NoCheckpoint when there is none
+  devices = list(devices if devices is not None else jax.devices())
+  cfg = sampling.sampling_config(sampling.saved_config(workdir), len(devices), overrides)
+  setup, params, _ = sampling.load_params(workdir, cfg, devices[: _n_devices(cfg, len(devices))])
+  return export(params, setup, out, max_shard_bytes)
+
+
+def _n_devices(cfg: Any, available: int) -> int:
+  from jax3d import config as config_lib
+
+  dp, pp, tp = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, available)
+  return dp * pp * tp

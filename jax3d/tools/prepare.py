@@ -1,0 +1,265 @@
+"""Token shards from text: an optional BPE tokenizer trained with `tokenizers`, then the corpus
+tokenized on every core into `OUT/{train,val}-NNNNN.bin` with `OUT/index.json` (the format of
+jax3d/training/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
+
+Documents: a text file is one document (a file over `shard_bytes` is cut at line ends into
+several), a JSONL line is one document (its `field`). Each document ends with EOS (and starts with
+BOS when the tokenizer has one). A document is held out when a hash of its name (relative path,
+plus the byte offset for JSONL lines and cut files) says so (jax3d/training/documents.py): a
+document is wholly in train or wholly in val, so the splits never share a document.
+
+Work units: consecutive documents of about `shard_bytes` of text; unit i writes train-i.bin and
+val-i.bin (into temporary names, renamed when complete) and then unit-i.json with a fingerprint
+of its inputs (paths, sizes, mtimes, byte ranges), the tokenizer's sha256 and the settings. A
+rerun skips every unit whose record matches, so an interrupted run resumes and a finished one
+does nothing; the index is written last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import sysconfig
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from jax3d.training import documents, shards, tokenizer as tok_lib
+
+VERSION = 1
+EOS_TOKEN = '<|endoftext|>'
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """A byte range of one input file: a text document, or a run of JSONL lines."""
+
+  file: str
+  rel: str  # its name in the corpus (relative path)
+  start: int
+  end: int
+  jsonl: bool
+
+
+def input_files(path: str) -> tuple[str, list[str]]:
+  """(root, files): '' = the standard library's .py files; a folder's text and .jsonl files; a file."""
+  if not path:
+    root = sysconfig.get_paths()['stdlib']
+    return root, list(documents.iter_files(root, ('.py',)))
+  if os.path.isdir(path):
+    return path, list(documents.iter_files(path, documents.TEXT_SUFFIXES + ('.jsonl',)))
+  return os.path.dirname(os.path.abspath(path)), [os.path.abspath(path)]
+
+
+def _cut(file: str, size: int, every: int) -> Iterator[tuple[int, int]]:
+  """Byte ranges of about `every` bytes, ending at line ends."""
+  start = 0
+  with open(file, 'rb') as f:
+    while start < size:
+      f.seek(min(start + every, size))
+      f.readline()
+      end = min(f.tell(), size) if start + every < size else size
+      yield start, end
+      start = end
+
+
+def pieces(root: str, files: list[str], shard_bytes: int) -> list[Piece]:
+  out = []
+  for file in files:
+    size = os.path.getsize(file)
+    rel = os.path.relpath(file, root)
+    for a, b in _cut(file, size, shard_bytes) if size else ():
+      out.append(Piece(file, rel, a, b, file.endswith('.jsonl')))
+  return out
+
+
+def units(ps: list[Piece], shard_bytes: int) -> list[list[Piece]]:
+  """Consecutive pieces grouped into work units of about shard_bytes."""
+  out, size = [[]], 0
+  for p in ps:
+    if out[-1] and size + p.end - p.start > shard_bytes:
+      out.append([])
+      size = 0
+    out[-1].append(p)
+    size += p.end - p.start
+  return [u for u in out if u]
+
+
+def read_documents(p: Piece, field: str) -> Iterator[tuple[str, str]]:
+  """(name, text) of the documents of a piece."""
+  with open(p.file, 'rb') as f:
+    f.seek(p.start)
+    raw = f.read(p.end - p.start)
+  if not p.jsonl:
+    name = p.rel if p.start == 0 else f'{p.rel}:{p.start}'
+    yield name, raw.decode('utf-8', errors='replace')
+    return
+  offset = p.start
+  for line in raw.splitlines(keepends=True):
+    if line.strip():
+      try:
+        text = json.loads(line)[field]
+      except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f'{p.file}: the line at byte {offset} has no text field {field!r} ({e})') from None
+      yield f'{p.rel}:{offset}', str(text)
+    offset += len(line)
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, out_file: str) -> None:
+  """A byte-level BPE tokenizer (lossless: decode(encode(text)) == text) with one special token,
+  EOS '<|endoftext|>', trained on `texts` and saved as `out_file` (tokenizer.json), with a
+  tokenizer_config.json beside it for transformers."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=[EOS_TOKEN],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(texts, trainer)
+  tok.save(out_file)
+  cfg = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': EOS_TOKEN, 'bos_token': None}
+  with open(os.path.join(os.path.dirname(out_file), 'tokenizer_config.json'), 'w') as f:
+    json.dump(cfg | {'clean_up_tokenization_spaces': False}, f, indent=2)
+
+
+# --- the work units, in worker processes ---------------------------------------------------------
+_TOK: dict = {}
+
+
+def _init_worker(tok_path: str) -> None:
+  os.environ['RAYON_NUM_THREADS'] = '1'  # one core per worker process (tokenizers' own threads)
+  _TOK['tok'] = tok_lib.load(tok_path)
+
+
+def _write(file: str, arr: np.ndarray) -> None:
+  tmp = file + '.tmp'
+  arr.tofile(tmp)
+  os.replace(tmp, file)
+
+
+def run_unit(job: tuple) -> dict:
+  """Tokenizes one unit into its train and val shards; returns its record."""
+  i, unit, out, field, fraction, dtype, fingerprint = job
+  tok = _TOK['tok']
+  bos = [tok.bos_id] if tok.bos_id is not None else []
+  eos = [tok.eos_id] if tok.eos_id is not None else []
+  split = {'train': [], 'val': []}
+  for p in unit:
+    for name, text in read_documents(p, field):
+      split['val' if documents.held_out(name, fraction) else 'train'].append(text)
+  rec = {'unit': i, 'fingerprint': fingerprint, 'bytes': sum(p.end - p.start for p in unit)}
+  for key, texts in split.items():
+    ids = tok.encode_batch(texts) if texts else []
+    arr = np.fromiter((t for doc in ids for t in bos + doc + eos), dtype=dtype)
+    _write(os.path.join(out, f'{key}-{i:05d}.bin'), arr)
+    rec[key] = {'file': f'{key}-{i:05d}.bin', 'tokens': int(arr.size), 'documents': len(texts)}
+  with open(os.path.join(out, f'unit-{i:05d}.json'), 'w') as f:
+    json.dump(rec, f)
+  return rec
+
+
+def _fingerprint(unit: list[Piece], settings: dict) -> str:
+  stat = [(p.rel, p.start, p.end, os.path.getsize(p.file), os.stat(p.file).st_mtime_ns) for p in unit]
+  return hashlib.sha256(json.dumps([VERSION, settings, stat]).encode()).hexdigest()
+
+
+def _done(out: str, i: int, fingerprint: str, itemsize: int) -> dict | None:
+  """The record of unit i when it is complete for this fingerprint, else None."""
+  try:
+    with open(os.path.join(out, f'unit-{i:05d}.json')) as f:
+      rec = json.load(f)
+  except (OSError, ValueError):
+    return None
+  files_ok = all(
+    os.path.exists(p := os.path.join(out, rec[k]['file']))
+    and os.path.getsize(p) == rec[k]['tokens'] * itemsize
+    for k in ('train', 'val')
+  )
+  return rec if rec.get('fingerprint') == fingerprint and files_ok else None
+
+
+def tokenize(
+  path: str,
+  out: str,
+  tok_path: str,
+  field: str = 'text',
+  eval_fraction: float = 0.05,
+  shard_bytes: int = 64 << 20,
+  workers: int = 0,
+  progress: bool = True,
+) -> dict:
+  """Tokenizes the corpus at `path` into `out` (see the module docstring); returns the index with
+  the run's figures added ('seconds', 'mb_per_s', 'workers', 'units_done', 'units_skipped')."""
+  from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+  os.makedirs(out, exist_ok=True)
+  tok = tok_lib.load(tok_path)
+  dtype = shards.dtype_for(tok.vocab_size)
+  settings = {
+    'tokenizer': tok_lib.fingerprint(tok),
+    'field': field,
+    'eval_fraction': eval_fraction,
+    'dtype': dtype,
+  }
+  root, files = input_files(path)
+  work = units(pieces(root, files, shard_bytes), shard_bytes)
+  jobs, records = [], {}
+  for i, unit in enumerate(work):
+    fp = _fingerprint(unit, settings)
+    rec = _done(out, i, fp, np.dtype(dtype).itemsize)
+    if rec is None:
+      jobs.append((i, unit, out, field, eval_fraction, dtype, fp))
+    else:
+      records[i] = rec
+  workers = workers or os.cpu_count() or 1
+  total = sum(p.end - p.start for j in jobs for p in j[1])
+  t0 = time.perf_counter()
+  if jobs:
+    ctx = multiprocessing.get_context('spawn')  # tokenizers' threads do not survive a fork
+    columns = (TextColumn('tokenizing'), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with (
+      ctx.Pool(min(workers, len(jobs)), _init_worker, (tok.path or tok_lib.BYTES,)) as pool,
+      Progress(*columns, disable=not progress) as bar,
+    ):
+      task = bar.add_task('tokenize', total=total)
+      for rec in pool.imap_unordered(run_unit, jobs):
+        records[rec['unit']] = rec
+        bar.advance(task, rec['bytes'])
+  seconds = time.perf_counter() - t0
+  index = {
+    'format': shards.FORMAT,
+    'version': VERSION,
+    'dtype': dtype,
+    'vocab_size': tok.vocab_size,
+    'bos_id': tok.bos_id,
+    'eos_id': tok.eos_id,
+    'tokenizer': {'path': tok.path or tok_lib.BYTES, 'sha256': settings['tokenizer']},
+    'source': os.path.abspath(path) if path else root,
+    'eval_fraction': eval_fraction,
+    'train': [records[i]['train'] for i in sorted(records)],
+    'val': [records[i]['val'] for i in sorted(records)],
+  }
+  tmp = os.path.join(out, shards.INDEX + '.tmp')
+  with open(tmp, 'w') as f:
+    json.dump(index, f, indent=1)
+  os.replace(tmp, os.path.join(out, shards.INDEX))
+  figures = {'seconds': seconds, 'mb_per_s': total / 1e6 / max(seconds, 1e-9), 'workers': workers}
+  return index | figures | {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
+
+
+def training_texts(path: str, field: str, eval_fraction: float, shard_bytes: int) -> Iterator[str]:
+  """The training documents (held-out ones left out) of the corpus, for training a tokenizer."""
+  root, files = input_files(path)
+  for p in pieces(root, files, shard_bytes):
+    for name, text in read_documents(p, field):
+      if not documents.held_out(name, eval_fraction):
+        yield text

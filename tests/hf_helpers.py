@@ -1,0 +1,91 @@
+"""Tiny random Hugging Face Llama models (made locally with transformers and CPU torch) and the
+jax3d side of the comparisons: import onto a layout, logits of a batch, relative errors."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax3d import config as config_lib, run
+from jax3d.hf import config as hf_config, weights as hf_weights
+from jax3d.training import step as step_lib
+
+# GQA (8 query heads over 4 KV heads), a vocabulary that is not a multiple of 128 (padded to 384),
+# 4 layers (pp up to 4), heads and d_ff divisible by tp up to 4.
+TINY = dict(
+  vocab_size=300,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=4,
+  num_attention_heads=8,
+  num_key_value_heads=4,
+  max_position_embeddings=64,
+  rope_theta=500.0,
+  rms_norm_eps=1e-5,
+)
+LAYOUTS = [(1, 1, 1), (2, 2, 2), (1, 2, 4), (1, 4, 2)]
+BATCH, SEQ = 4, 16
+
+
+def make_hf_model(path: str, tied: bool, seed: int = 0, dtype: str = 'float32', **over: object) -> object:
+  """A random LlamaForCausalLM saved to `path` (safetensors); returns the torch model (eval mode).
+  The norm scales are randomised too (transformers initialises them to 1)."""
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM
+
+  torch.manual_seed(seed)
+  model = LlamaForCausalLM(LlamaConfig(**{**TINY, **over}, tie_word_embeddings=tied)).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith('norm.weight'):
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+  model.to(getattr(torch, dtype)).save_pretrained(path)
+  return model.float()
+
+
+def tokens(seed: int = 0, vocab: int = TINY['vocab_size']) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, (BATCH, SEQ)).astype(np.int32)
+
+
+def hf_logits(model: object, toks: np.ndarray) -> np.ndarray:
+  import torch
+
+  with torch.no_grad():
+    return model(torch.as_tensor(toks, dtype=torch.long)).logits.float().numpy()
+
+
+def jax3d_cfg(path: str, layout: tuple[int, int, int], **over: object) -> object:
+  dp, pp, tp = layout
+  ov = {
+    'checkpoint.init_from': f'hf:{path}',
+    'mesh.dp': dp,
+    'mesh.pp': pp,
+    'mesh.tp': tp,
+    'pipeline.microbatches': 2 if pp > 1 else 1,
+    'train.global_batch_size': BATCH,
+    'train.seq_len': SEQ,
+  }
+  ov.update(over)
+  return config_lib.load_config('tiny', ov)
+
+
+def imported(path: str, layout: tuple[int, int, int], **over: object) -> tuple[object, object]:
+  """(setup, params) of the checkpoint at `path` imported onto `layout` (the first devices)."""
+  import jax
+
+  cfg = jax3d_cfg(path, layout, **over)
+  n = layout[0] * layout[1] * layout[2]
+  cfg = run.resolve(cfg, n)
+  s = run.setup(cfg, jax.devices()[:n])
+  return s, hf_weights.load_params(hf_config.read(cfg.checkpoint.init_from), s)
+
+
+def jax3d_logits(s: object, params: object, toks: np.ndarray) -> np.ndarray:
+  import jax
+
+  out = step_lib.make_logits(s)(params, jax.device_put(toks, s.batch_sharding))
+  return np.asarray(jax.device_get(out))[..., : s.dims.vocab_size]
+
+
+def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+  """max |a - ref| / max |ref|: the error relative to the logits' scale."""
+  return float(np.max(np.abs(a - ref)) / np.max(np.abs(ref)))
