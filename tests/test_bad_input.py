@@ -43,7 +43,7 @@ CASES = [
   (['--config.train.grad_accum=3'], ['train.global_batch_size=16', '2*4*3 = 24']),
   (['--config.train.compute_dtype=float16'], ["train.compute_dtype='float16'", 'float32, bfloat16']),
   (['--config.train.param_dtype=int8'], ["train.param_dtype='int8'", 'float32, bfloat16']),
-  (['--config.train.remat=some'], ["train.remat='some'", 'none, full, dots, attn']),
+  (['--config.train.remat=some'], ["train.remat='some'", 'none, dots, attn, full, stage']),
   (['--config.train.seq_len=4096'], ['train.seq_len=4096', 'model.max_seq_len=2048']),
   (['--config.data.path=/nonexistent/corpus'], ["data.path='/nonexistent/corpus'", 'does not exist']),
   (['--config.model.nlayers=4'], ["unknown config key 'model.nlayers'", 'n_layers']),
