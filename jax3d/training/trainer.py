@@ -266,6 +266,8 @@ class Trainer:
         try:
           batch = prefetch.next(i)
         except data_lib.DataError as e:  # the CLI's exit 3, with the cause on its one line
+          if pending is not None:  # the last step's record first
+            self._after_step(*pending, start, stop, clock)
           raise TrainingError(str(e)) from e
         t0 = time.time()
         self.state, m = self.compiled(self.state, batch)
@@ -286,6 +288,8 @@ class Trainer:
         if multi and self._stop_signal is None and distributed.preemption_sync(step):
           self._stop_signal = signal.SIGTERM
         if self._stop_signal is not None:
+          if pending is not None:  # a SIGTERM (or a peer's) after the boundary check above
+            self._after_step(*pending, start, stop, clock)
           self._preempted(step, multi)
           return self.writer.records[n_first:]
       self._eval_and_log(self.step)
