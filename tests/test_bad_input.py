@@ -64,6 +64,15 @@ CASES = [
   ),
   (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=3'], ['model.n_layers=4', '2*3 = 6']),
   (['--config.pipeline.schedule=1f1b'], ["pipeline.schedule='1f1b'", 'gpipe, circular']),
+  (
+    [
+      '--config.train.sequence_parallel=true',
+      '--config.train.seq_len=127',
+      '--config.train.global_batch_size=8',
+    ],
+    ["train.sequence_parallel='true'", 'train.seq_len = 127', 'divisible by mesh.tp=2'],
+  ),
+  (['--config.train.sequence_parallel=maybe'], ["train.sequence_parallel='maybe'", 'true, false, auto']),
 ]
 
 

@@ -143,6 +143,21 @@ class MFUMeter:
 # layer's own backward never needs; 'stage' recomputes the iteration (both) and then each layer (1).
 TP_ALL_REDUCES_RECOMPUTED = {'none': 0, 'dots': 0, 'attn': 1, 'full': 1, 'stage': 3}
 
+# With sequence parallelism (Megatron-SP) a layer's tp traffic is all-gathers and reduce-scatters,
+# each (t-1)/t of a micro-batch's [b*s, h] (half an all-reduce): forward 2 all-gathers (before QKV
+# and gate/up) and 2 reduce-scatters (after the output and down projections); backward their
+# transposes (4); and what the policy does again. 'none' and 'dots' keep the norms' outputs split
+# over tp (that is the memory saving), so the weight gradients of QKV and gate/up gather them again
+# (+2, as Megatron-LM does); 'attn' and 'full' recompute the attention block's gather and scatter
+# and the MLP's gather (+3), whose gathered values the weight gradients then use; 'stage' also the
+# whole iteration's 4 (+7). Without SP: 2 * (4 + TP_ALL_REDUCES_RECOMPUTED) halves.
+TP_SP_HALVES = {'none': 10, 'dots': 10, 'attn': 11, 'full': 11, 'stage': 15}
+
+
+def tp_halves_per_layer(policy: str, sequence_parallel: bool) -> int:
+  """A layer's tp traffic per micro-batch in units of (t-1)/t * b*s*h bytes (an all-reduce is 2)."""
+  return TP_SP_HALVES[policy] if sequence_parallel else 2 * (4 + TP_ALL_REDUCES_RECOMPUTED[policy])
+
 
 def pipeline_edge_bytes(pp: int, microbatch_rows: int, seq_len: int, d_model: int) -> float:
   """Wire bytes per device of entering and leaving the pipeline loop, per optimizer step and
