@@ -126,13 +126,16 @@ def cached_attention(
   return o_btkgh.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
+SP_PROJECTION = 'sp_projection'  # checkpoint name of SequenceParallelDense's outputs
+
+
 class SequenceParallelDense(nn.Module):
   """The projection `nn.DenseGeneral(features, axis)` of the same name (and kernel) under sequence
   parallelism, with Megatron-SP's collectives written out on each tp rank's blocks
   (`sharding.tp_local`): a column-parallel projection (kernel names start with 'embed') all-gathers
   its input's rows first, inside a checkpoint so that the backward pass keeps the rows split and
-  gathers them again (its transpose reduce-scatters the input gradient); a row-parallel one (names
-  end with 'embed') reduce-scatters its partial sums over the rows. Apply only: parameters are
+  gathers them again, as Megatron-LM does (its transpose reduce-scatters the input gradient); a
+  row-parallel one (names end with 'embed') reduce-scatters its partial sums over the rows. Apply only: parameters are
   created by the plain Block."""
 
   features: int | tuple[int, ...]
@@ -160,8 +163,10 @@ class SequenceParallelDense(nn.Module):
 
     x_names = ('batch' if row else 'rows_sp',) + self.names[:n_in]
     out_names = ('rows_sp', 'embed') if row else ('batch',) + self.names[n_in:]
-    fn = local if row else jax.checkpoint(local, prevent_cse=False)
-    return sharding.tp_local(fn, (x_names, self.names), out_names)(x, kernel)
+    # Nothing inside is a residual (a policy's residual inside a nested shard_map fails to lower);
+    # the output is named, so remat 'dots' still keeps the projections.
+    fn = jax.checkpoint(local, prevent_cse=False)
+    return checkpoint_name(sharding.tp_local(fn, (x_names, self.names), out_names)(x, kernel), SP_PROJECTION)
 
 
 class Block(nn.Module):
