@@ -166,6 +166,7 @@ class SequenceParallelDense(nn.Module):
     # Nothing inside is a residual (a policy's residual inside a nested shard_map fails to lower);
     # the output is named, so remat 'dots' still keeps the projections.
     fn = jax.checkpoint(local, prevent_cse=False)
+    x = constrain(x, x_names)  # a saved input (remat 'attn') arrives with the outer loops' sharding
     return checkpoint_name(sharding.tp_local(fn, (x_names, self.names), out_names)(x, kernel), SP_PROJECTION)
 
 

@@ -316,7 +316,9 @@ def estimate(
   tp_bytes = layer_calls * all_reduces * 2 * (tp - 1) / tp * act_mb
   # The ring's ppermute is outside every checkpoint: one send forward, one backward.
   pp_bytes = plan.iterations * plan.grad_accum * 2 * act_mb / sp if pp > 1 else 0
-  pp_bytes += formulas.pipeline_edge_bytes(pp, mb * b, s, h) * plan.grad_accum
+  pp_bytes += (
+    formulas.pipeline_edge_bytes(pp, mb * b, s, h, sp, plan.micro_batch % (dp * pp) == 0) * plan.grad_accum
+  )
   dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
   t_dp = dp_bytes / bw(dp_in)
   times = {

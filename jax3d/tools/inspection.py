@@ -50,7 +50,9 @@ def expected_comm(s: Setup) -> dict:
   gather_b = pb if s.zero1 else reduce_b
   grads = n_local * reduce_b if d > 1 else 0  # the gradient bytes that enter the dp reduction
   dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
-  edge = formulas.pipeline_edge_bytes(p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model) * a
+  scatter = plan.micro_batch % (d * p) == 0  # pipeline.batch_axes: the rows split over (dp, pp)
+  edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
+  edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
   tp_spmd = per_layer_mb * layers_per_chunk * iters * a  # no recomputation
   halves = formulas.tp_halves_per_layer(s.cfg.train.remat, plan.sequence_parallel)  # 8 = 4 all-reduces
   sp = t if plan.sequence_parallel else 1  # the ring's micro-batches are split over tp with SP
