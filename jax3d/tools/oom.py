@@ -106,7 +106,7 @@ def _sequence_parallel(
       return ''
     out.append(estimate(c, p, device_memory_bytes, hw).breakdown['activations'] / GB)
   return (
-    f'; activations at tp={p.tp}: {out[0]:.1f} GB without sequence parallelism, {out[1]:.1f} GB with it '
+    f'; activations at tp={p.tp}: {out[0]:.3g} GB without sequence parallelism, {out[1]:.3g} GB with it '
     f'(--config.train.sequence_parallel=true)'
   )
 
