@@ -12,7 +12,7 @@ against the one-device run of the same dtype, next to the ideal ratio from the b
 --sp-sweep (sequence parallelism, issue 17): at seq 1024 (global batch 4, one micro-batch),
 tp = 2 and 4 (dp = pp = 1), remat none and full, SP off and on: compiled temp memory per device
 and tp bytes from `jax3d.inspect`; then the median step time SP off / on at the reference shape
-(4x1x2) and at seq 1024 (1x1x4). Use --layouts= to skip the layout table.
+(4x1x2) and at seq 1024 (1x1x4), one micro-batch. Use --layouts= to skip the layout table.
 """
 
 from __future__ import annotations
@@ -132,8 +132,11 @@ def sp_sweep(steps: int) -> dict:
   times = []
   print(f'{"shape":>22} {"step s off":>10} {"on":>8} {"on/off":>7}')
   for name, ov in (
-    ('reference 4x1x2', dict(SHAPE, **{'mesh.dp': 4, 'mesh.pp': 1, 'mesh.tp': 2})),
-    ('seq 1024 1x1x4', dict(long, **{'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 4})),
+    (
+      'reference 4x1x2',
+      dict(SHAPE, **{'mesh.dp': 4, 'mesh.pp': 1, 'mesh.tp': 2, 'pipeline.microbatches': 1}),
+    ),
+    ('seq 1024 1x1x4', dict(long, **{'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 4, 'pipeline.microbatches': 1})),
   ):
     r = {'shape': name}
     for sp in ('false', 'true'):
