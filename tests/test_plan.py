@@ -173,7 +173,8 @@ def _verified_ratio(*args):
 
 @pytest.mark.parametrize(
   'overrides',
-  [[], ['--config.train.remat=full'], ['--config.train.remat=stage'], ['--config.train.remat=dots']],
+  [[], ['--config.train.remat=full'], ['--config.train.remat=stage'], ['--config.train.remat=dots']]
+  + [['--config.train.sequence_parallel=true', f'--config.train.remat={r}'] for r in ('none', 'full')],
 )
 def test_verify_tiny_within_25_percent(overrides):
   assert _verified_ratio('--config=configs/tiny.py', *overrides) == pytest.approx(1, abs=0.25)
