@@ -149,3 +149,14 @@ def test_sequence_parallel_with_explicit_data_parallel_reduction():
       **SP,
     }
   )
+
+
+@pytest.mark.parametrize(
+  'bf16',
+  [{'train__compute_dtype': 'bfloat16'}, {'model__n_kv_heads': 2, 'train__param_dtype': 'bfloat16'}],
+  ids=['bf16-compute', 'gqa-bf16-params'],
+)
+def test_sequence_parallel_bf16_equals_one_device(bf16):
+  """bf16 under SP (its reduce-scatters and all-gathers in bf16) against one device in bf16."""
+  over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, **bf16, **SP}
+  check_bf16(over, tuple(bf16.items()))
