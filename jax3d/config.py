@@ -21,6 +21,7 @@ REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 SCHEDULES = ('gpipe', 'circular')
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
+SEQUENCE_PARALLEL = ('true', 'false', 'auto')
 
 
 class ConfigError(ValueError):
@@ -75,6 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.shard_optimizer = False  # ZeRO-1: shard Adam moments over dp
   c.train.grad_reduce_dtype = 'float32'  # float32 | bfloat16 | int8 for the dp gradient reduction
   c.train.attention = 'auto'  # auto | xla | cudnn  (jax.nn.dot_product_attention implementation)
+  c.train.sequence_parallel = 'false'  # Megatron-SP with tp > 1: true | false | auto (on when rows divide)
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ''  # '' = the Python standard library's own source, as bytes
@@ -167,6 +169,8 @@ def set_key(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
   if leaf not in node:
     raise ConfigError(f'unknown config key {dotted!r}; valid keys here: {", ".join(sorted(node.keys()))}')
   current = node[leaf]
+  if isinstance(value, bool) and isinstance(current, str):  # train.sequence_parallel=True
+    value = str(value).lower()
   if isinstance(value, str) and not isinstance(current, str):
     try:
       if isinstance(current, bool):
@@ -203,6 +207,7 @@ class RunPlan:
   seq_len: int
   vocab_padded: int
   nan_steps: tuple[int, ...] = ()  # train.inject_nan_at, parsed (a fault drill)
+  sequence_parallel: bool = False  # train.sequence_parallel, resolved: on only with tp > 1
 
   @property
   def n_devices(self) -> int:  # dp * pp * tp
@@ -350,6 +355,7 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
       f'(each micro-batch is split over dp)',
     )
   return RunPlan(
+    sequence_parallel=_sequence_parallel(t.sequence_parallel, t.global_batch_size // per * t.seq_len, tp),
     dp=dp,
     pp=pp,
     tp=tp,
@@ -361,6 +367,26 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
     vocab_padded=vocab_padded,
     nan_steps=nan_steps,
   )
+
+
+def _sequence_parallel(value: Any, rows: int, tp: int) -> bool:
+  """train.sequence_parallel resolved: the rows a layer sees (a micro-batch's rows on one dp shard
+  times seq_len) are split over tp, so tp must divide them; 'auto' is on when it does."""
+  value = str(value).lower()
+  if value not in SEQUENCE_PARALLEL:
+    _fail('train.sequence_parallel', value, f'one of {", ".join(SEQUENCE_PARALLEL)}')
+  if value == 'false' or tp == 1:
+    return False
+  if rows % tp:
+    if value == 'auto':
+      return False
+    _fail(
+      'train.sequence_parallel',
+      value,
+      f'the rows of a layer (micro-batch rows per dp shard * train.seq_len = {rows}) must be '
+      f'divisible by mesh.tp={tp}; use a micro-batch or seq_len that tp divides, or false',
+    )
+  return True
 
 
 def padded_vocab(model_cfg: ml_collections.ConfigDict) -> int:

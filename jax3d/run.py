@@ -191,7 +191,7 @@ def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
     mesh=mesh,
     dims=llama.Dims.from_config(cfg, plan),
     tx=optim.make_optimizer(cfg),
-    rules=sharding.logical_rules(pipeline.batch_axes(plan)),
+    rules=sharding.logical_rules(pipeline.batch_axes(plan), plan.sequence_parallel),
   )
 
 

@@ -1,13 +1,18 @@
 """Compile time, median step time and compiled memory of the train step under several layouts.
 
   python scripts/bench_step.py [--steps=20] [--json=bench_step.json] [--dtype=float32,bfloat16]
-                               [--layouts=1x1x1,4x1x2,2x2x2] [--layer-sweep]
+                               [--layouts=1x1x1,4x1x2,2x2x2] [--layer-sweep] [--sp-sweep]
 
 Shape (the issue's reference): 4 layers, d_model 256, 4 heads, 4 KV heads, d_ff 1024, vocab 1024,
 seq 128, global batch 8, full rematerialisation. Layout DPxPPxTP; pipelined layouts use
 microbatches=4 unless given as DPxPPxTPmM. Step time is the median of steps 5..N-1; the ratio is
 against the one-device run of the same dtype, next to the ideal ratio from the bubble
 (v*m+p-1)/(v*m). Everything is measured side by side in one process.
+
+--sp-sweep (sequence parallelism, issue 17): at seq 1024 (global batch 4, one micro-batch),
+tp = 2 and 4 (dp = pp = 1), remat none and full, SP off and on: compiled temp memory per device
+and tp bytes from `jax3d.inspect`; then the median step time SP off / on at the reference shape
+(4x1x2) and at seq 1024 (1x1x4), one micro-batch. Use --layouts= to skip the layout table.
 """
 
 from __future__ import annotations
@@ -98,6 +103,53 @@ def log_overhead(rounds: int = 3, steps: int = 30) -> dict:
   return {'every_1_s': med[1], 'every_100_s': med[100], 'ratio': med[1] / med[100], 'times': times}
 
 
+def sp_sweep(steps: int) -> dict:
+  """Sequence parallelism off and on, side by side (see the module docstring)."""
+  long = dict(SHAPE, **{'train.seq_len': 1024, 'model.max_seq_len': 1024, 'train.global_batch_size': 4})
+  mem = []
+  print(
+    f'{"tp":>3} {"remat":>6} {"temp MiB off":>13} {"on":>8} {"on/off":>7} {"tp MiB off":>11} {"on":>8} {"on/off":>7}'
+  )
+  for tp in (2, 4):
+    for remat in ('none', 'full'):
+      r = {'tp': tp, 'remat': remat}
+      for sp in ('false', 'true'):
+        ov = dict(long, **{'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': tp, 'train.remat': remat})
+        cfg = config_lib.load_config('tiny', dict(ov, **{'train.sequence_parallel': sp}))
+        c = run.compile_train_step(run.setup(cfg, jax.devices()[:tp]))
+        a = c.analysis()
+        r[sp] = {'temp_bytes': c.memory['temp'], 'tp_bytes': a['comm_bytes']['tp'], 'checks': a['checks']}
+      r['temp_ratio'] = r['true']['temp_bytes'] / r['false']['temp_bytes']
+      r['tp_ratio'] = r['true']['tp_bytes'] / r['false']['tp_bytes']
+      mem.append(r)
+      mib = lambda x: x / 2**20
+      print(
+        f'{tp:>3} {remat:>6} {mib(r["false"]["temp_bytes"]):>13.1f} {mib(r["true"]["temp_bytes"]):>8.1f} '
+        f'{r["temp_ratio"]:>7.3f} {mib(r["false"]["tp_bytes"]):>11.1f} {mib(r["true"]["tp_bytes"]):>8.1f} '
+        f'{r["tp_ratio"]:>7.3f}',
+        flush=True,
+      )
+  times = []
+  print(f'{"shape":>22} {"step s off":>10} {"on":>8} {"on/off":>7}')
+  for name, ov in (
+    (
+      'reference 4x1x2',
+      dict(SHAPE, **{'mesh.dp': 4, 'mesh.pp': 1, 'mesh.tp': 2, 'pipeline.microbatches': 1}),
+    ),
+    ('seq 1024 1x1x4', dict(long, **{'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 4, 'pipeline.microbatches': 1})),
+  ):
+    r = {'shape': name}
+    for sp in ('false', 'true'):
+      r[sp] = measure(dict(ov, **{'train.sequence_parallel': sp}), steps)
+    r['step_ratio'] = r['true']['step_s'] / r['false']['step_s']
+    times.append(r)
+    print(
+      f'{name:>22} {r["false"]["step_s"]:>10.3f} {r["true"]["step_s"]:>8.3f} {r["step_ratio"]:>7.3f}',
+      flush=True,
+    )
+  return {'memory_and_bytes': mem, 'step_times': times}
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--steps', type=int, default=20)
@@ -115,6 +167,7 @@ def main():
     action='store_true',
     help='each remat policy at (2,2,2), seq 1024: compiled temp memory and step time',
   )
+  ap.add_argument('--sp-sweep', action='store_true', help='sequence parallelism off/on (see the docstring)')
   args = ap.parse_args()
   rows = []
   print(
@@ -169,6 +222,7 @@ def main():
         flush=True,
       )
   overhead = log_overhead() if args.log_overhead else None
+  sp = sp_sweep(args.steps) if args.sp_sweep else None
   sweep = []
   if args.layer_sweep:
     for L in (4, 16, 64):
@@ -186,6 +240,7 @@ def main():
         'layer_sweep': sweep,
         'remat_sweep': remat,
         'log_overhead': overhead,
+        'sp_sweep': sp,
         'jax': jax.__version__,
       },
       f,

@@ -61,7 +61,9 @@ LONG_MODULES = {
   'jax3d/tools/costmodel.py': (
     "the estimate's memory and time model, with the residuals of the real layer it reads memory from"
   ),
-  'jax3d/model/llama.py': 'the whole model: norm, rotary, the block (training and KV-cache paths), embed, head, loss',
+  'jax3d/model/llama.py': (
+    'the whole model: norm, rotary, the block (training, sequence-parallel and KV-cache paths), embed, head, loss'
+  ),
   'jax3d/training/trainer.py': (
     "one class for a run's lifecycle (restore or init, compile, the loop, evaluate, sample, save); "
     'the loop is split into steps of under 35 lines'

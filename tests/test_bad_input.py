@@ -64,6 +64,15 @@ CASES = [
   ),
   (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=3'], ['model.n_layers=4', '2*3 = 6']),
   (['--config.pipeline.schedule=1f1b'], ["pipeline.schedule='1f1b'", 'gpipe, circular']),
+  (
+    [
+      '--config.train.sequence_parallel=true',
+      '--config.train.seq_len=127',
+      '--config.train.global_batch_size=8',
+    ],
+    ["train.sequence_parallel='true'", 'train.seq_len = 127', 'divisible by mesh.tp=2'],
+  ),
+  (['--config.train.sequence_parallel=maybe'], ["train.sequence_parallel='maybe'", 'true, false, auto']),
 ]
 
 
@@ -279,3 +288,17 @@ def test_train_declares_every_distributed_flag():
   from jax3d.training import distributed
 
   assert set(train.FLAGS) == {'workdir', *distributed.FLAGS}
+
+
+def test_sequence_parallel_setting_resolves():
+  """train.sequence_parallel: a bool is stored as its string; 'auto' is on where tp > 1 divides the
+  rows of a layer and off elsewhere (never an error); 'true' needs tp > 1 to mean anything."""
+  from jax3d import config as c
+
+  sp = lambda **o: c.validate(c.load_config('tiny', {k.replace('__', '.'): v for k, v in o.items()}), 8)
+  assert sp(train__sequence_parallel=True).sequence_parallel  # tiny: 2x2x2, 2 rows * 128
+  assert not sp().sequence_parallel  # the default is off
+  assert sp(train__sequence_parallel='auto').sequence_parallel
+  odd = {'train__seq_len': 127, 'train__global_batch_size': 8}
+  assert not sp(train__sequence_parallel='auto', **odd).sequence_parallel
+  assert not sp(train__sequence_parallel=True, mesh__dp=4, mesh__tp=1).sequence_parallel

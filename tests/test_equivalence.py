@@ -111,3 +111,52 @@ def test_bf16_compute_layouts_equal_one_device(dp, pp, tp):
   check_bf16(
     {'mesh__dp': dp, 'mesh__pp': pp, 'mesh__tp': tp, 'pipeline__microbatches': 2, **bf16}, tuple(bf16.items())
   )
+
+
+# Sequence parallelism (Megatron-SP, train.sequence_parallel): the residual stream split over tp
+# along the rows equals one device at every layout with tp > 1, and under each remat policy.
+SP = {'train__sequence_parallel': 'true'}
+
+
+@pytest.mark.parametrize('dp,pp,tp', [(1, 1, 8), (2, 1, 4), (4, 1, 2), (2, 2, 2), (1, 2, 4), (1, 4, 2)])
+def test_sequence_parallel_equals_one_device(dp, pp, tp):
+  check(
+    {'mesh__dp': dp, 'mesh__pp': pp, 'mesh__tp': tp, 'pipeline__microbatches': 2 * pp if pp > 1 else 1, **SP}
+  )
+
+
+@pytest.mark.parametrize('policy', ['full', 'dots', 'attn', 'stage'])
+def test_sequence_parallel_remat_policies_equal_one_device(policy):
+  check(
+    {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4, 'train__remat': policy, **SP}
+  )
+
+
+def test_sequence_parallel_with_grad_accum_and_circular_schedule():
+  over = {'mesh__dp': 1, 'mesh__pp': 2, 'mesh__tp': 4, 'pipeline__microbatches': 2, 'pipeline__repeats': 2}
+  check({**over, 'train__grad_accum': 2, **SP})
+
+
+def test_sequence_parallel_with_explicit_data_parallel_reduction():
+  """ZeRO-1 runs the pipeline inside data_parallel's shard_map (manual over dp and pp)."""
+  check(
+    {
+      'mesh__dp': 2,
+      'mesh__pp': 2,
+      'mesh__tp': 2,
+      'pipeline__microbatches': 2,
+      'train__shard_optimizer': True,
+      **SP,
+    }
+  )
+
+
+@pytest.mark.parametrize(
+  'bf16',
+  [{'train__compute_dtype': 'bfloat16'}, {'model__n_kv_heads': 2, 'train__param_dtype': 'bfloat16'}],
+  ids=['bf16-compute', 'gqa-bf16-params'],
+)
+def test_sequence_parallel_bf16_equals_one_device(bf16):
+  """bf16 under SP (its reduce-scatters and all-gathers in bf16) against one device in bf16."""
+  over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, **bf16, **SP}
+  check_bf16(over, tuple(bf16.items()))

@@ -21,6 +21,7 @@ from jax3d.tools import hlo, inspection  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = (2, 2, 2)  # (dp, pp, tp); device id = 4*dp + 2*pp + tp
+TP = 'tp'
 
 
 # --- the HLO reader ---------------------------------------------------------------------------
@@ -110,14 +111,14 @@ def test_tiny_pipeline_ring_bytes(tiny):
 
 def test_tiny_tensor_parallel_forward_bytes(tiny):
   """Forward: exactly the Megatron count, 2 all-reduces of b*s*h per layer per iteration."""
-  c = _check(tiny, 'tp all-reduces in the layers (forward)')
+  c = _check(tiny, 'tp collectives in the layers (forward)')
   assert c['measured'] == pytest.approx(c['spmd'], rel=0.05)
 
 
 def test_tiny_tensor_parallel_bytes_match_megatron(tiny):
   """Forward and backward: 4 all-reduces of b*s*h per layer per iteration (fused QKV and
   gate/up projections sum their input gradients over tp once each)."""
-  c = _check(tiny, 'tp all-reduces in the layers (fwd+bwd)')
+  c = _check(tiny, 'tp collectives in the layers (fwd+bwd)')
   assert c['measured'] == pytest.approx(c['spmd'], rel=0.05)
 
 
@@ -186,9 +187,34 @@ def test_cli_config_error_exits_2():
   + [(4, 1, 2, 'full'), (1, 2, 4, 'full')],
 )
 def test_collective_bytes_equal_the_formulas_at_every_layout(dp, pp, tp, remat):
+  _collectives_equal_the_formulas(dp, pp, tp, remat, sp=False)
+
+
+def _collectives_equal_the_formulas(dp, pp, tp, remat, sp):
   over = {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp, 'pipeline.microbatches': 2 * pp, 'train.remat': remat}
   over['model.n_kv_heads'] = max(tp, 2)  # tiny has 2 KV heads; tp must divide them
+  over['train.sequence_parallel'] = 'true' if sp else 'false'
   r = run.inspect(config.load_config('tiny', over))
   for c in r['checks']:
     if 'spmd' in c:
       assert c['measured'] == pytest.approx(c['spmd'], rel=0.05, abs=1.0), (c['what'], c)
+  return r
+
+
+# Sequence parallelism: the layers' tp traffic is all-gathers and reduce-scatters, counted by
+# formulas.TP_SP_HALVES; the ring moves 1/tp; the only collectives besides are the all-gathers
+# over tp of the pipeline's outputs and of its inputs' gradient (the 'tp_edges' check).
+@pytest.mark.parametrize(
+  'dp,pp,tp,remat',
+  [(4, 1, 2, 'none'), (2, 1, 4, 'none'), (1, 4, 2, 'none'), (2, 2, 2, 'none'), (1, 2, 4, 'full')]
+  + [(2, 2, 2, r) for r in ('dots', 'attn', 'full', 'stage')],
+)
+def test_sequence_parallel_collective_bytes_equal_the_formulas(dp, pp, tp, remat):
+  r = _collectives_equal_the_formulas(dp, pp, tp, remat, sp=True)
+  layers = [c for c in r['collectives'] if c['in_layers']]
+  assert {(c['axes'], c['kind']) for c in layers} <= {
+    (TP, k) for k in ('all-gather', 'reduce-scatter', 'all-reduce')
+  }
+  # What is left of the all-reduces: the RMSNorm scales' gradients (the norms see 1/tp of the rows).
+  reduced = sum(c['wire_bytes'] for c in layers if c['kind'] == 'all-reduce')
+  assert reduced < 0.01 * sum(c['wire_bytes'] for c in layers)

@@ -173,7 +173,8 @@ def _verified_ratio(*args):
 
 @pytest.mark.parametrize(
   'overrides',
-  [[], ['--config.train.remat=full'], ['--config.train.remat=stage'], ['--config.train.remat=dots']],
+  [[], ['--config.train.remat=full'], ['--config.train.remat=stage'], ['--config.train.remat=dots']]
+  + [['--config.train.sequence_parallel=true', f'--config.train.remat={r}'] for r in ('none', 'full')],
 )
 def test_verify_tiny_within_25_percent(overrides):
   assert _verified_ratio('--config=configs/tiny.py', *overrides) == pytest.approx(1, abs=0.25)
@@ -190,3 +191,31 @@ def test_verify_gpt2_small_within_25_percent():
     '--config.train.compute_dtype=float32',
   )  # the estimate models a GPU's bf16
   assert ratio == pytest.approx(1, abs=0.25)
+
+
+def test_sequence_parallel_divides_the_residual_stream_by_tp():
+  """Read off the real layer: under remat 'full' a layer keeps its input [b, s, d], which SP
+  splits over tp; under 'none' the stream's part (what grows with d_model) is divided by tp."""
+  args = (256, 4, 4, 1024, 128, 2)  # d_model, heads, kv heads, d_ff, seq, tp
+  res = lambda policy, sp: costmodel.layer_residual_bytes(
+    *args, policy, 'float32', 'float32', False, 2, sequence_parallel=sp
+  )
+  x = 2 * 128 * 256 * 4  # the layer's input; 'full' also keeps the rotary angles, which SP does not split
+  assert res('full', False) >= x and res('full', False) - res('full', True) == x / 2
+  assert res('none', True) < res('none', False)
+  cfg = config.load_config('tiny', {'train.remat': 'none'})
+  on = config.load_config('tiny', {'train.remat': 'none', 'train.sequence_parallel': 'true'})
+  a, b = (costmodel.estimate(c, config.validate(c, 8)).breakdown['activations'] for c in (cfg, on))
+  assert b < a
+
+
+def test_oom_ladder_more_tp_rung_states_the_sequence_parallel_saving():
+  from jax3d.tools import oom
+
+  cfg = config.load_config('tiny', {'mesh.dp': 8, 'mesh.pp': 1, 'mesh.tp': 1, 'pipeline.microbatches': 1})
+  p = config.validate(cfg, 8)
+  line = oom._sequence_parallel(cfg, {'mesh.dp': 4, 'mesh.tp': 2}, p, 1e9, costmodel.Hardware())
+  m = re.search(
+    r'activations at tp=2: ([\d.e-]+) GB without sequence parallelism, ([\d.e-]+) GB with it', line
+  )
+  assert m and float(m[2]) < float(m[1]), line

@@ -143,11 +143,33 @@ class MFUMeter:
 # layer's own backward never needs; 'stage' recomputes the iteration (both) and then each layer (1).
 TP_ALL_REDUCES_RECOMPUTED = {'none': 0, 'dots': 0, 'attn': 1, 'full': 1, 'stage': 3}
 
+# With sequence parallelism (Megatron-SP) a layer's tp traffic is all-gathers and reduce-scatters,
+# each (t-1)/t of a micro-batch's [b*s, h] (half an all-reduce): forward 2 all-gathers (before QKV
+# and gate/up) and 2 reduce-scatters (after the output and down projections); backward their
+# transposes (4); and what the policy does again. 'none' and 'dots' keep the norms' outputs split
+# over tp (that is the memory saving), so the weight gradients of QKV and gate/up gather them again
+# (+2, as Megatron-LM does); 'attn' and 'full' recompute the attention block's gather and scatter
+# and the MLP's gather (+3), whose gathered values the weight gradients then use; 'stage' also the
+# whole iteration's 4 (+7). Without SP: 2 * (4 + TP_ALL_REDUCES_RECOMPUTED) halves.
+TP_SP_HALVES = {'none': 10, 'dots': 10, 'attn': 11, 'full': 11, 'stage': 15}
 
-def pipeline_edge_bytes(pp: int, microbatch_rows: int, seq_len: int, d_model: int) -> float:
+
+def tp_halves_per_layer(policy: str, sequence_parallel: bool) -> int:
+  """A layer's tp traffic per micro-batch in units of (t-1)/t * b*s*h bytes (an all-reduce is 2)."""
+  return TP_SP_HALVES[policy] if sequence_parallel else 2 * (4 + TP_ALL_REDUCES_RECOMPUTED[policy])
+
+
+def pipeline_edge_bytes(
+  pp: int, microbatch_rows: int, seq_len: int, d_model: int, sp_tp: int = 1, scatter: bool = True
+) -> float:
   """Wire bytes per device of entering and leaving the pipeline loop, per optimizer step and
   accumulation chunk: the m micro-batches on one dp shard (fp32 at the boundary, X = rows*s*h*4)
   with their rows split over (dp, pp) take an all-gather in and a reduce-scatter out, each
   transposed in the backward pass (4 of (p-1)/p X); otherwise a psum out over pp and, backward,
-  the psum of the input's gradient (2 of 2(p-1)/p X). The same bytes either way."""
-  return 4 * (pp - 1) / pp * microbatch_rows * seq_len * d_model * 4 if pp > 1 else 0.0
+  the psum of the input's gradient (2 of 2(p-1)/p X). The same bytes either way, except under
+  sequence parallelism over `sp_tp` without the split rows (`scatter` False): the input's gradient
+  is summed over pp while its rows are still split over tp (1/tp of it)."""
+  x = microbatch_rows * seq_len * d_model * 4
+  if pp == 1:
+    return 0.0
+  return 2 * (pp - 1) / pp * x * (1 + 1 / sp_tp) if not scatter else 4 * (pp - 1) / pp * x

@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import config as config_lib
 from jax3d.model import formulas
+from jax3d.parallel import sharding
 from jax3d.parallel.sharding import constrain
 
 PyTree = Any  # nested dicts of arrays (or of their abstract shapes)
@@ -125,6 +126,50 @@ def cached_attention(
   return o_btkgh.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
+SP_PROJECTION = 'sp_projection'  # checkpoint name of SequenceParallelDense's outputs
+
+
+class SequenceParallelDense(nn.Module):
+  """The projection `nn.DenseGeneral(features, axis)` of the same name (and kernel) under sequence
+  parallelism, with Megatron-SP's collectives written out on each tp rank's blocks
+  (`sharding.tp_local`): a column-parallel projection (kernel names start with 'embed') all-gathers
+  its input's rows first, inside a checkpoint so that the backward pass keeps the rows split and
+  gathers them again, as Megatron-LM does (its transpose reduce-scatters the input gradient); a
+  row-parallel one (names end with 'embed') reduce-scatters its partial sums over the rows. Apply only: parameters are
+  created by the plain Block."""
+
+  features: int | tuple[int, ...]
+  axis: int | tuple[int, ...]
+  names: tuple[str, ...]
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    feat = self.features if isinstance(self.features, tuple) else (self.features,)
+    axes = tuple(a % x.ndim for a in (self.axis if isinstance(self.axis, tuple) else (self.axis,)))
+    kernel = self.param(
+      'kernel', nn.initializers.zeros_init(), tuple(x.shape[a] for a in axes) + feat, self.param_dtype
+    )
+    n_in, row = len(axes), self.names[-1] == 'embed'
+    tp = sharding.TP
+
+    def local(x, w):
+      x, w = x.astype(self.dtype), w.astype(self.dtype)
+      if not row:
+        x = jax.lax.all_gather(x, tp, axis=0, tiled=True)
+      y = jax.lax.dot_general(x, w, ((axes, tuple(range(n_in))), ((), ())))
+      return jax.lax.psum_scatter(y, tp, scatter_dimension=0, tiled=True) if row else y
+
+    x_names = ('batch' if row else 'rows_sp',) + self.names[:n_in]
+    out_names = ('rows_sp', 'embed') if row else ('batch',) + self.names[n_in:]
+    # Nothing inside is a residual (a policy's residual inside a nested shard_map fails to lower);
+    # the output is named, so remat 'dots' still keeps the projections.
+    fn = jax.checkpoint(local, prevent_cse=False)
+    x = constrain(x, x_names)  # a saved input (remat 'attn') arrives with the outer loops' sharding
+    return checkpoint_name(sharding.tp_local(fn, (x_names, self.names), out_names)(x, kernel), SP_PROJECTION)
+
+
 class Block(nn.Module):
   """One decoder layer. Called on a micro-batch inside a pipeline stage (batch -> dp).
 
@@ -138,30 +183,42 @@ class Block(nn.Module):
   passes `positions_t` (int [t], consecutive) and `cache` = (k_bskh, v_bskh), the layer's keys
   and values of s >= positions_t[-1] + 1 positions: the new K/V are written at positions_t, the
   queries attend over cache entries [0, positions_t[-1] + 1), and it returns (x, new cache).
+
+  Sequence parallelism (`seq_len` set): training on the flattened rows x_rd [b*t, d], in and out,
+  the residual stream (input, RMSNorms, residual adds) annotated 'rows_sp' (split over tp), so the
+  row-parallel sums become reduce-scatters and all-gathers feed the column-parallel matmuls.
   """
 
   dims: Dims
+  seq_len: int | None = None  # sequence parallelism: x is [b*t, d] rows of sequences of seq_len
 
   @nn.compact
   def __call__(self, x_btd, positions_t=None, cache=None):
     dm = self.dims
-    b, t, d = x_btd.shape
+    sp = self.seq_len is not None
+    b, t, d = (x_btd.shape[0] // self.seq_len, self.seq_len, x_btd.shape[1]) if sp else x_btd.shape
+    rows = 'rows_sp' if sp else 'batch'
+    stream = (lambda a: constrain(a, (rows, 'embed'))) if sp else (lambda a: a)  # the SP residual stream
     n, k, h = dm.n_heads, dm.n_kv_heads, dm.head_dim
     g = n // k
     std, out_std = 0.02, 0.02 / np.sqrt(2 * dm.n_layers)
-    dense = lambda feat, axis, names, s, name: nn.DenseGeneral(
-      feat,
-      axis=axis,
-      use_bias=False,
-      dtype=dm.dtype,
-      param_dtype=dm.param_dtype,
-      kernel_init=_init(names, s),
-      name=name,
+    dense = lambda feat, axis, names, s, name: (
+      SequenceParallelDense(feat, axis, names, dm.dtype, dm.param_dtype, name=name)
+      if sp
+      else nn.DenseGeneral(
+        feat,
+        axis=axis,
+        use_bias=False,
+        dtype=dm.dtype,
+        param_dtype=dm.param_dtype,
+        kernel_init=_init(names, s),
+        name=name,
+      )
     )
-    x_rd = constrain(x_btd.reshape(b * t, d), ('batch', 'embed'))
+    x_rd = constrain(x_btd.reshape(b * t, d), (rows, 'embed'))
 
     # Attention: column-parallel QKV (KV heads on tp), row-parallel output (one all-reduce).
-    a_rd = RMSNorm(dm, name='attn_norm')(x_rd)
+    a_rd = stream(RMSNorm(dm, name='attn_norm')(x_rd))
     qkv_rkch = dense((k, g + 2, h), -1, ('embed', 'kv_heads', 'qkv', 'head_dim'), std, 'qkv')(a_rd)
     qkv_rkch = constrain(qkv_rkch, ('batch', 'kv_heads', 'qkv', 'head_dim'))
     q_btnh = qkv_rkch[:, :, :g].reshape(b, t, n, h)  # query head i belongs to KV head i // g
@@ -184,16 +241,18 @@ class Block(nn.Module):
       constrain(o_btnh.reshape(b * t, n, h), ('batch', 'heads', 'head_dim')), 'attn_out'
     )
     o_rd = dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), out_std, 'o')(o_rnh)
-    x_rd = x_rd + constrain(o_rd, ('batch', 'embed'))
+    x_rd = x_rd + constrain(o_rd, (rows, 'embed'))
 
     # SwiGLU MLP: column-parallel gate/up (mlp on tp), row-parallel down (one all-reduce).
-    m_rd = RMSNorm(dm, name='mlp_norm')(x_rd)
+    m_rd = stream(RMSNorm(dm, name='mlp_norm')(x_rd))
     gu_r2f = constrain(
       dense((2, dm.d_ff), -1, ('embed', 'gate_up', 'mlp'), std, 'gate_up')(m_rd), ('batch', 'gate_up', 'mlp')
     )
     h_rf = constrain(nn.silu(gu_r2f[:, 0]) * gu_r2f[:, 1], ('batch', 'mlp'))
     y_rd = dense(d, -1, ('mlp', 'embed'), out_std, 'down')(h_rf)
-    x_rd = x_rd + constrain(checkpoint_name(y_rd, 'mlp_out'), ('batch', 'embed'))
+    x_rd = x_rd + constrain(checkpoint_name(y_rd, 'mlp_out'), (rows, 'embed'))
+    if sp:
+      return x_rd
     return x_rd.reshape(b, t, d) if cache is None else (x_rd.reshape(b, t, d), cache)
 
 
@@ -290,9 +349,11 @@ def block_apply(
   x_btd: jax.Array,
   positions_t: jax.Array | None = None,
   cache: KVCache | None = None,
+  seq_len: int | None = None,
 ) -> jax.Array | tuple[jax.Array, KVCache]:
-  """One layer: x, or (x, new cache) when a KV cache is given (see Block)."""
-  return Block(dims).apply({'params': layer_params}, x_btd, positions_t, cache)
+  """One layer: x, or (x, new cache) when a KV cache is given; with `seq_len`, x is the flattened
+  rows [b*t, d] of sequence parallelism (see Block)."""
+  return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache)
 
 
 def embed_apply(dims: Dims, params: PyTree, tokens_bt: jax.Array) -> jax.Array:

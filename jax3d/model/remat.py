@@ -20,7 +20,10 @@ POLICIES = {
   'none': None,
   'full': jax.checkpoint_policies.nothing_saveable,
   'stage': jax.checkpoint_policies.nothing_saveable,  # per layer, inside the iteration's checkpoint
-  'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  'dots': jax.checkpoint_policies.save_from_both_policies(  # and sequence parallelism's projections
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names('sp_projection'),
+  ),
   'attn': jax.checkpoint_policies.save_only_these_names('attn_out'),
 }
 

@@ -110,13 +110,28 @@ def apply(
   policy: str,
   manual: bool = False,
 ) -> jax.Array:
-  """The embedded batch [B, T, D] through all layers (stacked, in storage order), pipelined."""
+  """The embedded batch [B, T, D] through all layers (stacked, in storage order), pipelined.
+
+  With sequence parallelism (`plan.sequence_parallel`) the loop carries each micro-batch as its
+  flattened rows [b*t, D] and `layer_fn` takes and returns them (llama.Block's `seq_len` path):
+  the layers keep the rows split over tp from one layer to the next, across the ring too."""
 
   def stage_layer(p, h):  # rows are local inside the loop: the rules name no manual axis there
     with sharding.use_rules(sharding.without(rules, (DP, PP))):
       return layer_fn(p, h)
 
   x_mbtd = sharding.constrain(microbatches(x_btd, plan.microbatches), ('micro', 'batch_all', 'seq', 'embed'))
+  shape = x_mbtd.shape
+  if plan.sequence_parallel:  # [m, b, t, d] -> [m, b*t, d]: the b-major rows split as the batch does
+    x_mbtd = x_mbtd.reshape(shape[0], shape[1] * shape[2], shape[3])
+
+  def rows_over_tp(split):  # the loop's micro-batches with their rows over tp (the layers'), or whole
+    def annotate(x_mrd):
+      with sharding.use_rules(sharding.without(rules, (DP, PP))):
+        return sharding.constrain(x_mrd, ('micro', 'rows_sp' if split else 'batch', 'embed'))
+
+    return annotate
+
   y_mbtd = run(
     stage_layer,
     layers,
@@ -126,8 +141,9 @@ def apply(
     policy=policy,
     scatter=_scatter(plan),
     manual=manual,
+    carry=(rows_over_tp(True), rows_over_tp(False)) if plan.sequence_parallel else None,
   )
-  return sharding.constrain(merge_microbatches(y_mbtd), ('batch_all', 'seq', 'embed'))
+  return sharding.constrain(merge_microbatches(y_mbtd.reshape(shape)), ('batch_all', 'seq', 'embed'))
 
 
 def run_layers(
@@ -160,11 +176,16 @@ def run(
   policy: str,
   scatter: bool = False,
   manual: bool = False,
+  carry: tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]] | None = None,
 ) -> jax.Array:
   """Every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`; returns
   [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn. With `scatter`, x
   arrives and leaves with its rows split over (dp, pp); with `manual`, the caller is already
-  inside a shard_map manual over dp and pp (see the module docstring)."""
+  inside a shard_map manual over dp and pp (see the module docstring). `carry` = (split, whole)
+  annotates the loop's micro-batches inside it: sequence parallelism splits the inputs' rows over
+  tp (the queue, and so the ring, hold and move 1/tp of them) and makes the outputs whole again
+  (one all-gather over tp) before the sum over pp hands them on."""
+  split, whole = carry or (lambda a: a, lambda a: a)
   p, v, m = mesh.shape[PP], repeats, x_mbtd.shape[0]
   # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
   axes = {a for a in (PP, DP) if mesh.shape[a] > 1}
@@ -180,15 +201,16 @@ def run(
       layers_local = jax.tree.map(lambda a: _vary(a, (DP,)), layers_local)
     if scatter:
       x_mbtd = jax.lax.all_gather(x_mbtd, PP, axis=1, tiled=True)
+    x_mbtd = split(x_mbtd)
     if p == 1:  # no ring: the micro-batches simply run one after another
       one = remat.wrap_iteration(
         lambda _, x_btd: (None, run_layers(layer_fn, layers_local, x_btd, policy)), policy
       )
-      return jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32)
+      return whole(jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32))
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
     out_mbtd = _ring(layer_fn, layers_local, _vary(x_mbtd, (PP,)).astype(dtype), p, v, m, policy)
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
-    out_mbtd = out_mbtd.astype(jnp.float32)
+    out_mbtd = whole(out_mbtd.astype(jnp.float32))
     if scatter:
       return jax.lax.psum_scatter(out_mbtd, PP, scatter_dimension=1, tiled=True)
     return jax.lax.psum(out_mbtd, PP)

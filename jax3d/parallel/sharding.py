@@ -8,6 +8,11 @@
   mlp        feed-forward hidden units (column/row)         -> tp
   vocab      vocabulary-parallel embedding and head         -> tp
   layers     the stacked layer axis                         -> pp (one slab of layers per stage)
+  rows_sp    the flattened rows b*t of a layer's residual stream (x, the RMSNorms, the residual
+             adds) -> dp and, with sequence parallelism (Megatron-SP, train.sequence_parallel),
+             tp: inside the pipeline the rows are local, so they split over tp alone; the
+             all-reduce after attention and after the MLP becomes a reduce-scatter, and an
+             all-gather brings the rows back before the next column-parallel matmul
 
 Tensor parallelism is nothing but this table: the model annotates its weights and activations in
 logical names (Megatron's column- and row-parallel layout), and XLA inserts the collectives.
@@ -36,10 +41,11 @@ DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (jax3d/parallel/mesh.py builds th
 Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 
 
-def logical_rules(batch_all: str | tuple[str, ...]) -> Rules:
+def logical_rules(batch_all: str | tuple[str, ...], sequence_parallel: bool = False) -> Rules:
   """The table above; `batch_all` is the pipeline's choice for the batch outside its loop."""
   return (
     ('batch', DP),
+    ('rows_sp', (DP, TP) if sequence_parallel else DP),
     ('batch_all', batch_all),
     ('seq', None),
     ('embed', None),
@@ -91,6 +97,21 @@ def constrain(x: jax.Array, logical: tuple) -> jax.Array:
   """Sharding annotation on an activation, in logical names (a no-op outside `use_rules`)."""
   rules = _RULES.get()
   return x if rules is None else nn.with_logical_constraint(x, logical, rules=rules)
+
+
+def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
+  """`fn` on each tp rank's own blocks: a shard_map manual over tp alone, nested in the context
+  (the step is traced under `jax.set_mesh`; dp and pp may be manual already), its specs the
+  logical names resolved by the rules in force. For collectives the compiler would not choose
+  itself: XLA:CPU keeps an all-reduce and a slice where a reduce-scatter is meant."""
+  rules = _RULES.get()
+  return jax.shard_map(
+    fn,
+    in_specs=tuple(spec(names, rules) for names in in_logical),
+    out_specs=spec(out_logical, rules),
+    axis_names={TP},
+    check_vma=True,
+  )
 
 
 def spec(logical: tuple, rules: Rules) -> P:

@@ -126,22 +126,32 @@ def layer_residual_bytes(
   param: str,
   flash: bool,
   batch: int,
+  sequence_parallel: bool = False,
 ) -> float:
   """Bytes one tp shard of one layer keeps for its backward pass, its input included. Its weights
   count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
   stack in the backward pass (jax3d/parallel/pipeline.py `run_layers`); without one, XLA keeps
   the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
-  rows: traced at 1 and 2 rows."""
-  one, two = (
-    _traced_residuals(d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, b)
-    for b in (1, 2)
+  rows: traced at 1 and 2 rows.
+
+  With `sequence_parallel` the residual stream (what is [rows, d_model]: the input, the RMSNorm
+  outputs, the residual adds, the row-parallel outputs) is split over tp. Read off the same layer:
+  of the bytes per row, the stream's are the ones that grow with d_model (the tp shard's heads,
+  head size and d_ff held fixed), so a trace at twice d_model measures them."""
+  trace = lambda b, d: _traced_residuals(
+    d, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, b, d_model // n_heads
   )
-  return one + (batch - 1) * (two - one)
+  one, two = trace(1, d_model), trace(2, d_model)
+  total = one + (batch - 1) * (two - one)
+  if not sequence_parallel or tp == 1:
+    return total
+  stream_per_row = (trace(2, 2 * d_model) - trace(1, 2 * d_model)) - (two - one)
+  return total - batch * stream_per_row * (1 - 1 / tp)
 
 
 @functools.cache
 def _traced_residuals(
-  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, batch
+  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, batch, head_dim
 ) -> float:
   """The residuals of the real layer at abstract shapes (nothing is computed or allocated).
   XLA's attention keeps the s x s scores; a fused (flash) kernel keeps a logsumexp instead."""
@@ -168,7 +178,7 @@ def _traced_residuals(
     vocab_padded=1,
     dtype=np.dtype(compute),
     param_dtype=np.dtype(param),
-    local_head_dim=d_model // n_heads,
+    local_head_dim=head_dim,
   )
   x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)
   block = model_lib.Block(dims)
@@ -254,12 +264,14 @@ def estimate(
     param=t.param_dtype,
     flash=hw.flash_attention,
     batch=b,
+    sequence_parallel=plan.sequence_parallel,
   )
   act_mb = b * s * h * cb  # one micro-batch's activation [b, s, h]
+  sp = tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
   if t.remat == 'stage':  # per iteration its carry (input and, with pp > 1, the stage-0 queue of m
     # micro-batches), plus one iteration recomputed in the backward pass
     carry = mb + 1 if pp > 1 else 1
-    acts = plan.iterations * carry * act_mb + lc * res(policy='full') + res(policy='none')
+    acts = plan.iterations * carry * act_mb / sp + lc * res(policy='full') + res(policy='none')
   else:
     acts = plan.iterations * lc * res(policy=t.remat) + res(policy='none')
   rows_all = plan.chunk_batch // (dp * pp if plan.chunk_batch % (dp * pp) == 0 else dp)
@@ -303,8 +315,10 @@ def estimate(
   all_reduces = 4 + formulas.TP_ALL_REDUCES_RECOMPUTED[t.remat]  # per layer: 2 forward, 2 backward
   tp_bytes = layer_calls * all_reduces * 2 * (tp - 1) / tp * act_mb
   # The ring's ppermute is outside every checkpoint: one send forward, one backward.
-  pp_bytes = plan.iterations * plan.grad_accum * 2 * act_mb if pp > 1 else 0
-  pp_bytes += formulas.pipeline_edge_bytes(pp, mb * b, s, h) * plan.grad_accum
+  pp_bytes = plan.iterations * plan.grad_accum * 2 * act_mb / sp if pp > 1 else 0
+  pp_bytes += (
+    formulas.pipeline_edge_bytes(pp, mb * b, s, h, sp, plan.micro_batch % (dp * pp) == 0) * plan.grad_accum
+  )
   dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
   t_dp = dp_bytes / bw(dp_in)
   times = {

@@ -50,16 +50,27 @@ def expected_comm(s: Setup) -> dict:
   gather_b = pb if s.zero1 else reduce_b
   grads = n_local * reduce_b if d > 1 else 0  # the gradient bytes that enter the dp reduction
   dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
-  edge = formulas.pipeline_edge_bytes(p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model) * a
+  scatter = plan.micro_batch % (d * p) == 0  # pipeline.batch_axes: the rows split over (dp, pp)
+  edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
+  edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
   tp_spmd = per_layer_mb * layers_per_chunk * iters * a  # no recomputation
-  recomputed = formulas.TP_ALL_REDUCES_RECOMPUTED[s.cfg.train.remat]  # of 4 per layer
+  halves = formulas.tp_halves_per_layer(s.cfg.train.remat, plan.sequence_parallel)  # 8 = 4 all-reduces
+  sp = t if plan.sequence_parallel else 1  # the ring's micro-batches are split over tp with SP
+  # SP: one all-gather over tp of the loop's fp32 outputs, and one of its inputs' gradient.
+  sp_edges = (
+    2 * (t - 1) / t * m * (plan.micro_batch // d) * plan.seq_len * dims.d_model * 4 * a if sp > 1 else 0.0
+  )
   return {
     'tp': {
       'formula': per_layer_mb * dims.n_layers // p * m * a,
-      'spmd': tp_spmd * (4 + recomputed) / 4,
-      'spmd_forward': tp_spmd / 2,  # the recomputed all-reduces count as backward
+      'spmd': tp_spmd * halves / 8,
+      'spmd_forward': tp_spmd / 2,  # the recomputed ones count as backward
     },
-    'pp': {'formula': 2 * v * m * bsh * a if p > 1 else 0.0, 'spmd': 2 * iters * bsh * a if p > 1 else 0.0},
+    'tp_edges': {'formula': sp_edges, 'spmd': sp_edges},
+    'pp': {
+      'formula': 2 * v * m * bsh * a / sp if p > 1 else 0.0,
+      'spmd': 2 * iters * bsh * a / sp if p > 1 else 0.0,
+    },
     'pp_edges': {'formula': edge, 'spmd': edge},
     'dp': {'formula': dp_wire, 'spmd': dp_wire},
     'p_local_bytes': p_local,
@@ -96,17 +107,24 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   out = [
     {
       'axis': 'tp',
-      'what': 'tp all-reduces in the layers (fwd+bwd)',
+      'what': 'tp collectives in the layers (fwd+bwd)',
       'measured': total(tp_layers),
       'formula': e['tp']['formula'],
       'spmd': e['tp']['spmd'],
     },
     {
       'axis': 'tp',
-      'what': 'tp all-reduces in the layers (forward)',
+      'what': 'tp collectives in the layers (forward)',
       'measured': total(lambda c: tp_layers(c) and c['pass'] == 'forward'),
       'formula': e['tp']['formula'] / 2,
       'spmd': e['tp']['spmd_forward'],
+    },
+    {
+      'axis': 'tp',
+      'what': 'tp all-gathers outside the layers (SP: pipeline entry/exit)',
+      'measured': total(lambda c: c['axes'] == 'tp' and not c['in_layers'] and c['kind'] == 'all-gather'),
+      'formula': e['tp_edges']['formula'],
+      'spmd': e['tp_edges']['spmd'],
     },
     {
       'axis': 'pp',

@@ -66,7 +66,10 @@ def oom_ladder(
   ]
   if deeper:
     c = min(deeper, key=lambda c: (not c.est.fits, c.est.step_time_s if c.est.fits else c.est.total_bytes))
-    lines.append(rung('4. more pp or tp', {k: v for k, v in c.overrides.items() if k != 'train.remat'}))
+    over = {k: v for k, v in c.overrides.items() if k != 'train.remat'}
+    lines.append(
+      rung('4. more pp or tp', over, acts) + _sequence_parallel(cfg, over, plan, device_memory_bytes, hw)
+    )
   else:
     lines.append(
       f'4. more pp or tp: pp*tp = {plan.pp}*{plan.tp} is already the most these '
@@ -85,6 +88,27 @@ def oom_ladder(
     lines.append(rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
   lines.append(smallest_cluster(cfg, hw))
   return lines
+
+
+def _sequence_parallel(
+  cfg: ml_collections.ConfigDict, over: dict, plan: RunPlan, device_memory_bytes: float, hw: Hardware
+) -> str:
+  """The more-tp rung's activations without and with sequence parallelism (Megatron-SP splits the
+  replicated residual stream over tp too, so raising tp pays in full only with it)."""
+  out = []
+  for sp in ('false', 'true'):
+    try:
+      c = apply(cfg, over | {'train.sequence_parallel': sp})
+      p = validate(c, plan.n_devices)
+    except ConfigError:
+      return ''
+    if p.tp == 1:
+      return ''
+    out.append(estimate(c, p, device_memory_bytes, hw).breakdown['activations'] / GB)
+  return (
+    f'; activations at tp={p.tp}: {out[0]:.3g} GB without sequence parallelism, {out[1]:.3g} GB with it '
+    f'(--config.train.sequence_parallel=true)'
+  )
 
 
 def check_fits(cfg: ml_collections.ConfigDict, plan: RunPlan, compiled_bytes: int, device: jax.Device) -> str:

@@ -50,7 +50,9 @@ def logits(params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False) ->
   computes them (the loss is their cross-entropy)."""
   x_btd = llama.embed_apply(s.dims, params, tokens_bt)
   y_btd = pipeline.apply(
-    lambda p, h: llama.block_apply(s.dims, p, h),
+    lambda p, h: llama.block_apply(
+      s.dims, p, h, seq_len=tokens_bt.shape[1] if s.plan.sequence_parallel else None
+    ),
     params['layers'],
     x_btd,
     mesh=s.mesh,
