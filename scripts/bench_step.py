@@ -2,6 +2,7 @@
 
   python scripts/bench_step.py [--steps=20] [--json=bench_step.json] [--dtype=float32,bfloat16]
                                [--layouts=1x1x1,4x1x2,2x2x2] [--layer-sweep] [--sp-sweep]
+                               [--malloc-sweep]
 
 Shape (the issue's reference): 4 layers, d_model 256, 4 heads, 4 KV heads, d_ff 1024, vocab 1024,
 seq 128, global batch 8, full rematerialisation. Layout DPxPPxTP; pipelined layouts use
@@ -13,6 +14,10 @@ against the one-device run of the same dtype, next to the ideal ratio from the b
 tp = 2 and 4 (dp = pp = 1), remat none and full, SP off and on: compiled temp memory per device
 and tp bytes from `jax3d.inspect`; then the median step time SP off / on at the reference shape
 (4x1x2) and at seq 1024 (1x1x4), one micro-batch. Use --layouts= to skip the layout table.
+
+--malloc-sweep (jax3d/training/cpu.py): each of --layouts and --dtype in child processes with the
+C allocator tuned (jax3d's default on CPU) and untuned (JAX3D_NO_MALLOC_TUNING=1), alternating,
+3 rounds: median step time and minor page faults per step, and the ratio tuned / untuned.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ def measure(overrides: dict, steps: int) -> dict:
   return {
     'compile_s': r['compile_s'],
     'step_s': statistics.median(times[5:]),
+    'page_faults': statistics.median(r['page_faults'][5:]),
     'loss': float(m['loss']),
     'temp_bytes': mem['temp'],
     'argument_bytes': mem['argument'],
@@ -150,6 +156,43 @@ def sp_sweep(steps: int) -> dict:
   return {'memory_and_bytes': mem, 'step_times': times}
 
 
+def malloc_sweep(layouts: str, dtypes: str, steps: int, rounds: int = 3) -> list[dict]:
+  """Tuned vs untuned C allocator, one child process per measurement (mallopt is process-wide)."""
+  import subprocess
+  import tempfile
+
+  out = []
+  print(f'{"layout":>10} {"dtype":>9} {"untuned s":>9} {"tuned s":>8} {"ratio":>6} {"faults/step":>19}')
+  for dtype in dtypes.split(','):
+    for lay in layouts.split(','):
+      times, faults = {'untuned': [], 'tuned': []}, {'untuned': [], 'tuned': []}
+      for _ in range(rounds):
+        for kind in times:
+          env = dict(os.environ, JAX3D_NO_MALLOC_TUNING='1' if kind == 'untuned' else '0')
+          with tempfile.NamedTemporaryFile(suffix='.json') as f:
+            cmd = [sys.executable, __file__, f'--layouts={lay}', f'--dtype={dtype}', f'--steps={steps}']
+            subprocess.run([*cmd, f'--json={f.name}'], env=env, check=True, capture_output=True)
+            row = json.load(open(f.name))['rows'][0]
+          times[kind].append(row['step_s'])
+          faults[kind].append(row['page_faults'])
+      med = {k: statistics.median(v) for k, v in times.items()}
+      flt = {k: statistics.median(v) for k, v in faults.items()}
+      r = {
+        'layout': lay,
+        'dtype': dtype,
+        'times': times,
+        'faults': faults,
+        'ratio': med['tuned'] / med['untuned'],
+      }
+      out.append(r)
+      print(
+        f'{lay:>10} {dtype:>9} {med["untuned"]:>9.3f} {med["tuned"]:>8.3f} {r["ratio"]:>6.2f} '
+        f'{flt["untuned"]:>9.0f} -> {flt["tuned"]:>6.0f}',
+        flush=True,
+      )
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--steps', type=int, default=20)
@@ -168,7 +211,14 @@ def main():
     help='each remat policy at (2,2,2), seq 1024: compiled temp memory and step time',
   )
   ap.add_argument('--sp-sweep', action='store_true', help='sequence parallelism off/on (see the docstring)')
+  ap.add_argument('--malloc-sweep', action='store_true', help='C allocator tuned/untuned (see the docstring)')
   args = ap.parse_args()
+  if args.malloc_sweep:
+    sweep = malloc_sweep(args.layouts, args.dtype, args.steps)
+    with open(args.json, 'w') as f:
+      json.dump({'malloc_sweep': sweep, 'jax': jax.__version__}, f, indent=1)
+    print(f'wrote {args.json}')
+    return
   rows = []
   print(
     f'{"layout":>12} {"dtype":>9} {"compile s":>9} {"step s":>8} {"ratio":>6} {"ideal":>6} '

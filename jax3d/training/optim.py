@@ -1,5 +1,5 @@
-"""The optimizer: optax AdamW with linear warmup + cosine decay and global-norm clipping, wrapped in
-`optax.apply_if_finite` so a step with a non-finite gradient leaves the state as it was.
+"""The optimizer: optax AdamW with linear warmup + cosine decay and global-norm clipping. A step with
+a non-finite loss or gradient is skipped by the train step (jax3d/training/step.py), around it.
 
 Weight decay applies to matrices (kernels, embedding), not to norm scales.
 """
@@ -33,8 +33,7 @@ def _decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW (with clipping when train.grad_clip > 0) under `schedule(cfg)`, skipping any update
-  whose gradients are not finite."""
+  """AdamW (with clipping when train.grad_clip > 0) under `schedule(cfg)`."""
   t = cfg.train
   parts = []
   if t.grad_clip > 0:
@@ -42,15 +41,12 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
   parts.append(
     optax.adamw(schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
   )
-  # Non-finite gradients: the update is skipped (params and moments unchanged). The run itself
-  # stops after train.max_bad_steps in a row (jax3d/training/trainer.py); the large limit here
-  # keeps optax from ever applying a non-finite update on its own.
-  return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=10**9)
+  return optax.chain(*parts)
 
 
 def schedule_count(opt_state: Any, default: jax.Array) -> jax.Array:
-  """The step count the learning-rate schedule reads (optax's `ScaleByScheduleState.count` inside
-  `apply_if_finite`): it does not advance on a skipped (non-finite) step, unlike the train step.
+  """The step count the learning-rate schedule reads (optax's `ScaleByScheduleState.count`): it
+  does not advance on a skipped (non-finite) step, unlike the train step.
   `default` where the optimizer has no schedule state."""
   count = optax.tree.get(
     opt_state, 'count', filtering=lambda path, _: path[-1].tuple_name == 'ScaleByScheduleState'
