@@ -22,6 +22,7 @@ SCHEDULES = ('gpipe', 'circular')
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
 SEQUENCE_PARALLEL = ('true', 'false', 'auto')
+SKIP_BUBBLES = ('true', 'false', 'auto')
 
 
 class ConfigError(ValueError):
@@ -43,6 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline.microbatches = 1  # m: micro-batches per step (per grad_accum chunk)
   c.pipeline.repeats = 1  # v: layer chunks per stage; > 1 = the circular schedule
   c.pipeline.schedule = 'gpipe'  # 'gpipe' or 'circular' (repeats > 1 is circular)
+  # true | false | auto: a stage skips the work of its bubble iterations (a lax.cond); auto = on
+  # CPU devices only, where fake devices share the cores (jax3d/parallel/pipeline.py)
+  c.pipeline.skip_bubbles = 'auto'
 
   c.model = ml_collections.ConfigDict()
   c.model.n_layers = 4  # decoder layers; divisible by mesh.pp * pipeline.repeats
@@ -208,6 +212,7 @@ class RunPlan:
   vocab_padded: int
   nan_steps: tuple[int, ...] = ()  # train.inject_nan_at, parsed (a fault drill)
   sequence_parallel: bool = False  # train.sequence_parallel, resolved: on only with tp > 1
+  skip_bubbles: bool | None = None  # pipeline.skip_bubbles; None = auto (decided by the devices)
 
   @property
   def n_devices(self) -> int:  # dp * pp * tp
@@ -366,7 +371,15 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
     seq_len=t.seq_len,
     vocab_padded=vocab_padded,
     nan_steps=nan_steps,
+    skip_bubbles=_skip_bubbles(p_.skip_bubbles),
   )
+
+
+def _skip_bubbles(value: Any) -> bool | None:
+  value = str(value).lower()
+  if value not in SKIP_BUBBLES:
+    _fail('pipeline.skip_bubbles', value, f'one of {", ".join(SKIP_BUBBLES)}')
+  return None if value == 'auto' else value == 'true'
 
 
 def _sequence_parallel(value: Any, rows: int, tp: int) -> bool:

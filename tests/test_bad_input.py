@@ -73,6 +73,7 @@ CASES = [
     ["train.sequence_parallel='true'", 'train.seq_len = 127', 'divisible by mesh.tp=2'],
   ),
   (['--config.train.sequence_parallel=maybe'], ["train.sequence_parallel='maybe'", 'true, false, auto']),
+  (['--config.pipeline.skip_bubbles=sometimes'], ["pipeline.skip_bubbles='sometimes'", 'true, false, auto']),
 ]
 
 

@@ -46,6 +46,23 @@ def test_remat_policies_equal_one_device(policy):
   check({'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4, 'train__remat': policy})
 
 
+@pytest.mark.parametrize('skip', ['true', 'false'])
+@pytest.mark.parametrize('remat', ['full', 'stage'])
+def test_bubble_iterations_skipped_or_computed_equal_one_device(skip, remat):
+  """pipeline.skip_bubbles: 'auto' skips on these CPU devices (every other pipelined test here);
+  'false' is the accelerator path, computing them (a lax.cond around remat, forward and backward)."""
+  check(
+    {
+      'mesh__dp': 2,
+      'mesh__pp': 2,
+      'mesh__tp': 2,
+      'pipeline__microbatches': 2,
+      'pipeline__skip_bubbles': skip,
+      'train__remat': remat,
+    }
+  )
+
+
 def test_circular_schedule_equals_one_device():
   check(
     {

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jax3d.model import formulas
+from jax3d.parallel import pipeline
 
 
 def is_main_process() -> bool:
@@ -150,7 +151,13 @@ def summary_lines(s: Any, data: str) -> list[str]:
     f'compute {s.cfg.train.compute_dtype}, remat {s.cfg.train.remat}',
     f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
     f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '
-    f'{p.bubble:.1%} (executed/useful stage work {p.iterations / (p.repeats * p.microbatches):.2f}); '
+    f'{p.bubble:.1%} ('
+    + (
+      'skipped: a stage computes only its useful iterations'
+      if pipeline.skips_bubbles(p, s.mesh)
+      else f'executed/useful stage work {p.iterations / (p.repeats * p.microbatches):.2f}'
+    )
+    + '); '
     f'embedding and head run on all {p.n_devices} devices',
     f'  per stage: {lc * p.repeats} layers = '
     f'{formulas.stage_forward_flops(d, lc * p.repeats, p.tokens_per_step) / 1e9:.2f} '
