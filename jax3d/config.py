@@ -45,7 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline.repeats = 1  # v: layer chunks per stage; > 1 = the circular schedule
   c.pipeline.schedule = 'gpipe'  # 'gpipe' or 'circular' (repeats > 1 is circular)
   # true | false | auto: a stage skips the work of its bubble iterations (a lax.cond); auto = on
-  # CPU devices only, where fake devices share the cores (jax3d/parallel/pipeline.py)
+  # CPU devices with jax >= 0.12, where fake devices share the cores (jax3d/parallel/pipeline.py)
   c.pipeline.skip_bubbles = 'auto'
 
   c.model = ml_collections.ConfigDict()

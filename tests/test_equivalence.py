@@ -49,8 +49,8 @@ def test_remat_policies_equal_one_device(policy):
 @pytest.mark.parametrize('skip', ['true', 'false'])
 @pytest.mark.parametrize('remat', ['full', 'stage'])
 def test_bubble_iterations_skipped_or_computed_equal_one_device(skip, remat):
-  """pipeline.skip_bubbles: 'auto' skips on these CPU devices (every other pipelined test here);
-  'false' is the accelerator path, computing them (a lax.cond around remat, forward and backward)."""
+  """pipeline.skip_bubbles: 'true' runs a lax.cond around the stage's (checkpointed) layers,
+  forward and backward; 'false' computes the bubbles (the accelerator path)."""
   check(
     {
       'mesh__dp': 2,

@@ -50,7 +50,7 @@ def test_estimate_by_hand_tiny():
   assert n_local == 853248
   assert e.breakdown['params'] == 4 * n_local == e.breakdown['grads']
   assert e.breakdown['optimizer'] == 8 * n_local  # AdamW m and v, fp32, not sharded
-  assert e.breakdown['update'] == 4 * n_local  # the step's new parameters beside the old
+  assert 'update' not in e.breakdown  # the cond's update writes in place: no second copy
   # remat=stage: each of the v*m+p-1 = 5 iterations keeps its input and the 4-entry stage-0 queue,
   # micro-batch [2 rows, 128, 256] fp32; plus one iteration recomputed (2 checkpointed layers + 1 layer).
   carry = 5 * (4 + 1) * 2 * 128 * 256 * 4

@@ -284,10 +284,6 @@ def estimate(
     'optimizer': 2 * n_local * pb / (dp if t.shard_optimizer else 1),
     'activations': acts,
     'head': head,
-    # The optimizer step's new values exist beside the old ones until the finite-check
-    # select (train_step in jax3d/training/step.py) picks one: about one more copy of the
-    # parameters.
-    'update': n_local * pb,
   }
 
   # --- time ---------------------------------------------------------------------------------
