@@ -222,11 +222,10 @@ class Trainer:
   def train(self, steps: int | None = None) -> list[dict]:
     """Trains until `train.steps` (or `steps` more steps). Returns the metric records written."""
     cfg, plan = self.cfg, self.plan
-    if self.state is None:
-      self.log(self.init_state())
     # Several processes: JAX's preemption service owns SIGTERM (a Python handler would replace its
     # notifier) and makes every process stop at the same step; one process: a Python flag, set
-    # before compiling so that a SIGTERM while XLA compiles also saves and exits cleanly.
+    # before the state is initialised (its log line is the first sign of life a supervisor sees)
+    # and compiled, so that a SIGTERM at any point from here saves and exits cleanly.
     multi = jax.process_count() > 1
     prev_handler = (
       signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -235,6 +234,8 @@ class Trainer:
     )
     prefetch = None
     try:
+      if self.state is None:
+        self.log(self.init_state())
       self._compile()
       start = self.step
       stop = cfg.train.steps if steps is None else start + steps
