@@ -21,8 +21,7 @@ REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 SCHEDULES = ('gpipe', 'circular')
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
-SEQUENCE_PARALLEL = ('true', 'false', 'auto')
-SKIP_BUBBLES = ('true', 'false', 'auto')
+SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
 
 
 class ConfigError(ValueError):
@@ -375,19 +374,23 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   )
 
 
-def _skip_bubbles(value: Any) -> bool | None:
+def _switch(key: str, value: Any) -> str:
+  """A true | false | auto setting, lower-cased; anything else fails naming the key."""
   value = str(value).lower()
-  if value not in SKIP_BUBBLES:
-    _fail('pipeline.skip_bubbles', value, f'one of {", ".join(SKIP_BUBBLES)}')
+  if value not in SWITCH:
+    _fail(key, value, f'one of {", ".join(SWITCH)}')
+  return value
+
+
+def _skip_bubbles(value: Any) -> bool | None:
+  value = _switch('pipeline.skip_bubbles', value)
   return None if value == 'auto' else value == 'true'
 
 
 def _sequence_parallel(value: Any, rows: int, tp: int) -> bool:
   """train.sequence_parallel resolved: the rows a layer sees (a micro-batch's rows on one dp shard
   times seq_len) are split over tp, so tp must divide them; 'auto' is on when it does."""
-  value = str(value).lower()
-  if value not in SEQUENCE_PARALLEL:
-    _fail('train.sequence_parallel', value, f'one of {", ".join(SEQUENCE_PARALLEL)}')
+  value = _switch('train.sequence_parallel', value)
   if value == 'false' or tp == 1:
     return False
   if rows % tp:
