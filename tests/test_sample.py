@@ -134,6 +134,19 @@ def test_sharded_decoding_equals_one_device(run, monkeypatch):
   assert sharded == one
 
 
+def test_generation_ends_after_the_stop_token(run):
+  """`stop` (the tokenizer's EOS) ends generation on the device: the tokens are those of the run
+  without it, up to and including the stop token's first appearance."""
+  t, _ = run
+  dims, layout = t.setup.dims, (t.cfg.model.n_layers, t.plan.pp, t.plan.repeats)
+  args = (dims, t.state['params'], layout, list(b'def main(x):\n  return'), 16, t.cfg.model.max_seq_len)
+  full = gen_lib.generate(*args, temperature=0.0)
+  assert len(full) == 16
+  end = full.index(full[5])
+  assert gen_lib.generate(*args, temperature=0.0, stop=full[5]) == full[: end + 1]
+  assert gen_lib.generate(*args, temperature=0.0, stop=-7) == full  # never drawn
+
+
 def test_greedy_and_seeded_sampling_are_deterministic(run):
   t, workdir = run
   greedy = jax3d.sample(t, PROMPT, n_tokens=24, greedy=True)

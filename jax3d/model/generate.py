@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax3d.model import llama as model_lib
 from jax3d.parallel import pipeline
@@ -58,33 +59,43 @@ def _pick(logits_bv, temperature, top_k, key):
   return jnp.where(temperature <= 0, jnp.argmax(logits_bv, -1), drawn).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _generate(dims, params, layers, prompt_bt, n_prompt, n_tokens, top_k, temperature, key, cache):
-  """n_tokens after the first n_prompt tokens of prompt_bt (padded to a bucket length), in one
-  program: the prefill, then a loop of one-token steps through the KV cache, sampling on the
-  device (no host round trip per token; compiled once per bucket and n_tokens). `cache` is
-  empty, [layers, 1, max_len, ...]."""
+@functools.partial(jax.jit, static_argnames=('dims', 'layout', 'n_tokens', 'top_k', 'cache_len'))
+def _generate(dims, layout, params, prompt_bt, n_prompt, n_tokens, top_k, temperature, seed, cache_len, stop):
+  """Up to n_tokens after the first n_prompt tokens of prompt_bt (padded to a bucket length), in
+  one program: the prefill, then a loop of one-token steps through a KV cache of cache_len
+  positions (at least the bucket and n_prompt + n_tokens), sampling on the device (no host round
+  trip per token), ending after the token `stop` (-1: never). Compiled once per bucket, n_tokens
+  and cache_len; the layer reorder, the cache and the key are made inside (no eager op to compile
+  first). Returns the tokens (-1 past the end) and how many."""
+  layers = pipeline.to_canonical(params['layers'], *layout)
+  cache = empty_cache(dims, 1, cache_len)
+  key = jax.random.key(seed)
   # The padding past n_prompt writes cache entries that each decode step overwrites before any
   # query can see them (a query at position p attends to entries 0..p).
   x_btd, cache = _run(dims, params, layers, prompt_bt, cache, 0)
   last = jax.lax.dynamic_slice_in_dim(x_btd, n_prompt - 1, 1, axis=1)
   logits = model_lib.head_apply(dims, params, last)[:, 0]
 
-  def step(i, carry):
-    logits, cache, key, out = carry
+  def go_on(carry):
+    i, done = carry[0], carry[1]
+    return (i < n_tokens) & ~done
+
+  def step(carry):
+    i, _, logits, cache, key, out = carry
     key, sub = jax.random.split(key)
     tok_b = _pick(logits[:, : dims.vocab_size], temperature, top_k, sub)
     x_btd, cache = _run(dims, params, layers, tok_b[:, None], cache, n_prompt + i)
     logits = model_lib.head_apply(dims, params, x_btd)[:, 0]
-    return logits, cache, key, out.at[i].set(tok_b[0])
+    return i + 1, tok_b[0] == stop, logits, cache, key, out.at[i].set(tok_b[0])
 
-  init = (logits, cache, key, jnp.zeros(n_tokens, jnp.int32))
-  return jax.lax.fori_loop(0, n_tokens, step, init)[3]
+  init = (jnp.int32(0), jnp.bool_(False), logits, cache, key, jnp.full(n_tokens, -1, jnp.int32))
+  i, _, _, _, _, out = jax.lax.while_loop(go_on, step, init)
+  return out, i
 
 
 # Parameters up to this size are decoded on one device: a decode step is tiny, and on the training
-# layout each one would wait on tp/pp collectives (200 tokens of the tiny model: 3.4 s after
-# compiling, 1.9 s on one device, on the shared 2-core machine).
+# layout each one would wait on tp/pp collectives (200 tokens of the tiny model after compiling:
+# ~1.0 s on its 2x2x2 layout, 0.46 s on one device, on the shared 2-core machine).
 ONE_DEVICE_BYTES = 1 << 30
 
 
@@ -95,6 +106,11 @@ def _for_decoding(params: Any) -> Any:
   if jax.process_count() == 1 and size <= ONE_DEVICE_BYTES:
     return jax.device_put(params, jax.local_devices()[0])
   return params
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+  """The power of two >= n, but at most cap."""
+  return min(cap, 1 << (n - 1).bit_length())
 
 
 def generate(
@@ -116,23 +132,23 @@ def generate(
   n_tokens = min(n_tokens, max_len - len(tokens))
   if n_tokens <= 0:
     return []
-  bucket = min(max_len, max(16, 1 << (len(tokens) - 1).bit_length()))  # few prompt shapes to compile
-  prompt_bt = jnp.asarray([tokens + [0] * (bucket - len(tokens))], jnp.int32)
-  params = _for_decoding(params)
-  layers = pipeline.to_canonical(params['layers'], *layout)
+  bucket = _pow2_at_most(max(16, len(tokens)), max_len)  # few prompt shapes to compile
+  # The cache holds what this request needs, not max_len: each token attends over all of it.
+  cache_len = _pow2_at_most(max(bucket, len(tokens) + n_tokens), max_len)
   out = _generate(
     dims,
-    params,
-    layers,
-    prompt_bt,
+    tuple(layout),
+    _for_decoding(params),
+    np.asarray([tokens + [0] * (bucket - len(tokens))], np.int32),
     len(tokens),
     n_tokens,
     top_k,
     float(temperature),
-    jax.random.key(seed),
-    empty_cache(dims, 1, max_len),
+    seed,
+    cache_len,
+    -1 if stop is None else stop,
   )
-  return [int(t) for t in jax.device_get(out)]
+  return [int(t) for t in jax.device_get(out[0])[: int(out[1])]]
 
 
 def generate_text(

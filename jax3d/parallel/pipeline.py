@@ -61,11 +61,15 @@ def layer_order(n_layers: int, pp: int, repeats: int) -> np.ndarray:
 def to_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
   """Stacked layer params in storage order -> canonical layer order (for comparisons, export)."""
   inv = np.argsort(layer_order(n_layers, pp, repeats))
+  if (inv == np.arange(n_layers)).all():  # one chunk per stage: storage order is canonical
+    return layers
   return jax.tree.map(lambda a: a[inv], layers)
 
 
 def from_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
   order = layer_order(n_layers, pp, repeats)
+  if (order == np.arange(n_layers)).all():
+    return layers
   return jax.tree.map(lambda a: a[order], layers)
 
 
