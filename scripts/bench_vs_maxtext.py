@@ -3,6 +3,7 @@
   python scripts/bench_vs_maxtext.py [--layouts=8x1x1,4x1x2,1x2x4,2x2x2m4,2x4x1m4,4x1x2kv2]
       [--dtypes=float32,bfloat16] [--rounds=2] [--steps=20] [--json=bench_vs_maxtext.json]
       [--maxtext-venv=PATH|none] [--jax3d-python=PATH] [--jax3d-venv=PATH] [--md=PATH]
+      [--cpu-profile]
 
 Both trainers run the shape of scripts/bench_step.py on 8 fake CPU devices (4 layers, d_model 256,
 4 heads of 64, d_ff 1024, vocab 1024, seq 128, global batch 8, full remat, AdamW), 20 steps, each
@@ -52,6 +53,14 @@ with `pip install -e REPO jax==V jaxlib==V` (V = MaxText's jax) and MaxText's pi
 constraints, at --jax3d-venv (default ~/.cache/jax3d-peer/jax3d), created on first use;
 --jax3d-python overrides it. Without MaxText (--maxtext-venv=none, or no ../shared/bench/maxtext),
 jax3d runs alone with this Python (or --jax3d-python).
+
+--cpu-profile: each run under Linux `perf record` (sampling at 499 Hz), and a second table of the
+CPU milliseconds per step that the device threads (XLA's `tf_XLAEigen` pool) spent by kind:
+YNNPACK matmul kernels, Eigen matmuls, other YNNPACK kernels (transposes, reductions), XLA's own
+compiled loop fusions (JIT code), collectives, libc (memmove, malloc), the kernel, the rest of the
+runtime. All samples of the run divided by its steps (so compile-free, but init and the warm-up
+steps are in). This is where the cores go, unlike a trace's per-op durations, which count the
+time a thread waits for a core as time in its op. Needs `perf` and perf_event_paranoid <= 2.
 
 Exit status: 0 done; 1 a run failed (the tail of its log is printed); 2 bad flags.
 """
@@ -350,9 +359,12 @@ def startup_split(lines: Sequence[tuple[float, str]]) -> dict[str, float | None]
   return out
 
 
-def run_jax3d(python: str, layout: Layout, dtype: str, steps: int, logdir: str, tag: str) -> dict:
+def run_jax3d(
+  python: str, layout: Layout, dtype: str, steps: int, logdir: str, tag: str, profile: bool = False
+) -> dict:
   """One `python -m jax3d.train` in a fresh workdir; stopped (SIGKILL to its process group) once
-  the last step's record is written, so its final evaluation, checkpoint and sample are skipped."""
+  the last step's record is written, so its final evaluation, checkpoint and sample are skipped.
+  With `profile`, `perf record` attached to it (result key 'cpu_ms')."""
   workdir = tempfile.mkdtemp(prefix='jax3d-', dir=logdir)
   log_path = os.path.join(logdir, f'{tag}.log')
   env = dict(
@@ -374,6 +386,8 @@ def run_jax3d(python: str, layout: Layout, dtype: str, steps: int, logdir: str, 
     text=True,
     start_new_session=True,
   )
+  perf_data = os.path.join(logdir, f'{tag}.perf.data')
+  perf = perf_attach(proc.pid, perf_data) if profile else None
 
   def read() -> None:
     with open(log_path, 'w') as log:
@@ -395,6 +409,8 @@ def run_jax3d(python: str, layout: Layout, dtype: str, steps: int, logdir: str, 
       os.killpg(proc.pid, signal.SIGKILL)
     rc = proc.wait()
     reader.join(10)
+    if perf is not None:
+      perf_finish(perf)
   text = '\n'.join(line for _, line in lines)
   try:
     if not finished:
@@ -409,24 +425,103 @@ def run_jax3d(python: str, layout: Layout, dtype: str, steps: int, logdir: str, 
     split = startup_split(lines)
     if split['first_step'] is None:
       raise RunFailed(f'jax3d {tag}: no "first step (compile + run)" line (log {log_path})', tail(text))
-    return {'step_s': step_s, 'steps_timed': n, 'first_step_s': split['first_step'], 'startup': split}
+    out = {'step_s': step_s, 'steps_timed': n, 'first_step_s': split['first_step'], 'startup': split}
+    if profile:
+      out['cpu_ms'] = cpu_breakdown(perf_report(perf_data), steps)
+    return out
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+PERF_HZ = 499
+CPU_KINDS = (
+  'YNNPACK matmul',
+  'Eigen matmul',
+  'YNNPACK other',
+  'XLA loop fusions',
+  'collectives',
+  'libc',
+  'kernel',
+  'runtime other',
+)
+PERF_LINE = re.compile(r'\s*[\d.]+%\s+(\d+)\s+(\S+)\s+(\[JIT\] tid \d+|\S+)\s+\[.\]\s+(.*)')
+
+
+def cpu_kind(dso: str, symbol: str) -> str:
+  """The CPU_KINDS entry of one perf sample's shared object and symbol."""
+  if 'ynn::dot' in symbol:
+    return 'YNNPACK matmul'
+  if 'Eigen::' in symbol:
+    return 'Eigen matmul'
+  if dso.startswith('[JIT]'):
+    return 'XLA loop fusions'
+  if 'ynn::' in symbol:
+    return 'YNNPACK other'
+  if re.search(r'ReduceScatter|AllReduce|AllGather|Collective|Rendezvous|Permute', symbol):
+    return 'collectives'
+  if dso.startswith('libc'):
+    return 'libc'
+  if 'kernel' in dso:
+    return 'kernel'
+  return 'runtime other'
+
+
+def cpu_breakdown(report: str, steps: int, thread: str = 'tf_XLAEigen') -> dict[str, float]:
+  """CPU ms per step by CPU_KINDS in the device threads, from `perf report -n --sort comm,dso,sym
+  --stdio` text (sample counts at PERF_HZ)."""
+  out = dict.fromkeys(CPU_KINDS, 0.0)
+  for line in report.splitlines():
+    m = PERF_LINE.match(line)
+    if m and m[2] == thread:
+      out[cpu_kind(m[3], m[4])] += int(m[1]) * 1e3 / PERF_HZ / steps
+  return out
+
+
+def perf_report(data: str) -> str:
+  """`perf report` of a perf.data file, sorted by thread name, shared object and symbol."""
+  cmd = ['perf', 'report', '-n', '-i', data, '--no-children', '--sort', 'comm,dso,sym', '--stdio']
+  return subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+
+
+def perf_attach(pid: int, data: str) -> subprocess.Popen:
+  """`perf record` of the running process `pid` (its threads, also those started later) into data;
+  it ends when the process does."""
+  cmd = ['perf', 'record', '-q', '-F', str(PERF_HZ), '-o', data, '-p', str(pid)]
+  return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def perf_finish(perf: subprocess.Popen) -> None:
+  """Waits for `perf record` to write its file (SIGINT if its process outlived the wait)."""
+  try:
+    perf.wait(30)
+  except subprocess.TimeoutExpired:
+    perf.send_signal(signal.SIGINT)
+    perf.wait(30)
 
 
 MAXTEXT_LINE = re.compile(r'median step ([\d.]+) s .*process start to step 0 done ([\d.]+) s')
 
 
 def run_maxtext(
-  maxtext_dir: str, venv: str, layout: Layout, dtype: str, steps: int, logdir: str, tag: str
+  maxtext_dir: str,
+  venv: str,
+  layout: Layout,
+  dtype: str,
+  steps: int,
+  logdir: str,
+  tag: str,
+  profile: bool = False,
 ) -> dict:
-  """One ../shared/bench/maxtext/run.sh; its last stdout line holds the median and the first step."""
+  """One ../shared/bench/maxtext/run.sh; its last stdout line holds the median and the first step.
+  With `profile`, run under `perf record` (result key 'cpu_ms')."""
+  perf_data = os.path.join(logdir, f'{tag}.perf.data')
+  perf = ['perf', 'record', '-q', '-F', str(PERF_HZ), '-o', perf_data, '--'] if profile else []
   log_path = os.path.join(logdir, f'{tag}.log')
   env = dict(os.environ, MAXTEXT_VENV=venv)
   env.pop('XLA_FLAGS', None)
   with open(log_path, 'w') as log:
     r = subprocess.run(
-      [os.path.join(maxtext_dir, 'run.sh'), *maxtext_args(layout, dtype, steps)],
+      [*perf, os.path.join(maxtext_dir, 'run.sh'), *maxtext_args(layout, dtype, steps)],
       env=env,
       stdout=subprocess.PIPE,
       stderr=log,
@@ -439,7 +534,10 @@ def run_maxtext(
       raise RunFailed(
         f'MaxText {tag}: run.sh exited with status {r.returncode} (log {log_path})', tail(f.read())
       )
-  return {'step_s': float(m[1]), 'first_step_s': float(m[2])}
+  out = {'step_s': float(m[1]), 'first_step_s': float(m[2])}
+  if profile:
+    out['cpu_ms'] = cpu_breakdown(perf_report(perf_data), steps)
+  return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,6 +740,27 @@ def format_startup(runs: Sequence[dict]) -> list[str]:
   return out
 
 
+def format_cpu(runs: Sequence[dict]) -> list[str]:
+  """The --cpu-profile table: per layout and dtype, each trainer's median CPU ms per step by kind."""
+  keys = sorted({(r['spec'], r['dtype']) for r in runs}, key=lambda k: [r['spec'] for r in runs].index(k[0]))
+  head = ['layout', 'dtype', 'trainer', *CPU_KINDS, 'total']
+  lines = [
+    '',
+    'CPU ms per step in the device threads (perf, all samples of a run / its steps; median over rounds):',
+    '| ' + ' | '.join(head) + ' |',
+    '|' + '---|' * len(head),
+  ]
+  for spec, dtype in keys:
+    for who in ('maxtext', 'jax3d'):
+      rs = [r['cpu_ms'] for r in runs if (r['spec'], r['dtype'], r['trainer']) == (spec, dtype, who)]
+      if not rs:
+        continue
+      med = {k: statistics.median(r[k] for r in rs) for k in CPU_KINDS}
+      cells = [f'{med[k]:.0f}' for k in CPU_KINDS]
+      lines.append(f'| {spec} | {dtype} | {who} | ' + ' | '.join(cells) + f' | {sum(med.values()):.0f} |')
+  return lines
+
+
 def format_load(runs: Sequence[dict], cores: int | None = None) -> str:
   """The machine's load during the runs, and a warning when other work shared the cores (a run
   itself keeps about `cores` busy): then the timings say as much about the scheduler as the step."""
@@ -672,6 +791,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   ap.add_argument('--maxtext-dir', default=MAXTEXT_DIR, help='the folder of run.sh and setup.sh')
   ap.add_argument('--jax3d-python', default=None, help="jax3d's interpreter (default: --jax3d-venv's)")
   ap.add_argument('--jax3d-venv', default=DEFAULT_JAX3D_VENV, help='built here with MaxText jax when missing')
+  ap.add_argument(
+    '--cpu-profile', action='store_true', help='each run under perf record: CPU ms per step by kind'
+  )
   args = ap.parse_args(argv)
   try:
     args.layout_list = [parse_layout(s) for s in args.layouts.split(',') if s.strip()]
@@ -685,6 +807,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
   if args.rounds < 1 or args.steps <= SKIP + 1:
     ap.error(f'--rounds must be >= 1 and --steps > {SKIP + 1}')
+  if args.cpu_profile and shutil.which('perf') is None:
+    ap.error('--cpu-profile needs Linux perf on the PATH (linux-tools)')
   return args
 
 
@@ -732,9 +856,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           tag = f'r{rnd}-{lay.spec}-{dtype}-{who}'
           t0 = time.time()
           if who == 'jax3d':
-            r = run_jax3d(j_python, lay, dtype, args.steps, logdir, tag)
+            r = run_jax3d(j_python, lay, dtype, args.steps, logdir, tag, args.cpu_profile)
           else:
-            r = run_maxtext(args.maxtext_dir, mt_venv, lay, dtype, args.steps, logdir, tag)
+            r = run_maxtext(args.maxtext_dir, mt_venv, lay, dtype, args.steps, logdir, tag, args.cpu_profile)
           r.update(
             trainer=who, spec=lay.spec, layout=lay.label, dtype=dtype, round=rnd, wall_s=time.time() - t0
           )
@@ -757,6 +881,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       *format_roof(roof_before, roof_after, args.dtype_list),
       *format_startup(runs),
       format_load(runs),
+      *(format_cpu(runs) if args.cpu_profile else []),
     ]
   )
   print('\n' + text)

@@ -125,3 +125,29 @@ def test_table():
   assert 'warning' in bvm.format_load([dict(r, load=8.0) for r in runs], cores=2)
   only = bvm.summarize([r for r in runs if r['trainer'] == 'jax3d'], lays, ['float32'], None)
   assert '| - |' in bvm.format_table(only)
+
+
+def test_cpu_profile_breakdown():
+  """--cpu-profile: perf report lines of the device threads, by kind, in CPU ms per step (samples
+  at 499 Hz / steps); other threads (the Python main thread: compilation) are left out."""
+  report = '\n'.join(
+    [
+      '# Overhead  Samples  Command  Shared Object  Symbol',
+      '    40.00%      998  tf_XLAEigen  libjax_common.so   [.] ynn::dot_fp32_5x64x1_1x16x1_avx512',
+      '    20.00%      499  tf_XLAEigen  [JIT] tid 26146    [.] 0x00007f88dd660092',
+      '    10.00%      499  tf_XLAEigen  libjax_common.so   [.] Eigen::internal::gebp_kernel<float>',
+      '     5.00%      499  tf_XLAEigen  libjax_common.so   [.] ynn::transpose_x2048_avx',
+      '     5.00%      499  tf_XLAEigen  libjax_common.so   [.] xla::cpu::(anonymous namespace)::ReduceScatter<11>',
+      '     5.00%      499  tf_XLAEigen  libc.so.6          [.] __memmove_avx512_unaligned_erms',
+      '     5.00%      499  tf_XLAEigen  [kernel.kallsyms]  [k] finish_task_switch.isra.0',
+      '     5.00%      499  tf_XLAEigen  libjax_common.so   [.] xla::cpu::ThunkExecutor::Execute',
+      '     5.00%     4990  python       libjax_common.so   [.] ynn::dot_fp32_5x64x1_1x16x1_avx512',
+    ]
+  )
+  got = bvm.cpu_breakdown(report, steps=10)
+  want = dict.fromkeys(bvm.CPU_KINDS, 100.0)  # 499 samples = 1 s over 10 steps
+  want['YNNPACK matmul'] = 200.0
+  assert got == pytest.approx(want)
+  rows = [{'spec': '4x1x2', 'dtype': 'float32', 'trainer': t, 'cpu_ms': got} for t in ('jax3d', 'maxtext')]
+  table = bvm.format_cpu(rows)
+  assert table[-2].startswith('| 4x1x2 | float32 | maxtext | 200 | 100 |') and table[-1].endswith('| 900 |')

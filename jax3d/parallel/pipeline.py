@@ -6,28 +6,26 @@ Inside `jax.shard_map(..., axis_names={'pp', 'dp'})` each device sees its own st
 its dp shard of the micro-batches; `tp` stays under the compiler's automatic sharding, so tensor
 parallelism keeps working inside a stage.
 
-Micro-batches. Micro-batch i holds rows i, i+m, i+2m, ... of the batch, so the rows of one dp
-shard stay on that shard. Outside the loop (embedding, head) the batch is split over (dp, pp)
-when each micro-batch divides (`batch_axes`): every device then does 1/(dp*pp) of that work;
-stages all-gather their micro-batch rows over pp on the way in and the outputs are
-reduce-scattered back on the way out.
+Micro-batches. Micro-batch i holds rows i, i+m, i+2m, ... of the batch (a dp shard's rows stay
+on it). Outside the loop (embedding, head) the batch is split over (dp, pp) when each micro-batch
+divides (`batch_axes`), so each device does 1/(dp*pp) of that work; stages all-gather their
+micro-batch rows over pp on the way in and reduce-scatter the outputs on the way out.
 
 Schedule (GPipe, and circular when `repeats` v > 1). The loop runs v*m + p - 1 iterations. At
 iteration t, stage s works on u = t - s: micro-batch u mod m, on its layer chunk u // m. Every
 stage sends its output to stage s+1 (mod p) with one `ppermute`. What arrives at stage 0 from the
 last stage goes back into the stage-0 queue (the next pass round the ring) or, on the last pass,
-into the outputs. Bubble iterations (u outside [0, v*m)) compute on stale inputs and their
-results are never written, so they reach neither outputs nor gradients.
+into the outputs. Bubble iterations (u outside [0, v*m)) write nothing, to outputs or gradients
+(on CPU they skip their layers: `skips_bubbles`).
 
 Stage placement. With v chunks per stage, chunk c = r*p + s (r = 0..v-1) runs on stage s, so the
 stacked weights are stored stage-major: position j holds canonical layer `layer_order(...)[j]`,
 and a plain P('pp') sharding of the layer axis gives each stage exactly its chunks.
 
 Gradients over dp. The loop is manual over dp too: the weights are marked dp-varying at its
-entry, so their gradient sum over dp (the transpose of that mark) happens once per step, after
-the loop, not once per iteration. When the caller is already inside a shard_map manual over dp
-and pp (the explicit reduction of jax3d/parallel/data_parallel.py, `manual=True`), the loop runs
-without one of its own and the caller's rows are this device's (`local_rows`).
+entry, so their gradient sum over dp (that mark's transpose) happens once per step, after the
+loop. Inside a caller's shard_map manual over dp and pp (the explicit reduction of
+jax3d/parallel/data_parallel.py, `manual=True`) it opens none of its own (`local_rows`).
 """
 
 from __future__ import annotations
@@ -58,19 +56,18 @@ def layer_order(n_layers: int, pp: int, repeats: int) -> np.ndarray:
   return (r * pp + s) * lc + i
 
 
+def _reordered(layers: Any, index: np.ndarray) -> Any:
+  """Every leaf's layers in `index` order (the same tree when that is the identity)."""
+  return layers if (index == np.arange(len(index))).all() else jax.tree.map(lambda a: a[index], layers)
+
+
 def to_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
   """Stacked layer params in storage order -> canonical layer order (for comparisons, export)."""
-  inv = np.argsort(layer_order(n_layers, pp, repeats))
-  if (inv == np.arange(n_layers)).all():  # one chunk per stage: storage order is canonical
-    return layers
-  return jax.tree.map(lambda a: a[inv], layers)
+  return _reordered(layers, np.argsort(layer_order(n_layers, pp, repeats)))
 
 
 def from_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
-  order = layer_order(n_layers, pp, repeats)
-  if (order == np.arange(n_layers)).all():
-    return layers
-  return jax.tree.map(lambda a: a[order], layers)
+  return _reordered(layers, layer_order(n_layers, pp, repeats))
 
 
 # --- micro-batches --------------------------------------------------------------------------
