@@ -742,7 +742,7 @@ def format_startup(runs: Sequence[dict]) -> list[str]:
 
 def format_cpu(runs: Sequence[dict]) -> list[str]:
   """The --cpu-profile table: per layout and dtype, each trainer's median CPU ms per step by kind."""
-  keys = sorted({(r['spec'], r['dtype']) for r in runs}, key=lambda k: [r['spec'] for r in runs].index(k[0]))
+  keys = list(dict.fromkeys((r['spec'], r['dtype']) for r in runs))  # in the order they ran
   head = ['layout', 'dtype', 'trainer', *CPU_KINDS, 'total']
   lines = [
     '',
