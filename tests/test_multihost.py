@@ -25,7 +25,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, 'scripts', 'launch_local.py')
-N_STEPS = 8
+N_STEPS = 12  # long enough that a SIGTERM's sync point lands before the last step on a loaded machine
+HALF = N_STEPS // 2
 SMALL = [
   '--config.model.d_model=64',
   '--config.model.d_ff=128',
@@ -36,7 +37,7 @@ SMALL = [
   '--config.log.every=1',
   '--config.log.progress=False',
   '--config.sample.tokens=1',
-  '--config.checkpoint.every=4',
+  f'--config.checkpoint.every={HALF}',
   '--config.checkpoint.async_save=False',
 ]
 MP = ['--init_timeout=60', '--heartbeat_timeout=10']
@@ -201,10 +202,10 @@ def assert_close(got: dict, want: dict, steps):
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
-  """1 process x 8 devices, layout (2,2,2), N_STEPS steps, checkpoints at 4 and 8."""
+  """1 process x 8 devices, layout (2,2,2), N_STEPS steps, checkpoints at HALF and N_STEPS."""
   wd = str(tmp_path_factory.mktemp('ref') / 'w')
   finish(single(train_cmd(wd)))
-  assert ckpt_steps(wd) == [4, 8]
+  assert ckpt_steps(wd) == [HALF, N_STEPS]
   return wd
 
 
@@ -221,7 +222,7 @@ def two_proc(tmp_path_factory):
 def test_two_processes_match_one_process(reference, two_proc):
   wd, out = two_proc
   assert_close(losses(wd), losses(reference), range(1, N_STEPS + 1))
-  assert ckpt_steps(wd) == [4, 8]
+  assert ckpt_steps(wd) == [HALF, N_STEPS]
   # Process 0 alone prints the summary and the placement: tp inside a host, dp across hosts.
   assert '[p0] jax3d: 8 cpu devices' in out and '[p1] jax3d:' not in out
   assert not re.search(r'^\[p1\] step ', out, re.M)
@@ -238,10 +239,10 @@ def test_two_processes_match_one_process(reference, two_proc):
 def test_checkpoint_from_two_processes_resumes_in_one(reference, two_proc, tmp_path):
   wd = str(tmp_path / 'w')
   shutil.copytree(two_proc[0], wd)
-  shutil.rmtree(os.path.join(wd, 'checkpoints', '8'))  # resume from the step-4 checkpoint
+  shutil.rmtree(os.path.join(wd, 'checkpoints', str(N_STEPS)))  # resume from the step-HALF checkpoint
   out = finish(single(train_cmd(wd)))
-  assert 'resumed from' in out and '/4 ' in out, out
-  assert_close(losses(wd), losses(reference), range(5, N_STEPS + 1))
+  assert 'resumed from' in out and f'/{HALF} ' in out, out
+  assert_close(losses(wd), losses(reference), range(HALF + 1, N_STEPS + 1))
 
 
 @pytest.mark.slow
@@ -249,10 +250,10 @@ def test_checkpoint_from_two_processes_resumes_in_one(reference, two_proc, tmp_p
 def test_checkpoint_from_one_process_resumes_in_two(reference, tmp_path):
   wd = str(tmp_path / 'w')
   shutil.copytree(reference, wd)
-  shutil.rmtree(os.path.join(wd, 'checkpoints', '8'))
+  shutil.rmtree(os.path.join(wd, 'checkpoints', str(N_STEPS)))
   out = finish(launch(2, train_cmd(wd)))
   assert 'resumed from' in out, out
-  assert_close(losses(wd), losses(reference), range(5, N_STEPS + 1))
+  assert_close(losses(wd), losses(reference), range(HALF + 1, N_STEPS + 1))
 
 
 @pytest.mark.slow
