@@ -483,10 +483,16 @@ def perf_report(data: str) -> str:
   return subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
 
 
+def perf_record(data: str) -> list[str]:
+  """The `perf record` command (sampling at PERF_HZ into `data`), to which a target is appended:
+  `-p PID` or `-- COMMAND...`."""
+  return ['perf', 'record', '-q', '-F', str(PERF_HZ), '-o', data]
+
+
 def perf_attach(pid: int, data: str) -> subprocess.Popen:
   """`perf record` of the running process `pid` (its threads, also those started later) into data;
   it ends when the process does."""
-  cmd = ['perf', 'record', '-q', '-F', str(PERF_HZ), '-o', data, '-p', str(pid)]
+  cmd = [*perf_record(data), '-p', str(pid)]
   return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -515,7 +521,7 @@ def run_maxtext(
   """One ../shared/bench/maxtext/run.sh; its last stdout line holds the median and the first step.
   With `profile`, run under `perf record` (result key 'cpu_ms')."""
   perf_data = os.path.join(logdir, f'{tag}.perf.data')
-  perf = ['perf', 'record', '-q', '-F', str(PERF_HZ), '-o', perf_data, '--'] if profile else []
+  perf = [*perf_record(perf_data), '--'] if profile else []
   log_path = os.path.join(logdir, f'{tag}.log')
   env = dict(os.environ, MAXTEXT_VENV=venv)
   env.pop('XLA_FLAGS', None)
