@@ -226,6 +226,18 @@ class RunPlan:
     return self.chunk_batch // self.microbatches
 
   @property
+  def pp_batch_split(self) -> str | None:
+    """How the batch outside the pipeline's loop (embedding, head, loss) splits over pp, so that
+    each device does 1/(dp*pp) of that work: 'rows' (each micro-batch's rows over dp*pp), 'micro'
+    (whole micro-batches over pp, where a micro-batch's rows do not divide; not with sequence
+    parallelism, where XLA then adds a tp all-gather of the loop's input and its gradient), or
+    None (every pp rank computes its dp shard's whole batch there)."""
+    if self.micro_batch % (self.dp * self.pp) == 0:
+      return 'rows'
+    micro = self.pp > 1 and self.microbatches % self.pp == 0 and not self.sequence_parallel
+    return 'micro' if micro else None
+
+  @property
   def iterations(self) -> int:  # pipeline loop trips: v*m + p - 1
     return self.repeats * self.microbatches + self.pp - 1
 

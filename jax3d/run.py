@@ -193,7 +193,9 @@ def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
     mesh=mesh,
     dims=llama.Dims.from_config(cfg, plan),
     tx=optim.make_optimizer(cfg),
-    rules=sharding.logical_rules(pipeline.batch_axes(plan), plan.sequence_parallel),
+    rules=sharding.logical_rules(
+      pipeline.batch_axes(plan), plan.sequence_parallel, pipeline.micro_axes(plan)
+    ),
   )
 
 

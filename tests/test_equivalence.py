@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+from jax3d import run
+
 from helpers import run_steps, small_cfg
 
 RTOL, ATOL = 1e-5, 1e-7
@@ -74,6 +76,22 @@ def test_circular_schedule_equals_one_device():
       'pipeline__schedule': 'circular',
     }
   )
+
+
+@pytest.mark.parametrize(
+  'extra',
+  [{}, {'train__shard_optimizer': True}, {'train__grad_accum': 2}],
+  ids=['auto', 'explicit-dp', 'accum'],
+)
+def test_whole_microbatches_split_over_pp_equal_one_device(extra):
+  """Micro-batches of 2 sequences on 2x2x2 do not split over dp*pp: whole micro-batches split over
+  pp outside the loop instead (the embedding, head and loss on 1/(dp*pp) of the batch), on the
+  automatic path and inside data_parallel's shard_map (ZeRO-1), and per accumulation chunk."""
+  m = 16 // extra.get('train__grad_accum', 1)
+  over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': m, **extra}
+  cfg = small_cfg(**over)
+  assert run.setup(cfg, jax.devices()).plan.pp_batch_split == 'micro'
+  check(over)
 
 
 def test_grad_accum_equals_full_batch():

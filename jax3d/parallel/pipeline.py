@@ -7,9 +7,13 @@ its dp shard of the micro-batches; `tp` stays under the compiler's automatic sha
 parallelism keeps working inside a stage.
 
 Micro-batches. Micro-batch i holds rows i, i+m, i+2m, ... of the batch (a dp shard's rows stay
-on it). Outside the loop (embedding, head) the batch is split over (dp, pp) when each micro-batch
-divides (`batch_axes`), so each device does 1/(dp*pp) of that work; stages all-gather their
-micro-batch rows over pp on the way in and reduce-scatter the outputs on the way out.
+on it). Outside the loop (embedding, head, loss) the batch is split over (dp, pp) when each
+micro-batch divides (`batch_axes`), so each device does 1/(dp*pp) of that work; stages all-gather
+their micro-batch rows over pp on the way in and reduce-scatter the outputs on the way out. When a
+micro-batch is too small for that (a few sequences) but the micro-batches divide over pp
+(`splits_microbatches`), whole micro-batches are split over pp instead: micro-batch i is then rows
+[i*r, (i+1)*r) of each dp shard, so that a pp rank's micro-batches are a block of its dp shard's
+rows, and the stages gather and scatter the micro-batch axis.
 
 Schedule (GPipe, and circular when `repeats` v > 1). The loop runs v*m + p - 1 iterations. At
 iteration t, stage s works on u = t - s: micro-batch u mod m, on its layer chunk u // m. Every
@@ -72,28 +76,60 @@ def from_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
 
 # --- micro-batches --------------------------------------------------------------------------
 def batch_axes(plan: RunPlan) -> str | tuple[str, str]:
-  """The mesh axes of the batch outside the loop: dp*pp when each micro-batch splits over them."""
-  return (DP, PP) if plan.micro_batch % (plan.dp * plan.pp) == 0 else DP
+  """The mesh axes of the batch outside the loop: dp*pp when each micro-batch splits over them, or
+  the micro-batches do (`splits_microbatches`); else dp."""
+  return (DP, PP) if plan.pp_batch_split else DP
 
 
-def _scatter(plan: RunPlan) -> bool:
-  return plan.pp > 1 and batch_axes(plan) == (DP, PP)
+def splits_microbatches(plan: RunPlan) -> bool:
+  """Whether whole micro-batches, not their rows, are split over pp outside the loop: where a
+  micro-batch's rows do not divide over dp*pp but the micro-batches divide over pp (2x2x2 with
+  micro-batches of 2 sequences: the embedding, head and loss were computed twice, once per stage)."""
+  return plan.pp_batch_split == 'micro'
 
 
-def microbatches(x_b: jax.Array, m: int) -> jax.Array:
-  """[B, ...] -> [m, B/m, ...], micro-batch i = rows i, i+m, i+2m, ... (local to each dp shard)."""
-  return x_b.reshape(x_b.shape[0] // m, m, *x_b.shape[1:]).swapaxes(0, 1)
+def micro_axes(plan: RunPlan) -> str | None:
+  """The mesh axis of the micro-batch axis outside the loop (logical 'micro')."""
+  return PP if splits_microbatches(plan) else None
 
 
-def merge_microbatches(x_m: jax.Array) -> jax.Array:
-  return x_m.swapaxes(0, 1).reshape(x_m.shape[0] * x_m.shape[1], *x_m.shape[2:])
+def _scatter(plan: RunPlan) -> int | None:
+  """The axis of the loop's [m, b, ...] input and output that is split over pp outside it (1: the
+  rows of each micro-batch, 0: the micro-batches), or None."""
+  if plan.pp == 1 or plan.pp_batch_split is None:
+    return None
+  return 0 if plan.pp_batch_split == 'micro' else 1
+
+
+def microbatches(x_b: jax.Array, m: int, blocks: int | None = None) -> jax.Array:
+  """[B, ...] -> [m, B/m, ...], micro-batch i = rows i, i+m, i+2m, ... (local to each dp shard).
+  With `blocks` = g: micro-batch i = rows [i*r, (i+1)*r) of each of the batch's g equal blocks (its
+  dp shards), r = B/(g*m), so that splitting the micro-batches over pp splits each block
+  (`splits_microbatches`)."""
+  if blocks is None:
+    return x_b.reshape(x_b.shape[0] // m, m, *x_b.shape[1:]).swapaxes(0, 1)
+  rest = x_b.shape[1:]
+  return x_b.reshape(blocks, m, x_b.shape[0] // (blocks * m), *rest).swapaxes(0, 1).reshape(m, -1, *rest)
+
+
+def merge_microbatches(x_m: jax.Array, blocks: int | None = None) -> jax.Array:
+  """The inverse of `microbatches`."""
+  m, rest = x_m.shape[0], x_m.shape[2:]
+  if blocks is None:
+    return x_m.swapaxes(0, 1).reshape(m * x_m.shape[1], *rest)
+  return x_m.reshape(m, blocks, x_m.shape[1] // blocks, *rest).swapaxes(0, 1).reshape(-1, *rest)
 
 
 def local_rows(x_b: jax.Array, plan: RunPlan) -> jax.Array:
   """Inside a shard_map manual over dp and pp: this pp rank's slice of each micro-batch's rows
-  (the rows the automatic layout gives it when the batch is split over dp*pp), in [B, ...] order."""
-  if not _scatter(plan):
+  (the rows the automatic layout gives it when the batch is split over dp*pp), in [B, ...] order;
+  with whole micro-batches split over pp, its block of the rows."""
+  axis = _scatter(plan)
+  if axis is None:
     return x_b
+  if axis == 0:
+    n = x_b.shape[0] // plan.pp
+    return jax.lax.dynamic_slice_in_dim(x_b, jax.lax.axis_index(PP) * n, n)
   x_m = microbatches(x_b, plan.microbatches)
   b = x_m.shape[1] // plan.pp
   return merge_microbatches(jax.lax.dynamic_slice_in_dim(x_m, jax.lax.axis_index(PP) * b, b, axis=1))
@@ -121,7 +157,14 @@ def apply(
     with sharding.use_rules(sharding.without(rules, (DP, PP))):
       return layer_fn(p, h)
 
-  x_mbtd = sharding.constrain(microbatches(x_btd, plan.microbatches), ('micro', 'batch_all', 'seq', 'embed'))
+  if splits_microbatches(plan):  # whole micro-batches over pp: blocks of each dp shard's rows
+    m, blocks = (plan.microbatches // plan.pp, 1) if manual else (plan.microbatches, plan.dp)
+    x_mbtd = sharding.constrain(microbatches(x_btd, m, blocks), ('micro', 'batch', 'seq', 'embed'))
+  else:
+    blocks = None
+    x_mbtd = sharding.constrain(
+      microbatches(x_btd, plan.microbatches), ('micro', 'batch_all', 'seq', 'embed')
+    )
   shape = x_mbtd.shape
   if plan.sequence_parallel:  # [m, b, t, d] -> [m, b*t, d]: the b-major rows split as the batch does
     x_mbtd = x_mbtd.reshape(shape[0], shape[1] * shape[2], shape[3])
@@ -145,7 +188,7 @@ def apply(
     carry=(rows_over_tp(True), rows_over_tp(False)) if plan.sequence_parallel else None,
     skip_bubbles=skips_bubbles(plan, mesh),
   )
-  return sharding.constrain(merge_microbatches(y_mbtd.reshape(shape)), ('batch_all', 'seq', 'embed'))
+  return sharding.constrain(merge_microbatches(y_mbtd.reshape(shape), blocks), ('batch_all', 'seq', 'embed'))
 
 
 def run_layers(
@@ -176,25 +219,26 @@ def run(
   mesh: Mesh,
   repeats: int,
   policy: str,
-  scatter: bool = False,
+  scatter: int | None = None,
   manual: bool = False,
   carry: tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]] | None = None,
   skip_bubbles: bool = False,
 ) -> jax.Array:
   """Every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`; returns
-  [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn. With `scatter`, x
-  arrives and leaves with its rows split over (dp, pp); with `manual`, the caller is already
-  inside a shard_map manual over dp and pp (see the module docstring). `carry` = (split, whole)
+  [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn. With `scatter` = k, x
+  arrives and leaves with its axis k split over pp (1: the rows, with dp; 0: the micro-batches,
+  the rows over dp); with `manual`, the caller is already inside a shard_map manual over dp and
+  pp (see the module docstring). `carry` = (split, whole)
   annotates the loop's micro-batches inside it: sequence parallelism splits the inputs' rows over
   tp (the queue, and so the ring, hold and move 1/tp of them) and makes the outputs whole again
   (one all-gather over tp) before the sum over pp hands them on. `skip_bubbles`: bubble
   iterations run no layers (`skips_bubbles`)."""
   split, whole = carry or (lambda a: a, lambda a: a)
-  p, v, m = mesh.shape[PP], repeats, x_mbtd.shape[0]
+  p, v = mesh.shape[PP], repeats
   # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
   axes = {a for a in (PP, DP) if mesh.shape[a] > 1}
   names = lambda *ns: tuple(n for n in ns if n in axes) or None
-  rows = P(None, names(DP, PP) if scatter else names(DP))
+  rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
   dtype = x_mbtd.dtype
 
   def stage_loop(layers_local, x_mbtd):
@@ -203,8 +247,8 @@ def run(
       # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
       # loop, instead of once per micro-batch inside it.
       layers_local = jax.tree.map(lambda a: _vary(a, (DP,)), layers_local)
-    if scatter:
-      x_mbtd = jax.lax.all_gather(x_mbtd, PP, axis=1, tiled=True)
+    if scatter is not None:
+      x_mbtd = jax.lax.all_gather(x_mbtd, PP, axis=scatter, tiled=True)
     x_mbtd = split(x_mbtd)
     if p == 1:  # no ring: the micro-batches simply run one after another
       one = remat.wrap_iteration(
@@ -213,12 +257,12 @@ def run(
       return whole(jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32))
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
     out_mbtd = _ring(
-      layer_fn, layers_local, _vary(x_mbtd, (PP,)).astype(dtype), p, v, m, policy, skip_bubbles
+      layer_fn, layers_local, _vary(x_mbtd, (PP,)).astype(dtype), p, v, x_mbtd.shape[0], policy, skip_bubbles
     )
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
     out_mbtd = whole(out_mbtd.astype(jnp.float32))
-    if scatter:
-      return jax.lax.psum_scatter(out_mbtd, PP, scatter_dimension=1, tiled=True)
+    if scatter is not None:
+      return jax.lax.psum_scatter(out_mbtd, PP, scatter_dimension=scatter, tiled=True)
     return jax.lax.psum(out_mbtd, PP)
 
   # The activations cross the loop's boundary in fp32 (the sums over pp of their gradients too):

@@ -3,7 +3,9 @@
   batch      micro-batch rows inside the pipeline          -> dp
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
              (pipeline.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
-  seq, embed, head_dim, norm, qkv, gate_up, micro          -> replicated
+  seq, embed, head_dim, norm, qkv, gate_up                -> replicated
+  micro      the micro-batch axis outside the pipeline's loop -> replicated, or pp where whole
+             micro-batches are split over it (pipeline.micro_axes)
   heads, kv_heads    attention heads (Megatron column/row)  -> tp
   mlp        feed-forward hidden units (column/row)         -> tp
   vocab      vocabulary-parallel embedding and head         -> tp
@@ -41,8 +43,11 @@ DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (jax3d/parallel/mesh.py builds th
 Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 
 
-def logical_rules(batch_all: str | tuple[str, ...], sequence_parallel: bool = False) -> Rules:
-  """The table above; `batch_all` is the pipeline's choice for the batch outside its loop."""
+def logical_rules(
+  batch_all: str | tuple[str, ...], sequence_parallel: bool = False, micro: str | None = None
+) -> Rules:
+  """The table above; `batch_all` and `micro` are the pipeline's choice for the batch outside its
+  loop."""
   return (
     ('batch', DP),
     ('rows_sp', (DP, TP) if sequence_parallel else DP),
@@ -56,7 +61,7 @@ def logical_rules(batch_all: str | tuple[str, ...], sequence_parallel: bool = Fa
     ('mlp', TP),
     ('vocab', TP),
     ('layers', PP),
-    ('micro', None),
+    ('micro', micro),
     ('qkv', None),
     ('gate_up', None),
   )

@@ -313,7 +313,7 @@ def estimate(
   # The ring's ppermute is outside every checkpoint: one send forward, one backward.
   pp_bytes = plan.iterations * plan.grad_accum * 2 * act_mb / sp if pp > 1 else 0
   pp_bytes += (
-    formulas.pipeline_edge_bytes(pp, mb * b, s, h, sp, plan.micro_batch % (dp * pp) == 0) * plan.grad_accum
+    formulas.pipeline_edge_bytes(pp, mb * b, s, h, sp, plan.pp_batch_split is not None) * plan.grad_accum
   )
   dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
   t_dp = dp_bytes / bw(dp_in)

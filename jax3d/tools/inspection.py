@@ -50,9 +50,19 @@ def expected_comm(s: Setup) -> dict:
   gather_b = pb if s.zero1 else reduce_b
   grads = n_local * reduce_b if d > 1 else 0  # the gradient bytes that enter the dp reduction
   dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
-  scatter = plan.micro_batch % (d * p) == 0  # pipeline.batch_axes: the rows split over (dp, pp)
+  # The weights every stage holds (embedding, head, final norm) get a partial gradient on each pp
+  # rank when the batch outside the loop is split over pp: XLA sums those over dp and pp at once
+  # (in a group with dp when dp > 1, else over pp alone).
+  shared_wire = 0.0
+  if not explicit and p > 1 and plan.pp_batch_split is not None:
+    layers_n = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(params['layers']))
+    shared_wire = 2 * (d * p - 1) / (d * p) * (n_local - layers_n) * pb
+    if d > 1:
+      dp_wire += shared_wire - ring * (n_local - layers_n) * pb
+  scatter = plan.pp_batch_split is not None  # the loop's inputs gathered, outputs scattered over pp
   edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
   edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
+  edge += shared_wire if d == 1 else 0.0
   tp_spmd = per_layer_mb * layers_per_chunk * iters * a  # no recomputation
   halves = formulas.tp_halves_per_layer(s.cfg.train.remat, plan.sequence_parallel)  # 8 = 4 all-reduces
   sp = t if plan.sequence_parallel else 1  # the ring's micro-batches are split over tp with SP
@@ -135,7 +145,7 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
     },
     {
       'axis': 'pp',
-      'what': 'pp collectives besides the ring (pipeline entry/exit)',
+      'what': 'pp collectives besides the ring (pipeline entry/exit; dp=1: shared weights)',
       'measured': total(lambda c: c['axes'] == 'pp' and c['kind'] != 'collective-permute'),
       'formula': e['pp_edges']['formula'],
       'spmd': e['pp_edges']['spmd'],
