@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax3d import config as config_lib
 from jax3d.model import llama
-from jax3d.parallel import data_parallel, mesh as mesh_lib, pipeline, sharding
+from jax3d.parallel import data_parallel, mesh as mesh_lib, microbatch, pipeline, sharding
 from jax3d.tools import inspection
 from jax3d.training import cpu, optim, step as step_lib
 
@@ -194,7 +194,7 @@ def setup(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
     dims=llama.Dims.from_config(cfg, plan),
     tx=optim.make_optimizer(cfg),
     rules=sharding.logical_rules(
-      pipeline.batch_axes(plan), plan.sequence_parallel, pipeline.micro_axes(plan)
+      microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan)
     ),
   )
 

@@ -6,14 +6,7 @@ Inside `jax.shard_map(..., axis_names={'pp', 'dp'})` each device sees its own st
 its dp shard of the micro-batches; `tp` stays under the compiler's automatic sharding, so tensor
 parallelism keeps working inside a stage.
 
-Micro-batches. Micro-batch i holds rows i, i+m, i+2m, ... of the batch (a dp shard's rows stay
-on it). Outside the loop (embedding, head, loss) the batch is split over (dp, pp) when each
-micro-batch divides (`batch_axes`), so each device does 1/(dp*pp) of that work; stages all-gather
-their micro-batch rows over pp on the way in and reduce-scatter the outputs on the way out. When a
-micro-batch is too small for that (a few sequences) but the micro-batches divide over pp
-(`splits_microbatches`), whole micro-batches are split over pp instead: micro-batch i is then rows
-[i*r, (i+1)*r) of each dp shard, so that a pp rank's micro-batches are a block of its dp shard's
-rows, and the stages gather and scatter the micro-batch axis.
+Micro-batches and the batch outside the loop: jax3d/parallel/microbatch.py (`batch_axes`).
 
 Schedule (GPipe, and circular when `repeats` v > 1). The loop runs v*m + p - 1 iterations. At
 iteration t, stage s works on u = t - s: micro-batch u mod m, on its layer chunk u // m. Every
@@ -29,7 +22,8 @@ and a plain P('pp') sharding of the layer axis gives each stage exactly its chun
 Gradients over dp. The loop is manual over dp too: the weights are marked dp-varying at its
 entry, so their gradient sum over dp (that mark's transpose) happens once per step, after the
 loop. Inside a caller's shard_map manual over dp and pp (the explicit reduction of
-jax3d/parallel/data_parallel.py, `manual=True`) it opens none of its own (`local_rows`).
+jax3d/parallel/data_parallel.py, `manual=True`) it opens none of its own
+(`microbatch.local_rows`).
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax3d.config import RunPlan
 from jax3d.model import remat
-from jax3d.parallel import sharding
+from jax3d.parallel import microbatch, sharding
 from jax3d.parallel.sharding import DP, PP
 
 AXIS = PP
@@ -74,67 +68,6 @@ def from_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
   return _reordered(layers, layer_order(n_layers, pp, repeats))
 
 
-# --- micro-batches --------------------------------------------------------------------------
-def batch_axes(plan: RunPlan) -> str | tuple[str, str]:
-  """The mesh axes of the batch outside the loop: dp*pp when each micro-batch splits over them, or
-  the micro-batches do (`splits_microbatches`); else dp."""
-  return (DP, PP) if plan.pp_batch_split else DP
-
-
-def splits_microbatches(plan: RunPlan) -> bool:
-  """Whether whole micro-batches, not their rows, are split over pp outside the loop: where a
-  micro-batch's rows do not divide over dp*pp but the micro-batches divide over pp (2x2x2 with
-  micro-batches of 2 sequences: the embedding, head and loss were computed twice, once per stage)."""
-  return plan.pp_batch_split == 'micro'
-
-
-def micro_axes(plan: RunPlan) -> str | None:
-  """The mesh axis of the micro-batch axis outside the loop (logical 'micro')."""
-  return PP if splits_microbatches(plan) else None
-
-
-def _scatter(plan: RunPlan) -> int | None:
-  """The axis of the loop's [m, b, ...] input and output that is split over pp outside it (1: the
-  rows of each micro-batch, 0: the micro-batches), or None."""
-  if plan.pp == 1 or plan.pp_batch_split is None:
-    return None
-  return 0 if plan.pp_batch_split == 'micro' else 1
-
-
-def microbatches(x_b: jax.Array, m: int, blocks: int | None = None) -> jax.Array:
-  """[B, ...] -> [m, B/m, ...], micro-batch i = rows i, i+m, i+2m, ... (local to each dp shard).
-  With `blocks` = g: micro-batch i = rows [i*r, (i+1)*r) of each of the batch's g equal blocks (its
-  dp shards), r = B/(g*m), so that splitting the micro-batches over pp splits each block
-  (`splits_microbatches`)."""
-  if blocks is None:
-    return x_b.reshape(x_b.shape[0] // m, m, *x_b.shape[1:]).swapaxes(0, 1)
-  rest = x_b.shape[1:]
-  return x_b.reshape(blocks, m, x_b.shape[0] // (blocks * m), *rest).swapaxes(0, 1).reshape(m, -1, *rest)
-
-
-def merge_microbatches(x_m: jax.Array, blocks: int | None = None) -> jax.Array:
-  """The inverse of `microbatches`."""
-  m, rest = x_m.shape[0], x_m.shape[2:]
-  if blocks is None:
-    return x_m.swapaxes(0, 1).reshape(m * x_m.shape[1], *rest)
-  return x_m.reshape(m, blocks, x_m.shape[1] // blocks, *rest).swapaxes(0, 1).reshape(-1, *rest)
-
-
-def local_rows(x_b: jax.Array, plan: RunPlan) -> jax.Array:
-  """Inside a shard_map manual over dp and pp: this pp rank's slice of each micro-batch's rows
-  (the rows the automatic layout gives it when the batch is split over dp*pp), in [B, ...] order;
-  with whole micro-batches split over pp, its block of the rows."""
-  axis = _scatter(plan)
-  if axis is None:
-    return x_b
-  if axis == 0:
-    n = x_b.shape[0] // plan.pp
-    return jax.lax.dynamic_slice_in_dim(x_b, jax.lax.axis_index(PP) * n, n)
-  x_m = microbatches(x_b, plan.microbatches)
-  b = x_m.shape[1] // plan.pp
-  return merge_microbatches(jax.lax.dynamic_slice_in_dim(x_m, jax.lax.axis_index(PP) * b, b, axis=1))
-
-
 # --- the pipeline ---------------------------------------------------------------------------
 def apply(
   layer_fn: LayerFn,
@@ -157,13 +90,13 @@ def apply(
     with sharding.use_rules(sharding.without(rules, (DP, PP))):
       return layer_fn(p, h)
 
-  if splits_microbatches(plan):  # whole micro-batches over pp: blocks of each dp shard's rows
+  if microbatch.splits_microbatches(plan):  # whole micro-batches over pp: blocks of each dp shard's rows
     m, blocks = (plan.microbatches // plan.pp, 1) if manual else (plan.microbatches, plan.dp)
-    x_mbtd = sharding.constrain(microbatches(x_btd, m, blocks), ('micro', 'batch', 'seq', 'embed'))
+    x_mbtd = sharding.constrain(microbatch.microbatches(x_btd, m, blocks), ('micro', 'batch', 'seq', 'embed'))
   else:
     blocks = None
     x_mbtd = sharding.constrain(
-      microbatches(x_btd, plan.microbatches), ('micro', 'batch_all', 'seq', 'embed')
+      microbatch.microbatches(x_btd, plan.microbatches), ('micro', 'batch_all', 'seq', 'embed')
     )
   shape = x_mbtd.shape
   if plan.sequence_parallel:  # [m, b, t, d] -> [m, b*t, d]: the b-major rows split as the batch does
@@ -183,12 +116,14 @@ def apply(
     mesh=mesh,
     repeats=plan.repeats,
     policy=policy,
-    scatter=_scatter(plan),
+    scatter=microbatch.scatter_axis(plan),
     manual=manual,
     carry=(rows_over_tp(True), rows_over_tp(False)) if plan.sequence_parallel else None,
     skip_bubbles=skips_bubbles(plan, mesh),
   )
-  return sharding.constrain(merge_microbatches(y_mbtd.reshape(shape), blocks), ('batch_all', 'seq', 'embed'))
+  return sharding.constrain(
+    microbatch.merge_microbatches(y_mbtd.reshape(shape), blocks), ('batch_all', 'seq', 'embed')
+  )
 
 
 def run_layers(

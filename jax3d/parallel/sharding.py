@@ -2,10 +2,10 @@
 
   batch      micro-batch rows inside the pipeline          -> dp
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
-             (pipeline.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
+             (microbatch.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
   seq, embed, head_dim, norm, qkv, gate_up                -> replicated
   micro      the micro-batch axis outside the pipeline's loop -> replicated, or pp where whole
-             micro-batches are split over it (pipeline.micro_axes)
+             micro-batches are split over it (microbatch.micro_axes)
   heads, kv_heads    attention heads (Megatron column/row)  -> tp
   mlp        feed-forward hidden units (column/row)         -> tp
   vocab      vocabulary-parallel embedding and head         -> tp

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d.model import llama
-from jax3d.parallel import data_parallel, pipeline, sharding
+from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
 from jax3d.training import optim
 
 if TYPE_CHECKING:
@@ -41,7 +41,10 @@ def loss_sum(
   shard_map (manual over dp and pp): the rows are this device's, the layers this stage's, and
   the sum is this device's share (summed over dp and pp by the caller)."""
   if manual:
-    tokens_bt, targets_bt = pipeline.local_rows(tokens_bt, s.plan), pipeline.local_rows(targets_bt, s.plan)
+    tokens_bt, targets_bt = (
+      microbatch.local_rows(tokens_bt, s.plan),
+      microbatch.local_rows(targets_bt, s.plan),
+    )
   return llama.cross_entropy_sum(logits(params, tokens_bt, s, manual), targets_bt)
 
 
@@ -77,7 +80,7 @@ def accumulate(
   def body(acc, xy):
     return jax.tree.map(jnp.add, acc, grad_fn(params, *xy)), None
 
-  xs = (pipeline.microbatches(batch['inputs'], a), pipeline.microbatches(batch['targets'], a))
+  xs = (microbatch.microbatches(batch['inputs'], a), microbatch.microbatches(batch['targets'], a))
   if first_outside:
     return jax.lax.scan(body, grad_fn(params, xs[0][0], xs[1][0]), (xs[0][1:], xs[1][1:]))[0]
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
