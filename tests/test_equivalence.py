@@ -80,8 +80,11 @@ def test_circular_schedule_equals_one_device():
 
 @pytest.mark.parametrize(
   'extra',
-  [{}, {'train__shard_optimizer': True}, {'train__grad_accum': 2}],
-  ids=['auto', 'explicit-dp', 'accum'],
+  [
+    pytest.param({}, id='auto'),
+    pytest.param({'train__shard_optimizer': True}, id='explicit-dp', marks=pytest.mark.slow),
+    pytest.param({'train__grad_accum': 2}, id='accum', marks=pytest.mark.slow),
+  ],
 )
 def test_whole_microbatches_split_over_pp_equal_one_device(extra):
   """Micro-batches of 2 sequences on 2x2x2 do not split over dp*pp: whole micro-batches split over
