@@ -166,10 +166,10 @@ def pipeline_edge_bytes(
   accumulation chunk: the m micro-batches on one dp shard (fp32 at the boundary, X = rows*s*h*4)
   with their rows split over (dp, pp), or the micro-batches over pp, take an all-gather in and a
   reduce-scatter out, each transposed in the backward pass (4 of (p-1)/p X); otherwise a psum out
-  over pp and, backward,
-  the psum of the input's gradient (2 of 2(p-1)/p X). The same bytes either way, except under
-  sequence parallelism over `sp_tp` without the split rows (`scatter` False): the input's gradient
-  is summed over pp while its rows are still split over tp (1/tp of it)."""
+  over pp and, backward, the psum of the input's gradient (2 of 2(p-1)/p X). The same bytes
+  either way, except under sequence parallelism over `sp_tp` without the split rows (`scatter`
+  False): the input's gradient is summed over pp while its rows are still split over tp (1/tp of
+  it)."""
   x = microbatch_rows * seq_len * d_model * 4
   if pp == 1:
     return 0.0

@@ -1,9 +1,9 @@
 """Micro-batches, and the batch outside the pipeline's loop.
 
 Micro-batch i holds rows i, i+m, i+2m, ... of the batch (a dp shard's rows stay on it). Outside
-the loop (embedding, head, loss) the batch is split over (dp, pp) when each
-micro-batch divides (`batch_axes`), so each device does 1/(dp*pp) of that work; stages all-gather
-their micro-batch rows over pp on the way in and reduce-scatter the outputs on the way out. When a
+the loop (embedding, head, loss) the batch is split over (dp, pp) when each micro-batch divides
+(`batch_axes`), so each device does 1/(dp*pp) of that work; stages all-gather their micro-batch
+rows over pp on the way in and reduce-scatter the outputs on the way out. When a
 micro-batch is too small for that (a few sequences) but the micro-batches divide over pp
 (`splits_microbatches`), whole micro-batches are split over pp instead: micro-batch i is then rows
 [i*r, (i+1)*r) of each dp shard, so that a pp rank's micro-batches are a block of its dp shard's

@@ -163,10 +163,10 @@ def run(
   [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn. With `scatter` = k, x
   arrives and leaves with its axis k split over pp (1: the rows, with dp; 0: the micro-batches,
   the rows over dp); with `manual`, the caller is already inside a shard_map manual over dp and
-  pp (see the module docstring). `carry` = (split, whole)
-  annotates the loop's micro-batches inside it: sequence parallelism splits the inputs' rows over
-  tp (the queue, and so the ring, hold and move 1/tp of them) and makes the outputs whole again
-  (one all-gather over tp) before the sum over pp hands them on. `skip_bubbles`: bubble
+  pp (see the module docstring). `carry` = (split, whole) annotates the loop's micro-batches
+  inside it: sequence parallelism splits the inputs' rows over tp (the queue, and so the ring,
+  hold and move 1/tp of them) and makes the outputs whole again (one all-gather over tp) before
+  the sum over pp hands them on. `skip_bubbles`: bubble
   iterations run no layers (`skips_bubbles`)."""
   split, whole = carry or (lambda a: a, lambda a: a)
   p, v = mesh.shape[PP], repeats

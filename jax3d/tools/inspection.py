@@ -55,10 +55,9 @@ def expected_comm(s: Setup) -> dict:
   # (in a group with dp when dp > 1, else over pp alone).
   shared_wire = 0.0
   if not explicit and p > 1 and plan.pp_batch_split is not None:
-    layers_n = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(params['layers']))
-    shared_wire = 2 * (d * p - 1) / (d * p) * (n_local - layers_n) * pb
+    shared_wire = 2 * (d * p - 1) / (d * p) * (p_local - layers_local)
     if d > 1:
-      dp_wire += shared_wire - ring * (n_local - layers_n) * pb
+      dp_wire += shared_wire - ring * (p_local - layers_local)
   scatter = plan.pp_batch_split is not None  # the loop's inputs gathered, outputs scattered over pp
   edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
   edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
