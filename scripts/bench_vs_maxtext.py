@@ -687,7 +687,9 @@ def format_table(rows: Sequence[dict]) -> str:
   )
   out = [head, '|' + '---|' * 9]
   for r in rows:
-    ratio = ', '.join(f'{x:.2f}' for x in r['ratio']) if r.get('ratio') else '-'
+    ratio = '-'
+    if r.get('ratio'):  # each round's ratio, then the ratio of the two trainers' medians
+      ratio = ', '.join(f'{x:.2f}' for x in r['ratio']) + f' (medians: {r["median_ratio"]:.2f})'
     mt, j = r['maxtext'], r['jax3d']
     out.append(
       f'| {r["layout"]} | {r["dtype"]} | {steps(mt)} | {steps(j)} | {ratio} | {rate(mt)} | {rate(j)} '

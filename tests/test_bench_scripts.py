@@ -118,7 +118,10 @@ def test_table():
     0.6
   )
   table = bvm.format_table(rows)
-  assert table.count('\n') == 3 and '| 4x1x2 | float32 | 0.500, 1.000 | 0.400, 0.800 | 0.80, 0.80 |' in table
+  assert (
+    table.count('\n') == 3
+    and '| 4x1x2 | float32 | 0.500, 1.000 | 0.400, 0.800 | 0.80, 0.80 (medians: 0.80) |' in table
+  )
   assert f'{29.0 / 0.6:.1f} (48%)' in table  # 29.0 GFLOP per step / 0.6 s against a 100 GFLOP/s roof
   assert 'compile 4.0 s' in bvm.format_startup(runs)[0]
   assert 'warning' not in bvm.format_load([dict(r, load=2.5) for r in runs], cores=2)
