@@ -37,20 +37,16 @@ def test_clip_by_global_norm_equals_optax(norm):
     np.testing.assert_allclose(float(optax.tree.norm(got)), 1.0, rtol=1e-6)
 
 
-def test_optimizer_step_equals_optax_chain():
-  """make_optimizer's AdamW with clipping, three steps, against the same chain built from optax's
+def test_optimizer_step_equals_optax_chain(monkeypatch):
+  """make_optimizer's AdamW with clipping, three steps, against the same chain built with optax's
   own clip: the parameters agree to float32 rounding."""
   cfg = config_lib.load_config('tiny', {'train.grad_clip': 1.0, 'train.steps': 10, 'train.warmup_steps': 2})
-  t = cfg.train
-  reference = optax.chain(
-    optax.clip_by_global_norm(t.grad_clip),
-    optax.adamw(
-      optim.schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=optim._decay_mask
-    ),
-  )
+  ours = optim.make_optimizer(cfg)
+  monkeypatch.setattr(optim, 'clip_by_global_norm', optax.clip_by_global_norm)
+  reference = optim.make_optimizer(cfg)
   params = _grads(3.0)
   runs = []
-  for tx in (optim.make_optimizer(cfg), reference):
+  for tx in (ours, reference):
     p, state = params, tx.init(params)
     for k in range(3):
       updates, state = tx.update(_grads(0.5 + 2.0 * k), state, p)
