@@ -48,7 +48,9 @@ def test_estimate_by_hand_tiny():
   # Embedding and head 2*256*256 over tp, plus the final norm 256.
   n_local = 2 * (786432 // 2 + 512) + 2 * 256 * 256 // 2 + 256
   assert n_local == 853248
-  assert e.breakdown['params'] == 4 * n_local == e.breakdown['grads']
+  assert e.breakdown['params'] == 4 * n_local
+  # Gradients: the step's, plus the pipeline loop's per-iteration gradient of the stage's layers.
+  assert e.breakdown['grads'] == 4 * n_local + 4 * 2 * (786432 // 2 + 512)
   assert e.breakdown['optimizer'] == 8 * n_local  # AdamW m and v, fp32, not sharded
   assert 'update' not in e.breakdown  # the cond's update writes in place: no second copy
   # remat=stage: each of the v*m+p-1 = 5 iterations keeps its input and the 4-entry stage-0 queue,

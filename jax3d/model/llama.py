@@ -126,6 +126,35 @@ def cached_attention(
   return o_btkgh.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
+@jax.custom_vjp
+def swiglu(gu_r2f: jax.Array) -> jax.Array:
+  """silu(gate) * up of the fused gate/up projection's output [r, 2, f], in fp32 (returned fp32).
+
+  fp32, rounded once by the caller: XLA:CPU rounds every bf16 elementwise op back to bf16 (silu's
+  negate, exp, add, divide and the product, and their derivatives), which cost the bf16 step 6-8%
+  and the accuracy of five roundings. The gradient is written out so that it leaves as one
+  [r, 2, f] array: autodiff's transpose of the two slices is two zero-padded copies of the whole
+  array and their sum, three passes where this is one."""
+  g_rf, u_rf = gu_r2f[:, 0].astype(jnp.float32), gu_r2f[:, 1].astype(jnp.float32)
+  return nn.silu(g_rf) * u_rf
+
+
+def _swiglu_fwd(gu_r2f: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return swiglu(gu_r2f), gu_r2f
+
+
+def _swiglu_bwd(gu_r2f: jax.Array, dh_rf: jax.Array) -> tuple[jax.Array]:
+  g_rf, u_rf = gu_r2f[:, 0].astype(jnp.float32), gu_r2f[:, 1].astype(jnp.float32)
+  sig_rf = jax.nn.sigmoid(g_rf)
+  dh_rf = dh_rf.astype(jnp.float32)
+  dg_rf = dh_rf * u_rf * (sig_rf + g_rf * sig_rf * (1 - sig_rf))  # silu'(g) = s + g s (1 - s)
+  du_rf = dh_rf * g_rf * sig_rf
+  return (jnp.stack([dg_rf, du_rf], axis=1).astype(gu_r2f.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 SP_PROJECTION = 'sp_projection'  # checkpoint name of SequenceParallelDense's outputs
 
 
@@ -251,11 +280,7 @@ class Block(nn.Module):
     gu_r2f = constrain(
       dense((2, dm.d_ff), -1, ('embed', 'gate_up', 'mlp'), std, 'gate_up')(m_rd), ('batch', 'gate_up', 'mlp')
     )
-    # SwiGLU in fp32, rounded once: XLA:CPU rounds every bf16 elementwise op back to bf16
-    # (silu's negate, exp, add, divide and the product, and their derivatives), which cost the
-    # bf16 step 6-8% (4x1x2, 2x2x2 m4) and the accuracy of five roundings.
-    g_rf, u_rf = gu_r2f[:, 0].astype(jnp.float32), gu_r2f[:, 1].astype(jnp.float32)
-    h_rf = constrain((nn.silu(g_rf) * u_rf).astype(dm.dtype), ('batch', 'mlp'))
+    h_rf = constrain(swiglu(gu_r2f).astype(dm.dtype), ('batch', 'mlp'))
     y_rd = dense(d, -1, ('mlp', 'embed'), out_std, 'down')(h_rf)
     x_rd = x_rd + constrain(checkpoint_name(y_rd, 'mlp_out'), (rows, 'embed'))
     if sp:

@@ -7,8 +7,10 @@ figure (`python -m jax3d.plan --verify`) and printed by the trainer before the f
     pp (the stacked layer axis) and tp; embedding and head over tp only (replicated over dp, pp);
     the vocabulary padded to `model.vocab_multiple`; Adam moments over dp too with
     `train.shard_optimizer` (ZeRO-1).
-  - one more copy of the parameters for the optimizer step's new values (kept beside the old
-    ones until the finite-check select); calibrated against XLA's figure, see `plan --verify`.
+  - gradients held twice for the stage's layers (three times with `grad_accum > 1`: the
+    accumulator): the pipeline loop's carry, and each iteration's fresh gradient of the
+    loop-invariant stage weights (JAX's transpose of a scan's constant operand) added into it.
+    Checked against XLA's figure (`plan --verify`) at pp 1 and 2, with and without accumulation.
   - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
     pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
@@ -247,7 +249,8 @@ def estimate(
   pb, cb = BYTES[t.param_dtype], BYTES[t.compute_dtype]
   dp, pp, tp, mb, v = plan.dp, plan.pp, plan.tp, plan.microbatches, plan.repeats
   s, h = plan.seq_len, m.d_model
-  n_local = sum(local_params(cfg, plan).values())
+  local = local_params(cfg, plan)
+  n_local = sum(local.values())
 
   # --- memory -------------------------------------------------------------------------------
   b = plan.micro_batch // dp  # rows of one micro-batch on one device
@@ -277,7 +280,10 @@ def estimate(
   rows_all = plan.chunk_batch // (dp * pp if plan.chunk_batch % (dp * pp) == 0 else dp)
   # fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out.
   head = rows_all * s * (3 * 4 * plan.vocab_padded // tp + 2 * h * cb)
-  grads = n_local * pb * (2 if plan.grad_accum > 1 else 1)  # + the accumulator
+  # + the accumulator of gradient accumulation, and the pipeline loop's own: each iteration's
+  # gradient of the stage's weights (JAX's transpose of the loop-invariant operand) is a fresh
+  # buffer added into the loop's carry, so the stage's weight gradients are held twice.
+  grads = n_local * pb * (2 if plan.grad_accum > 1 else 1) + local['layers'] * pb
   breakdown = {
     'params': n_local * pb,
     'grads': grads,
