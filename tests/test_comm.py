@@ -47,7 +47,9 @@ def dp_wire_bytes(r) -> float:
 
 
 # --- ZeRO-1 ----------------------------------------------------------------------------------
-@pytest.mark.parametrize('layout', [LAYOUT_222, {'mesh__dp': 8}], ids=['2-2-2', '8-1-1'])
+@pytest.mark.parametrize(
+  'layout', [LAYOUT_222, pytest.param({'mesh__dp': 8}, marks=pytest.mark.slow)], ids=['2-2-2', '8-1-1']
+)
 def test_zero1_equals_plain_run(layout):
   plain_losses, plain_params = train_steps(small_cfg(**layout))
   zero_losses, zero_params = train_steps(small_cfg(**layout, train__shard_optimizer=True))
@@ -55,6 +57,7 @@ def test_zero1_equals_plain_run(layout):
   chex.assert_trees_all_close(zero_params, plain_params, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_explicit_reduction_with_accumulation_under_pp():
   """The explicit dp path (ZeRO-1) with grad_accum chunks under pp > 1 equals the plain run. (It
   failed to trace before: the loss accumulator varied over dp only, the loss over dp and pp.)"""
@@ -95,7 +98,7 @@ def test_zero1_optimizer_memory_falls_by_dp():
 
 
 # --- compressed dp reduction ---------------------------------------------------------------------
-@pytest.mark.parametrize('dtype', ['bfloat16', 'int8'])
+@pytest.mark.parametrize('dtype', [pytest.param('bfloat16', marks=pytest.mark.slow), 'int8'])
 def test_compressed_reduction_trains_like_float32(dtype):
   """3 steps under 2-2-2: the same losses within the rounding of the wire format."""
   ref, _ = train_steps(small_cfg(**LAYOUT_222))
@@ -140,6 +143,7 @@ def test_zero1_under_tp_moves_no_more_bytes():
   assert axis_wire_bytes(zero, 'tp') == pytest.approx(axis_wire_bytes(plain, 'tp'), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_int8_with_zero1_equals_plain_run():
   """ZeRO-1 with the int8 dp reduction (dp=4 x tp=2) trains like the plain float32 run. Losses
   within rtol 1e-4: the measured gap is 1.0e-5 (int8 alone: 3.9e-5), and a sharded update applied

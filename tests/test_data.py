@@ -198,6 +198,7 @@ def test_prefetch_error_reaches_the_caller(monkeypatch):
   assert isinstance(e.__cause__, ValueError)
 
 
+@pytest.mark.slow
 def test_train_cli_exits_3_when_the_prefetch_thread_fails(tmp_path, monkeypatch, capsys):
   """End to end: `python -m jax3d.train` (its main, in this process) ends with status 3 and one
   `error:` line naming the cause, instead of waiting forever for a batch."""

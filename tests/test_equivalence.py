@@ -37,8 +37,15 @@ def test_data_and_tensor_parallel_equal_one_device(dp, tp):
   check({'mesh__dp': dp, 'mesh__tp': tp})
 
 
-@pytest.mark.parametrize('dp,pp,tp', [(1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1), (4, 2, 1), (1, 4, 2)])
-@pytest.mark.parametrize('m_per_p', [1, 2])
+LAYOUTS_3D = [(1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1), (4, 2, 1), (1, 4, 2)]
+# Every layout runs in the default suite with one micro-batch count; these run with `-m slow`.
+SLOW_3D = {(2, (1, 8, 1)), (2, (2, 4, 1)), (2, (4, 2, 1)), (2, (1, 4, 2))}
+
+
+@pytest.mark.parametrize(
+  'm_per_p,dp,pp,tp',
+  [pytest.param(m, *l, marks=[pytest.mark.slow] * ((m, l) in SLOW_3D)) for m in (1, 2) for l in LAYOUTS_3D],
+)
 def test_3d_layouts_equal_one_device(dp, pp, tp, m_per_p):
   check({'mesh__dp': dp, 'mesh__pp': pp, 'mesh__tp': tp, 'pipeline__microbatches': m_per_p * pp})
 
@@ -124,7 +131,11 @@ BF16_LOSS_RTOL, BF16_GRAD_ULPS = 1e-4, 4
 
 @pytest.mark.parametrize(
   'dp,pp,tp,extra',
-  [(1, 2, 2, {}), (2, 2, 2, {}), (8, 1, 1, {'train__shard_optimizer': True})],
+  [
+    pytest.param(1, 2, 2, {}, marks=pytest.mark.slow),
+    (2, 2, 2, {}),
+    (8, 1, 1, {'train__shard_optimizer': True}),
+  ],
   ids=['1-2-2', '2-2-2', '8-1-1-zero1'],
 )
 def test_gqa_and_bf16_params_equal_one_device(dp, pp, tp, extra):
@@ -140,7 +151,7 @@ def test_gqa_and_bf16_params_equal_one_device(dp, pp, tp, extra):
   )
 
 
-@pytest.mark.parametrize('dp,pp,tp', [(2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize('dp,pp,tp', [(2, 2, 2), pytest.param(1, 2, 4, marks=pytest.mark.slow)])
 def test_bf16_compute_layouts_equal_one_device(dp, pp, tp):
   """bf16 compute (float32 master weights) on multi-device layouts equals one device in bf16
   compute, within BF16_LOSS_RTOL on the losses and BF16_GRAD_ULPS bf16 ulps on the gradients: the
@@ -156,14 +167,18 @@ def test_bf16_compute_layouts_equal_one_device(dp, pp, tp):
 SP = {'train__sequence_parallel': 'true'}
 
 
-@pytest.mark.parametrize('dp,pp,tp', [(1, 1, 8), (2, 1, 4), (4, 1, 2), (2, 2, 2), (1, 2, 4), (1, 4, 2)])
+@pytest.mark.parametrize(
+  'dp,pp,tp',
+  [(1, 1, 8), (2, 1, 4), (4, 1, 2), (2, 2, 2)]
+  + [pytest.param(*l, marks=pytest.mark.slow) for l in ((1, 2, 4), (1, 4, 2))],
+)
 def test_sequence_parallel_equals_one_device(dp, pp, tp):
   check(
     {'mesh__dp': dp, 'mesh__pp': pp, 'mesh__tp': tp, 'pipeline__microbatches': 2 * pp if pp > 1 else 1, **SP}
   )
 
 
-@pytest.mark.parametrize('policy', ['full', 'dots', 'attn', 'stage'])
+@pytest.mark.parametrize('policy', ['full', 'dots', pytest.param('attn', marks=pytest.mark.slow), 'stage'])
 def test_sequence_parallel_remat_policies_equal_one_device(policy):
   check(
     {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4, 'train__remat': policy, **SP}

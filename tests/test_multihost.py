@@ -285,6 +285,7 @@ def test_sigterm_on_one_process_saves_the_same_step_everywhere_and_resumes_exact
   assert_close(losses(wd), ref, range(step + 1, N_STEPS + 1))
 
 
+@pytest.mark.slow
 @hard_timeout(300)
 def test_sigkill_of_one_process_stops_the_others(tmp_path):
   wd = str(tmp_path / 'w')

@@ -175,8 +175,16 @@ def _verified_ratio(*args):
 
 @pytest.mark.parametrize(
   'overrides',
-  [[], ['--config.train.remat=full'], ['--config.train.remat=stage'], ['--config.train.remat=dots']]
-  + [['--config.train.sequence_parallel=true', f'--config.train.remat={r}'] for r in ('none', 'full')],
+  [
+    [],
+    ['--config.train.remat=full'],
+    pytest.param(['--config.train.remat=stage'], marks=pytest.mark.slow),
+    pytest.param(['--config.train.remat=dots'], marks=pytest.mark.slow),
+    pytest.param(
+      ['--config.train.sequence_parallel=true', '--config.train.remat=none'], marks=pytest.mark.slow
+    ),
+    ['--config.train.sequence_parallel=true', '--config.train.remat=full'],
+  ],
 )
 def test_verify_tiny_within_25_percent(overrides):
   assert _verified_ratio('--config=configs/tiny.py', *overrides) == pytest.approx(1, abs=0.25)
