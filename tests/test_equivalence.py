@@ -44,7 +44,11 @@ SLOW_3D = {(2, (1, 8, 1)), (2, (2, 4, 1)), (2, (4, 2, 1)), (2, (1, 4, 2))}
 
 @pytest.mark.parametrize(
   'm_per_p,dp,pp,tp',
-  [pytest.param(m, *l, marks=[pytest.mark.slow] * ((m, l) in SLOW_3D)) for m in (1, 2) for l in LAYOUTS_3D],
+  [
+    pytest.param(m, *l, marks=pytest.mark.slow if (m, l) in SLOW_3D else ())
+    for m in (1, 2)
+    for l in LAYOUTS_3D
+  ],
 )
 def test_3d_layouts_equal_one_device(dp, pp, tp, m_per_p):
   check({'mesh__dp': dp, 'mesh__pp': pp, 'mesh__tp': tp, 'pipeline__microbatches': m_per_p * pp})

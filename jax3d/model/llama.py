@@ -126,6 +126,10 @@ def cached_attention(
   return o_btkgh.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
+def _gate_up_f32(gu_r2f: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return gu_r2f[:, 0].astype(jnp.float32), gu_r2f[:, 1].astype(jnp.float32)
+
+
 @jax.custom_vjp
 def swiglu(gu_r2f: jax.Array) -> jax.Array:
   """silu(gate) * up of the fused gate/up projection's output [r, 2, f], in fp32 (returned fp32).
@@ -134,8 +138,8 @@ def swiglu(gu_r2f: jax.Array) -> jax.Array:
   negate, exp, add, divide and the product, and their derivatives), which cost the bf16 step 6-8%
   and the accuracy of five roundings. The gradient is written out so that it leaves as one
   [r, 2, f] array: autodiff's transpose of the two slices is two zero-padded copies of the whole
-  array and their sum, three passes where this is one."""
-  g_rf, u_rf = gu_r2f[:, 0].astype(jnp.float32), gu_r2f[:, 1].astype(jnp.float32)
+  array and their sum, and it keeps silu's fp32 intermediates as residuals; this keeps only gu."""
+  g_rf, u_rf = _gate_up_f32(gu_r2f)
   return nn.silu(g_rf) * u_rf
 
 
@@ -144,7 +148,7 @@ def _swiglu_fwd(gu_r2f: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _swiglu_bwd(gu_r2f: jax.Array, dh_rf: jax.Array) -> tuple[jax.Array]:
-  g_rf, u_rf = gu_r2f[:, 0].astype(jnp.float32), gu_r2f[:, 1].astype(jnp.float32)
+  g_rf, u_rf = _gate_up_f32(gu_r2f)
   sig_rf = jax.nn.sigmoid(g_rf)
   dh_rf = dh_rf.astype(jnp.float32)
   dg_rf = dh_rf * u_rf * (sig_rf + g_rf * sig_rf * (1 - sig_rf))  # silu'(g) = s + g s (1 - s)
