@@ -106,9 +106,11 @@ def _run(args: cli.Args) -> int:
       for line in mesh_lib.describe_placement(trainer.mesh, hosts):
         trainer.log(line)
     trainer.log(f'  workdir: {os.path.abspath(workdir)}')
-    trainer.log(trainer.init_state())
-    try:  # train() compiles first (with its SIGTERM handler already set): a ConfigError there is
-      trainer.train()  # the memory check, with the OOM ladder
+    # train() sets its SIGTERM handler, then initialises (or restores) the state and logs it, then
+    # compiles: a SIGTERM from the moment that line shows saves and exits 0. A ConfigError there
+    # is the memory check, with the OOM ladder.
+    try:
+      trainer.train()
     except config_lib.ConfigError as e:
       return cli.fail(e) if jax.process_index() == 0 or not multi else 2
     if trainer._stop_signal is None and not multi:
