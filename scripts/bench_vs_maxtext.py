@@ -32,7 +32,8 @@ What is measured
               (formulas.stage_forward_flops + a third of the attention term); that figure is in
               the header and the JSON (`executed_flops`).
   GEMM roof   `jnp.dot` throughput at the step's matmul sizes, in the same dtype, measured in a
-              subprocess before and after the rounds (same Python and jax as jax3d's runs):
+              subprocess before the first round and after each round (same Python and jax as
+              jax3d's runs), so that each run has a roof from its own minutes:
               [T,d]x[d,f] (gate, up), [T,f]x[f,d] (down), [T,d]x[d,hd*(n+2k)] (fused QKV),
               [T,d]x[d,d] (attention output), [T,d]x[d,V] (vocabulary head), T = global batch x
               seq = 1024 rows; each the median of timed repetitions after warm-up; the roof is the
@@ -43,8 +44,10 @@ The honest roof on this machine: the 8 fake devices are threads of one process s
 machine's cores (2 here), so the step's achievable rate is what the cores reach together, not 8x a
 device. One device's `jnp.dot` already uses XLA:CPU's intra-op thread pool over all cores; to see
 whether two devices running at once get more out of the cores, the same dot is also timed on 2
-devices concurrently (aggregate rate). The roof is the higher of the two (FLOP-weighted), averaged
-over the before and after measurements; the fractions in the table are model FLOP/s over it. The
+devices concurrently (aggregate rate). The roof is the higher of the two (FLOP-weighted). A run's
+roof is the mean of the measurements just before and just after its round (other jobs' load moves
+the roof by 20-50% within minutes on a shared machine); the fraction in the table is the median
+over a row's rounds of each run's model FLOP/s over its own roof. The
 roof uses the full (one-device) matmul sizes: a layout that splits them into smaller per-device
 matmuls pays for that, as it should.
 
@@ -632,24 +635,33 @@ def ensure_jax3d_venv(venv: str, maxtext_venv: str, jax_version: str, maxtext_di
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
+def run_roof(roofs: Sequence[dict], run: dict, n_kv_heads: int) -> float:
+  """A run's roof: the mean of the measurements just before and just after its round (`roofs[0]`
+  before round 1, `roofs[k]` after round k)."""
+  key = f'{run["dtype"]} kv{n_kv_heads}'
+  k = min(run['round'], len(roofs) - 1)
+  return (roofs[k - 1]['weighted'][key]['roof'] + roofs[k]['weighted'][key]['roof']) / 2
+
+
 def summarize(
-  runs: Sequence[dict], layouts: Sequence[Layout], dtypes: Sequence[str], roof: dict | None
+  runs: Sequence[dict], layouts: Sequence[Layout], dtypes: Sequence[str], roofs: Sequence[dict] | None
 ) -> list[dict]:
-  """One row per (layout, dtype): per-round s/step and ratios, medians, FLOP/s and roof fractions."""
+  """One row per (layout, dtype): per-round s/step and ratios, medians, FLOP/s and roof fractions
+  (each run against its own round's roof, `run_roof`; the median over the rounds)."""
   rows = []
   for lay in layouts:
     flops = step_flops(lay.shape())
     for dtype in dtypes:
       row: dict[str, Any] = {'layout': lay.label, 'spec': lay.spec, 'dtype': dtype}
       row['model_flops'], row['executed_flops'] = flops['model'], flops['executed']
-      r = roof['weighted'][f'{dtype} kv{lay.n_kv_heads}']['roof'] if roof else None
-      row['roof_flops'] = r
+      row['roof_flops'] = None
       for who in ('jax3d', 'maxtext'):
         mine = [x for x in runs if x['trainer'] == who and x['spec'] == lay.spec and x['dtype'] == dtype]
         if not mine:
           row[who] = None
           continue
         step = statistics.median(x['step_s'] for x in mine)
+        own = [run_roof(roofs, x, lay.n_kv_heads) for x in mine] if roofs else None
         row[who] = {
           'step_s': [x['step_s'] for x in mine],
           'first_step_s': [x['first_step_s'] for x in mine],
@@ -657,8 +669,14 @@ def summarize(
           'median_first_step_s': statistics.median(x['first_step_s'] for x in mine),
           'model_flops_per_s': flops['model'] / step,
           'executed_flops_per_s': flops['executed'] / step,
-          'roof_fraction': flops['model'] / step / r if r else None,
+          'roof_flops': own,
+          'roof_fractions': [flops['model'] / x['step_s'] / r for x, r in zip(mine, own, strict=True)]
+          if own
+          else None,
         }
+        row[who]['roof_fraction'] = statistics.median(row[who]['roof_fractions']) if own else None
+        if own and who == 'jax3d':
+          row['roof_flops'] = statistics.median(own)
       if row['jax3d'] and row['maxtext']:
         row['ratio'] = [j / m for j, m in zip(row['jax3d']['step_s'], row['maxtext']['step_s'], strict=False)]
         row['median_ratio'] = row['jax3d']['median_step_s'] / row['maxtext']['median_step_s']
@@ -698,32 +716,21 @@ def format_table(rows: Sequence[dict]) -> str:
   return '\n'.join(out)
 
 
-def format_roof(before: dict, after: dict, dtypes: Sequence[str]) -> list[str]:
-  """Lines: each matmul's rate (before / after, 1 device and 2 at once) and the weighted roofs."""
-  out = ['GEMM roof, jnp.dot GFLOP/s (before / after the rounds; 1 device | 2 devices at once):']
-  for key in before['per_gemm']:
-    b, a = before['per_gemm'][key], after['per_gemm'][key]
-    out.append(
-      f'  {key:>24}: {b["1dev"] / 1e9:6.1f} / {a["1dev"] / 1e9:6.1f} | {b["2dev"] / 1e9:6.1f} / {a["2dev"] / 1e9:6.1f}'
-    )
-  for key in before['weighted']:
+def format_roof(roofs: Sequence[dict], dtypes: Sequence[str]) -> list[str]:
+  """Lines: each matmul's rate (lowest / highest over the measurements, 1 device and 2 at once) and
+  the weighted roof of each measurement (before round 1, after each round)."""
+  out = ['GEMM roof, jnp.dot GFLOP/s (lowest / highest of the measurements; 1 device | 2 devices at once):']
+  for key in roofs[0]['per_gemm']:
+    one = [r['per_gemm'][key]['1dev'] / 1e9 for r in roofs]
+    two = [r['per_gemm'][key]['2dev'] / 1e9 for r in roofs]
+    out.append(f'  {key:>24}: {min(one):6.1f} / {max(one):6.1f} | {min(two):6.1f} / {max(two):6.1f}')
+  for key in roofs[0]['weighted']:
     if key.split()[0] not in dtypes:
       continue
-    b, a = before['weighted'][key], after['weighted'][key]
-    out.append(
-      f'  FLOP-weighted {key:>14}: {b["1dev"] / 1e9:6.1f} / {a["1dev"] / 1e9:6.1f} | '
-      f'{b["2dev"] / 1e9:6.1f} / {a["2dev"] / 1e9:6.1f}  -> roof {(b["roof"] + a["roof"]) / 2e9:.1f}'
-    )
+    series = ', '.join(f'{r["weighted"][key]["roof"] / 1e9:.1f}' for r in roofs)
+    med = statistics.median(r['weighted'][key]['roof'] for r in roofs) / 1e9
+    out.append(f'  roof {key} (before round 1, after each round): {series}  (median {med:.1f})')
   return out
-
-
-def average_roof(before: dict, after: dict) -> dict:
-  """The roof used for the fractions: the mean of before and after, per (dtype, shape)."""
-  return {
-    'weighted': {
-      k: {'roof': (v['roof'] + after['weighted'][k]['roof']) / 2} for k, v in before['weighted'].items()
-    }
-  }
 
 
 def format_startup(runs: Sequence[dict]) -> list[str]:
@@ -854,7 +861,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   shapes = list({lay.n_kv_heads: lay.shape() for lay in args.layout_list}.values())
   logdir = tempfile.mkdtemp(prefix='bench_vs_maxtext-')
   print(f'logs: {logdir}\nmeasuring the GEMM roof ...', flush=True)
-  roof_before = measure_roof(j_python, args.dtype_list, shapes)
+  roofs = [measure_roof(j_python, args.dtype_list, shapes)]
   runs: list[dict] = []
   cases = [(lay, dt) for lay in args.layout_list for dt in args.dtype_list]
   try:
@@ -877,16 +884,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f'start to step 0 {r["first_step_s"]:.1f} s ({r["wall_s"]:.0f} s wall, load {r["load"]:.1f})',
             flush=True,
           )
+      print(f'measuring the GEMM roof after round {rnd} ...', flush=True)
+      roofs.append(measure_roof(j_python, args.dtype_list, shapes))
   except RunFailed as e:
     fail(str(e), e.log)
-  print('measuring the GEMM roof again ...', flush=True)
-  roof_after = measure_roof(j_python, args.dtype_list, shapes)
-  rows = summarize(runs, args.layout_list, args.dtype_list, average_roof(roof_before, roof_after))
+  rows = summarize(runs, args.layout_list, args.dtype_list, roofs)
   text = '\n'.join(
     [
       format_table(rows),
       '',
-      *format_roof(roof_before, roof_after, args.dtype_list),
+      *format_roof(roofs, args.dtype_list),
       *format_startup(runs),
       format_load(runs),
       *(format_cpu(runs) if args.cpu_profile else []),
@@ -902,7 +909,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     'cores': os.cpu_count(),
     'jax3d_python': j_info,
     'maxtext_python': mt_info,
-    'roof': {'before': roof_before, 'after': roof_after},
+    'roofs': roofs,  # before round 1, then after each round
     'rows': rows,
     'runs': runs,
     'logs': logdir,

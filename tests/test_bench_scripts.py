@@ -112,8 +112,9 @@ def test_table():
         r = {'trainer': who, 'spec': lay.spec, 'dtype': 'float32', 'round': rnd, 'step_s': step * rnd}
         r.update(first_step_s=8.0, startup={'summary': 2.0, 'init': 3.0, 'compiled': 7.0, 'first_step': 8.0})
         runs.append(r)
-  roof = {'weighted': {'float32 kv4': {'roof': 100e9}}}
-  rows = bvm.summarize(runs, lays, ['float32'], roof)
+  # the roof before round 1, after round 1 and after round 2: each run gets its round's mean
+  roofs = [{'weighted': {'float32 kv4': {'roof': r * 1e9}}} for r in (80, 120, 60)]
+  rows = bvm.summarize(runs, lays, ['float32'], roofs)
   assert rows[0]['ratio'] == pytest.approx([0.8, 0.8]) and rows[0]['jax3d']['median_step_s'] == pytest.approx(
     0.6
   )
@@ -122,7 +123,16 @@ def test_table():
     table.count('\n') == 3
     and '| 4x1x2 | float32 | 0.500, 1.000 | 0.400, 0.800 | 0.80, 0.80 (medians: 0.80) |' in table
   )
-  assert f'{29.0 / 0.6:.1f} (48%)' in table  # 29.0 GFLOP per step / 0.6 s against a 100 GFLOP/s roof
+  # 29.0 GFLOP per step at the median 0.6 s; against the rounds' roofs 100 and 90 GFLOP/s, round 1
+  # ran at 29.0 / 0.4 / 100 = 72.5%, round 2 at 29.0 / 0.8 / 90 = 40.3%: the median 56%
+  assert rows[0]['jax3d']['roof_flops'] == pytest.approx([100e9, 90e9])
+  assert f'{29.0 / 0.6:.1f} (56%)' in table
+  roof_lines = bvm.format_roof(
+    [dict(r, per_gemm={'float32 1x2x3': {'1dev': 1e9, '2dev': 2e9}}) for r in roofs], ['float32']
+  )
+  assert 'roof float32 kv4 (before round 1, after each round): 80.0, 120.0, 60.0  (median 80.0)' in '\n'.join(
+    roof_lines
+  )
   assert 'compile 4.0 s' in bvm.format_startup(runs)[0]
   assert 'warning' not in bvm.format_load([dict(r, load=2.5) for r in runs], cores=2)
   assert 'warning' in bvm.format_load([dict(r, load=8.0) for r in runs], cores=2)

@@ -191,11 +191,9 @@ def run(
       )
       return whole(jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32))
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
-    out_mbtd = _ring(
-      layer_fn, layers_local, _vary(x_mbtd, (PP,)).astype(dtype), p, v, x_mbtd.shape[0], policy, skip_bubbles
-    )
+    out_mbtd = _ring(layer_fn, layers_local, _vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles)
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
-    out_mbtd = whole(out_mbtd.astype(jnp.float32))
+    out_mbtd = whole(out_mbtd)
     if scatter is not None:
       return jax.lax.psum_scatter(out_mbtd, PP, scatter_dimension=scatter, tiled=True)
     return jax.lax.psum(out_mbtd, PP)
@@ -239,8 +237,20 @@ def _vary(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return jax.lax.pcast(a, missing, to='varying') if missing else a
 
 
-def _ring(layer_fn, layers_local, x_mbtd, p, v, m, policy, skip_bubbles):
-  """The circulating loop on one stage; returns the finished micro-batches on stage 0, else 0."""
+def _ring(layer_fn, layers_local, x_mbtd, dtype, p, v, policy, skip_bubbles):
+  """The circulating loop on one stage; returns the finished micro-batches (fp32) on stage 0, else 0.
+
+  Stage 0 takes micro-batch u at iteration u, and gets micro-batch i's last pass back from the
+  last stage at iteration (v-1)*m + p-1 + i: both are fixed by the schedule, so with one chunk
+  (v = 1) the inputs are the scan's xs and the outputs its ys, sliced statically after the loop.
+  The loop then carries one micro-batch, and its backward pass is a slice of each (not, as with
+  a carried buffer read and written at a slot each iteration, a pass over all m micro-batches'
+  gradient buffers every iteration: XLA:CPU copied them whole, and in bf16 converted them to fp32
+  and back, 8.5% of the 1x2x4 m4 bf16 step's op time). With v > 1 a micro-batch goes round the
+  ring again: the stage-0 queue stays a carried buffer, fp32 (where XLA adds a slot's gradient in
+  place), read and written in `dtype`'s values (exact in fp32)."""
+  m = x_mbtd.shape[0]
+  n_iter = v * m + p - 1
   # layers_local: this stage's v chunks, [v * lc, ...] -> [v, lc, ...]
   chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
   s = jax.lax.axis_index(PP)
@@ -249,31 +259,37 @@ def _ring(layer_fn, layers_local, x_mbtd, p, v, m, policy, skip_bubbles):
   def stage_work(chunks, r, x_btd):  # this stage's layer chunk r on one micro-batch
     return run_layers(layer_fn, chunks, x_btd, policy, chunk=r)
 
-  # Under 'stage' remat an iteration keeps only its stage input; the queue and outputs carried by
-  # the loop are updated in place and never saved per iteration.
+  # Under 'stage' remat an iteration keeps only its stage input; the queue carried by the loop is
+  # updated in place and never saved per iteration.
   stage_fn = remat.wrap_iteration(stage_work, policy)
 
-  def iteration(carry, t):
-    state_btd, queue_mbtd, out_mbtd = carry
+  def iteration(carry, xs):
+    state_btd, queue_mbtd = carry
+    t, x_t_btd = xs  # x_t: micro-batch t (zeros after the m-th) when v == 1
     u = t - s
     r = jnp.clip(u // m, 0, v - 1)
-    x_btd = jnp.where(s == 0, queue_mbtd[jnp.mod(u, m)], state_btd)
-    if skip_bubbles:  # a bubble iteration's result is never written: do not compute it
+    first_btd = x_t_btd if queue_mbtd is None else queue_mbtd[jnp.mod(u, m)]
+    x_btd = jnp.where(s == 0, first_btd.astype(dtype), state_btd)
+    if skip_bubbles:  # a bubble iteration's result is never used: do not compute it
       y_btd = jax.lax.cond((u >= 0) & (u < v * m), stage_fn, lambda c, r, x: x, chunks, r, x_btd)
     else:
       y_btd = stage_fn(chunks, r, x_btd)
     recv_btd = jax.lax.ppermute(y_btd, PP, ring)
-    # On stage 0, recv is the last stage's output for u_last = t - (p - 1).
-    u_last = t - (p - 1)
-    i_last, r_last = jnp.mod(u_last, m), u_last // m
-    arrived = (s == 0) & (u_last >= 0) & (u_last < v * m)
-    again = arrived & (r_last < v - 1)  # another pass round the ring
-    done = arrived & (r_last == v - 1)  # finished all layers
-    queue_mbtd = queue_mbtd.at[i_last].set(jnp.where(again, recv_btd, queue_mbtd[i_last]))
-    out_mbtd = out_mbtd.at[i_last].set(jnp.where(done, recv_btd, out_mbtd[i_last]))
-    return (recv_btd, queue_mbtd, out_mbtd), None
+    if queue_mbtd is not None:  # on stage 0, recv is the last stage's output for u_last = t - (p-1)
+      u_last = t - (p - 1)
+      i_last = jnp.mod(u_last, m)
+      again = (s == 0) & (u_last >= 0) & (u_last < (v - 1) * m)  # another pass round the ring
+      recv32_btd = recv_btd.astype(queue_mbtd.dtype)
+      queue_mbtd = queue_mbtd.at[i_last].set(jnp.where(again, recv32_btd, queue_mbtd[i_last]))
+    return (recv_btd, queue_mbtd), recv_btd
 
-  init = (jnp.zeros_like(x_mbtd[0]), x_mbtd, jnp.zeros_like(x_mbtd))
-  init = jax.tree.map(lambda a: _vary(a, (PP,)), init)  # the carry differs per stage
-  (_, _, out_mbtd), _ = jax.lax.scan(iteration, init, jnp.arange(v * m + p - 1))
-  return out_mbtd
+  state = _vary(jnp.zeros_like(x_mbtd[0], dtype=dtype), (PP,))  # the carry differs per stage
+  if v > 1:
+    init, xs = (state, x_mbtd), (jnp.arange(n_iter), None)
+  else:
+    pad = jnp.zeros((p - 1, *x_mbtd.shape[1:]), x_mbtd.dtype)
+    init, xs = (state, None), (jnp.arange(n_iter), jnp.concatenate([x_mbtd, _vary(pad, (PP,))]))
+  _, recv_nbtd = jax.lax.scan(iteration, init, xs)
+  first_done = (v - 1) * m + p - 1
+  out_mbtd = recv_nbtd[first_done : first_done + m].astype(jnp.float32)
+  return jnp.where(s == 0, out_mbtd, 0.0)  # only stage 0's are the outputs: the sum over pp
