@@ -289,7 +289,7 @@ print('ROOF ' + json.dumps(out))
 """
 
 
-def measure_roof(python: str, dtypes: Sequence[str], shapes: Sequence[Shape], reps: int = 21) -> dict:
+def measure_roof(python: str, dtypes: Sequence[str], shapes: Sequence[Shape], reps: int = 11) -> dict:
   """jnp.dot FLOP/s per dtype and matmul size on 1 device and on 2 devices at once (a subprocess
   with 2 fake CPU devices), and the FLOP-weighted roof per (dtype, shape)."""
   sizes = sorted({dims for s in shapes for _, dims, _ in gemm_shapes(s)})
