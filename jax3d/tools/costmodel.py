@@ -16,8 +16,9 @@ figure (`python -m jax3d.plan --verify`) and printed by the trainer before the f
     pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
     `jax3d.model.llama.Block` at the tp-local shapes, under the remat policy), so it follows the
     code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    where the layer is Megatron's. With remat 'stage' an iteration keeps only its carry (its input,
-    the stage-0 queue and the outputs: (2m+1) micro-batches).
+    where the layer is Megatron's. With remat 'stage' it counts m+1 micro-batches per iteration (its
+    input and, with pp > 1, a stage-0 queue of m): an upper bound, since the compiled loop saves the
+    iteration's input only (the queue, where v > 1, is a carry updated in place).
   - step time: compute at `efficiency` of peak, tp/pp/dp traffic over the links each axis is
     placed on (jax3d/parallel/mesh.py: tp inside a node, then pp, dp outermost), the dp all-reduce
     partly hidden behind the backward pass, and the bubble as wasted compute:
