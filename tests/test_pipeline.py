@@ -40,9 +40,12 @@ def loss(y):
 CASES = [(p, m, v) for p in (2, 4, 8) for v in (1, 2) for m in (1, p, 2 * p) if not (v > 1 and m < p)]
 
 
+@pytest.mark.parametrize('policy', ['none', 'full', 'stage'])
 @pytest.mark.parametrize('skip', [True, False], ids=['skip_bubbles', 'compute_bubbles'])
 @pytest.mark.parametrize('p,m,v', CASES)
-def test_pipeline_equals_sequential(p, m, v, skip):
+def test_pipeline_equals_sequential(p, m, v, skip, policy):
+  """Under 'none' JAX differentiates the loop; under 'full' and 'stage' its backward pass is
+  written out (pipeline._Ring.backward)."""
   devices = np.array(jax.devices()[: p * (8 // p)]).reshape(8 // p, p, 1)
   mesh = Mesh(devices, ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3)
   layers, x = make(p, m, v)
@@ -51,7 +54,7 @@ def test_pipeline_equals_sequential(p, m, v, skip):
   stored = jax.device_put(stored, NamedSharding(mesh, P('pp')))
 
   def piped(stored, x):
-    return pipeline.run(layer_fn, stored, x, mesh=mesh, repeats=v, policy='none', skip_bubbles=skip)
+    return pipeline.run(layer_fn, stored, x, mesh=mesh, repeats=v, policy=policy, skip_bubbles=skip)
 
   with jax.set_mesh(mesh):
     y, (g_layers, g_x) = jax.jit(
