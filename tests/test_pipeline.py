@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jax3d.parallel import pipeline
+from jax3d.parallel import pipeline, ring
 
 D, B, T = 8, 4, 4  # model width, micro-batch rows, sequence
 
@@ -30,7 +30,7 @@ def make(p, m, v, seed=0):
 
 
 def sequential(layers, x_mbtd):
-  return jax.vmap(lambda x: pipeline.run_layers(layer_fn, layers, x, 'none'))(x_mbtd)
+  return jax.vmap(lambda x: ring.run_layers(layer_fn, layers, x, 'none'))(x_mbtd)
 
 
 def loss(y):
@@ -40,12 +40,12 @@ def loss(y):
 CASES = [(p, m, v) for p in (2, 4, 8) for v in (1, 2) for m in (1, p, 2 * p) if not (v > 1 and m < p)]
 
 
-@pytest.mark.parametrize('policy', ['none', 'full', 'stage'])
+@pytest.mark.parametrize('policy', ['none', 'full', pytest.param('stage', marks=pytest.mark.slow)])
 @pytest.mark.parametrize('skip', [True, False], ids=['skip_bubbles', 'compute_bubbles'])
 @pytest.mark.parametrize('p,m,v', CASES)
 def test_pipeline_equals_sequential(p, m, v, skip, policy):
   """Under 'none' JAX differentiates the loop; under 'full' and 'stage' its backward pass is
-  written out (pipeline._Ring.backward)."""
+  written out (ring.Ring.backward)."""
   devices = np.array(jax.devices()[: p * (8 // p)]).reshape(8 // p, p, 1)
   mesh = Mesh(devices, ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3)
   layers, x = make(p, m, v)

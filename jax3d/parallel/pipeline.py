@@ -1,4 +1,4 @@
-"""Pipeline parallelism, all of it: micro-batching, stage placement, the ring, and its `shard_map`.
+"""Pipeline parallelism: micro-batching, stage placement, and the `shard_map` around the ring.
 
 The stacked layers are split into `pp` stages. `apply` takes the embedded batch [B, T, D], forms
 m micro-batches, runs them through every layer pipelined over `pp`, and returns [B, T, D].
@@ -13,13 +13,9 @@ iteration t, stage s works on u = t - s: micro-batch u mod m, on its layer chunk
 stage sends its output to stage s+1 (mod p) with one `ppermute`. What arrives at stage 0 from the
 last stage goes back into the stage-0 queue (the next pass round the ring) or, on the last pass,
 into the outputs. Bubble iterations (u outside [0, v*m)) write nothing, to outputs or gradients
-(on CPU they skip their layers: `skips_bubbles`).
-
-Backward pass. Under remat 'full' and 'stage' (the policies that keep at most a layer's input) the
-loop's backward pass is written out (`_Ring.backward`, a `jax.custom_vjp`): the iterations in
-reverse, the ring's `ppermute` reversed, each layer recomputed from its kept input and its weight
-gradient added in place into one accumulator of the stage's weights. Other policies keep what the
-policy saves, so JAX differentiates the loop itself.
+(on CPU they skip their layers: `skips_bubbles`). The loop itself, one stage's scan over the
+iterations, and its backward pass (written out under remat 'full' and 'stage'):
+jax3d/parallel/ring.py.
 
 Stage placement. With v chunks per stage, chunk c = r*p + s (r = 0..v-1) runs on stage s, so the
 stacked weights are stored stage-major: position j holds canonical layer `layer_order(...)[j]`,
@@ -34,7 +30,6 @@ jax3d/parallel/data_parallel.py, `manual=True`) it opens none of its own
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -45,11 +40,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax3d.config import RunPlan
 from jax3d.model import remat
-from jax3d.parallel import microbatch, sharding
+from jax3d.parallel import microbatch, ring, sharding
 from jax3d.parallel.sharding import DP, PP
 
 AXIS = PP
-LayerFn = Callable[[Any, jax.Array], jax.Array]  # (one layer's params, x_btd) -> y_btd
 
 
 # --- stage placement ------------------------------------------------------------------------
@@ -77,7 +71,7 @@ def from_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
 
 # --- the pipeline ---------------------------------------------------------------------------
 def apply(
-  layer_fn: LayerFn,
+  layer_fn: ring.LayerFn,
   layers: Any,
   x_btd: jax.Array,
   *,
@@ -133,28 +127,8 @@ def apply(
   )
 
 
-def run_layers(
-  layer_fn: LayerFn, layers: Any, x: jax.Array, policy: str, chunk: jax.Array | None = None
-) -> jax.Array:
-  """Sequential scan of `layer_fn` over the stacked `layers` (each layer under the remat policy).
-
-  With `chunk`, `layers` is [v, lc, ...] and the layers of chunk `chunk` (a traced index) run:
-  each layer's weights are sliced inside its checkpoint, so the backward pass slices them again
-  instead of saving a copy of the chunk's weights for every pipeline iteration."""
-  if chunk is None:
-    step = remat.wrap_layer(lambda h, p: (layer_fn(p, h), None), policy)
-    return jax.lax.scan(step, x, layers)[0]
-
-  def one(h, j):
-    p = jax.tree.map(lambda a: a[chunk, j], layers)
-    return layer_fn(p, h), None
-
-  lc = jax.tree.leaves(layers)[0].shape[1]
-  return jax.lax.scan(remat.wrap_layer(one, policy), x, jnp.arange(lc))[0]
-
-
 def run(
-  layer_fn: LayerFn,
+  layer_fn: ring.LayerFn,
   layers: Any,
   x_mbtd: jax.Array,
   *,
@@ -167,7 +141,7 @@ def run(
   skip_bubbles: bool = False,
 ) -> jax.Array:
   """Every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`; returns
-  [m, b, t, d], equal to `run_layers` applied to each micro-batch in turn. With `scatter` = k, x
+  [m, b, t, d], equal to `ring.run_layers` applied to each micro-batch in turn. With `scatter` = k, x
   arrives and leaves with its axis k split over pp (1: the rows, with dp; 0: the micro-batches,
   the rows over dp); with `manual`, the caller is already inside a shard_map manual over dp and
   pp (see the module docstring). `carry` = (split, whole) annotates the loop's micro-batches
@@ -188,17 +162,19 @@ def run(
       # The weights are the same on every dp rank; marking them as varying here, in their stored
       # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
       # loop, instead of once per micro-batch inside it.
-      layers_local = jax.tree.map(lambda a: _vary(a, (DP,)), layers_local)
+      layers_local = jax.tree.map(lambda a: ring.vary(a, (DP,)), layers_local)
     if scatter is not None:
       x_mbtd = jax.lax.all_gather(x_mbtd, PP, axis=scatter, tiled=True)
     x_mbtd = split(x_mbtd)
     if p == 1:  # no ring: the micro-batches simply run one after another
       one = remat.wrap_iteration(
-        lambda _, x_btd: (None, run_layers(layer_fn, layers_local, x_btd, policy)), policy
+        lambda _, x_btd: (None, ring.run_layers(layer_fn, layers_local, x_btd, policy)), policy
       )
       return whole(jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32))
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
-    out_mbtd = _ring(layer_fn, layers_local, _vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles)
+    out_mbtd = ring.circulate(
+      layer_fn, layers_local, ring.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles
+    )
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
     out_mbtd = whole(out_mbtd)
     if scatter is not None:
@@ -236,214 +212,3 @@ def skips_bubbles(plan: RunPlan, mesh: Mesh) -> bool:
   if plan.skip_bubbles is not None:
     return plan.skip_bubbles
   return COND_FORWARDS_OPERANDS and all(d.platform == 'cpu' for d in mesh.devices.flat)
-
-
-def _vary(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """Marks `a` as varying over the manual `axes` it is not yet varying over (shard_map's vma)."""
-  missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
-  return jax.lax.pcast(a, missing, to='varying') if missing else a
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ring:
-  """One stage's view of the schedule: m micro-batches, v chunks per stage, p stages."""
-
-  layer_fn: LayerFn
-  dtype: Any  # the compute dtype of the activations in the loop
-  p: int
-  v: int
-  m: int
-  skip_bubbles: bool
-
-  @property
-  def iterations(self) -> int:
-    return self.v * self.m + self.p - 1
-
-  def at(self, t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(u, chunk r, busy) of this stage at iteration t: u = t - s, r = u // m, busy = u in [0, v*m)."""
-    u = t - jax.lax.axis_index(PP)
-    return u, jnp.clip(u // self.m, 0, self.v - 1), (u >= 0) & (u < self.v * self.m)
-
-  def again(self, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(slot, flag): what stage 0 receives at iteration t goes back into its queue at `slot` for
-    another pass round the ring (v > 1) where `flag`; on the last pass it is an output."""
-    u_last = t - (self.p - 1)
-    flag = (jax.lax.axis_index(PP) == 0) & (u_last >= 0) & (u_last < (self.v - 1) * self.m)
-    return jnp.mod(u_last, self.m), flag
-
-  def forward(self, chunks: Any, xs: jax.Array, stage: Callable, bubble: Callable) -> tuple[jax.Array, Any]:
-    """The circulating loop: returns what each iteration received from the previous stage [n, b, t, d]
-    and each iteration's `aux`. `stage(chunks, r, x) -> (y, aux)` runs chunk r on the stage's input x;
-    `bubble(x)` gives a bubble iteration's (y, aux) when bubbles are skipped. xs: the inputs padded
-    with p-1 zero micro-batches (v = 1, taken by the scan as they come) or the stage-0 queue (v > 1)."""
-    s = jax.lax.axis_index(PP)
-    ring = [(i, (i + 1) % self.p) for i in range(self.p)]
-
-    def iteration(carry, t_x):
-      state_btd, queue_mbtd = carry
-      t, x_t_btd = t_x
-      u, r, busy = self.at(t)
-      first_btd = x_t_btd if queue_mbtd is None else queue_mbtd[jnp.mod(u, self.m)]
-      x_btd = jnp.where(s == 0, first_btd.astype(self.dtype), state_btd)
-      if self.skip_bubbles:  # a bubble iteration's result is never used: do not compute it
-        y_btd, aux = jax.lax.cond(busy, stage, lambda c, r, x: bubble(x), chunks, r, x_btd)
-      else:
-        y_btd, aux = stage(chunks, r, x_btd)
-      recv_btd = jax.lax.ppermute(y_btd, PP, ring)
-      if queue_mbtd is not None:
-        slot, again = self.again(t)
-        recv32_btd = recv_btd.astype(queue_mbtd.dtype)
-        queue_mbtd = queue_mbtd.at[slot].set(jnp.where(again, recv32_btd, queue_mbtd[slot]))
-      return (recv_btd, queue_mbtd), (recv_btd, aux)
-
-    state = _vary(jnp.zeros_like(xs[0], dtype=self.dtype), (PP,))  # the carry differs per stage
-    ts = jnp.arange(self.iterations)
-    init, scan_xs = ((state, xs), (ts, None)) if self.v > 1 else ((state, None), (ts, xs))
-    return jax.lax.scan(iteration, init, scan_xs)[1]
-
-  def layer_inputs(self, chunks: Any, r: jax.Array, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Chunk r on x: (its output, each layer's input [lc, b, t, d])."""
-
-    def one(h, j):
-      return self.layer_fn(_layer(chunks, r, j), h), h
-
-    return jax.lax.scan(one, x_btd, jnp.arange(jax.tree.leaves(chunks)[0].shape[1]))
-
-  def backward(
-    self, chunks: Any, aux_n: jax.Array, ct_recv_nbtd: jax.Array, policy: str
-  ) -> tuple[Any, jax.Array]:
-    """The loop's backward pass, written out: iterations in reverse, each layer of the chunk
-    recomputed from its input and its weight gradient added in place into one accumulator of the
-    stage's weights. Returns the gradients of the weights and of `forward`'s xs."""
-    s = jax.lax.axis_index(PP)
-    back = [((i + 1) % self.p, i) for i in range(self.p)]
-    lc = jax.tree.leaves(chunks)[0].shape[1]
-
-    def layers_back(acc, r, ct_btd, aux):
-      h_lbtd = aux if policy == 'full' else self.layer_inputs(chunks, r, aux[0])[1]
-
-      def one(carry, j):
-        ct_h, acc = carry
-        _, vjp = jax.vjp(self.layer_fn, _layer(chunks, r, j), h_lbtd[j])
-        g_p, ct_h = vjp(ct_h)
-        return (ct_h, jax.tree.map(lambda a, g: _add_at(a, g, (r, j)), acc, g_p)), None
-
-      return jax.lax.scan(one, (ct_btd, acc), jnp.arange(lc), reverse=True)[0]
-
-    def iteration(carry, inp):
-      ct_state, ct_queue, acc = carry
-      t, ct_recv_btd, aux = inp
-      u, r, busy = self.at(t)
-      ct_recv_btd = ct_recv_btd + ct_state
-      if ct_queue is not None:  # the queue's write, transposed: the slot's gradient goes to recv
-        slot, again = self.again(t)
-        ct_slot = ct_queue[slot]
-        ct_recv_btd = ct_recv_btd + jnp.where(again, ct_slot, 0.0).astype(self.dtype)
-        ct_queue = ct_queue.at[slot].set(jnp.where(again, 0.0, ct_slot))
-      ct_y_btd = jax.lax.ppermute(ct_recv_btd, PP, back)
-      if self.skip_bubbles:
-        ct_x_btd, acc = jax.lax.cond(busy, layers_back, lambda a, r, c, x: (c, a), acc, r, ct_y_btd, aux)
-      else:
-        ct_x_btd, acc = layers_back(acc, r, ct_y_btd, aux)
-      zero = jnp.zeros_like(ct_x_btd)
-      ct_first = jnp.where(s == 0, ct_x_btd, zero).astype(jnp.float32)
-      ct_state = jnp.where(s == 0, zero, ct_x_btd)
-      if ct_queue is None:
-        return (ct_state, None, acc), ct_first
-      return (ct_state, _add_at(ct_queue, ct_first, (jnp.mod(u, self.m),)), acc), None
-
-    ct_queue = (
-      None if self.v == 1 else _zeros(ct_recv_nbtd[0], (self.m, *ct_recv_nbtd.shape[1:]), jnp.float32)
-    )
-    init = (_zeros(ct_recv_nbtd[0]), ct_queue, jax.tree.map(_zeros, chunks))
-    ts = jnp.arange(self.iterations)
-    (_, ct_queue, acc), ct_xs = jax.lax.scan(iteration, init, (ts, ct_recv_nbtd, aux_n), reverse=True)
-    return acc, ct_xs if ct_queue is None else ct_queue
-
-  def with_backward(self, policy: str) -> Callable[[Any, jax.Array], jax.Array]:
-    """`forward` of the plain layers as a function of (chunks, xs) whose backward pass is `backward`:
-    under 'full' each iteration keeps its layers' inputs, under 'stage' only its own input."""
-
-    def plain(chunks, r, x_btd):
-      return run_layers(self.layer_fn, chunks, x_btd, 'none', chunk=r), None
-
-    def keeping(chunks, r, x_btd):
-      if policy == 'full':
-        return self.layer_inputs(chunks, r, x_btd)
-      return plain(chunks, r, x_btd)[0], x_btd[None]
-
-    lc = lambda chunks: jax.tree.leaves(chunks)[0].shape[1]
-    ring = jax.custom_vjp(lambda chunks, xs: self.forward(chunks, xs, plain, lambda x: (x, None))[0])
-
-    def fwd(chunks, xs):
-      k = lc(chunks) if policy == 'full' else 1
-      recv_nbtd, aux_n = self.forward(
-        chunks, xs, keeping, lambda x: (x, jnp.broadcast_to(jnp.zeros_like(x), (k, *x.shape)))
-      )
-      return recv_nbtd, (chunks, aux_n)
-
-    def bwd(res, ct_recv_nbtd):
-      return self.backward(*res, ct_recv_nbtd, policy)
-
-    ring.defvjp(fwd, bwd)
-    return ring
-
-
-# Policies whose pipeline loop has its backward pass written out (`_Ring.backward`): they keep a
-# layer's input at most, so each layer is recomputed from it in the backward pass.
-WRITTEN_OUT = ('full', 'stage')
-
-
-def _ring(layer_fn, layers_local, x_mbtd, dtype, p, v, policy, skip_bubbles):
-  """The circulating loop on one stage; returns the finished micro-batches (fp32) on stage 0, else 0.
-
-  Stage 0 takes micro-batch u at iteration u, and gets micro-batch i's last pass back from the
-  last stage at iteration (v-1)*m + p-1 + i: both are fixed by the schedule, so with one chunk
-  (v = 1) the inputs are the scan's xs and the outputs its ys, sliced statically after the loop.
-  The loop then carries one micro-batch, and its backward pass is a slice of each (not, as with
-  a carried buffer read and written at a slot each iteration, a pass over all m micro-batches'
-  gradient buffers every iteration: XLA:CPU copied them whole, and in bf16 converted them to fp32
-  and back, 8.5% of the 1x2x4 m4 bf16 step's op time). With v > 1 a micro-batch goes round the
-  ring again: the stage-0 queue stays a carried buffer, fp32 (where XLA adds a slot's gradient in
-  place), read and written in `dtype`'s values (exact in fp32).
-
-  Under 'full' and 'stage' remat the backward pass is `_Ring.backward`: JAX's transpose of the
-  scan would zero a stage-sized gradient buffer in every iteration and add it to the loop's
-  accumulator (its transpose of a loop-invariant operand), ~5% of the 2x2x2 m4 step's op time."""
-  m = x_mbtd.shape[0]
-  # layers_local: this stage's v chunks, [v * lc, ...] -> [v, lc, ...]
-  chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
-  ring = _Ring(layer_fn, dtype, p, v, m, skip_bubbles)
-  if v > 1:
-    xs = x_mbtd
-  else:
-    xs = jnp.concatenate([x_mbtd, _vary(jnp.zeros((p - 1, *x_mbtd.shape[1:]), x_mbtd.dtype), (PP,))])
-  if policy in WRITTEN_OUT:
-    recv_nbtd = ring.with_backward(policy)(chunks, xs)
-  else:
-    stage_fn = remat.wrap_iteration(lambda c, r, x: run_layers(layer_fn, c, x, policy, chunk=r), policy)
-    recv_nbtd = ring.forward(chunks, xs, lambda c, r, x: (stage_fn(c, r, x), None), lambda x: (x, None))[0]
-  first_done = (v - 1) * m + p - 1
-  out_mbtd = recv_nbtd[first_done : first_done + m].astype(jnp.float32)
-  return jnp.where(
-    jax.lax.axis_index(PP) == 0, out_mbtd, 0.0
-  )  # only stage 0's are the outputs: the sum over pp
-
-
-def _layer(chunks: Any, r: jax.Array, j: jax.Array) -> Any:
-  """Layer j of chunk r: one layer's weights."""
-  return jax.tree.map(lambda a: a[r, j], chunks)
-
-
-def _zeros(a: jax.Array, shape: tuple[int, ...] | None = None, dtype: Any = None) -> jax.Array:
-  """Zeros like `a` (or of `shape`, `dtype`), varying over the same manual axes."""
-  z = jnp.zeros_like(a, dtype=dtype)
-  return _vary(jnp.broadcast_to(z, shape) if shape else z, tuple(jax.typeof(a).manual_axis_type.varying))
-
-
-def _add_at(acc: jax.Array, g: jax.Array, index: tuple[jax.Array, ...]) -> jax.Array:
-  """acc with g added at `index` of its leading dims, written as XLA fuses it into one in-place
-  add of the slice (a zero buffer with g placed in it, added: `.at[].add` is a scatter-add)."""
-  start = (*index, *(0,) * g.ndim)
-  g = g.reshape((1,) * len(index) + g.shape)
-  return acc + jax.lax.dynamic_update_slice(jnp.zeros_like(acc), g.astype(acc.dtype), start)

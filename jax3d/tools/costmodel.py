@@ -133,7 +133,7 @@ def layer_residual_bytes(
 ) -> float:
   """Bytes one tp shard of one layer keeps for its backward pass, its input included. Its weights
   count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
-  stack in the backward pass (jax3d/parallel/pipeline.py `run_layers`); without one, XLA keeps
+  stack in the backward pass (jax3d/parallel/ring.py `run_layers`); without one, XLA keeps
   the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
   rows: traced at 1 and 2 rows.
 
