@@ -255,7 +255,9 @@ def collectives(
           'computation': cname,
           'pass': 'backward' if 'transpose(' in op_name else 'forward',
           'in_pipeline': 'shard_map' in op_name,
-          'in_layers': '/Block/' in op_name,
+          # the layer's scope as it appears in the forward pass (/Block/) and in a written-out
+          # backward pass's jax.vjp of the layer (jvp(Block)/, transpose(jvp(Block))/)
+          'in_layers': re.search(r'[/(]Block[/)]', op_name) is not None,
           'op_name': op_name,
         }
       )
