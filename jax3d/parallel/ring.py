@@ -239,9 +239,8 @@ def circulate(
     recv_nbtd = ring.forward(chunks, xs, lambda c, r, x: (stage_fn(c, r, x), None), lambda x: (x, None))[0]
   first_done = (v - 1) * m + p - 1
   out_mbtd = recv_nbtd[first_done : first_done + m].astype(jnp.float32)
-  return jnp.where(
-    jax.lax.axis_index(PP) == 0, out_mbtd, 0.0
-  )  # only stage 0's are the outputs: the sum over pp
+  # only stage 0's are the outputs: the sum over pp
+  return jnp.where(jax.lax.axis_index(PP) == 0, out_mbtd, 0.0)
 
 
 def _layer(chunks: Any, r: jax.Array, j: jax.Array) -> Any:
