@@ -23,15 +23,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jax3d.tools.sampling import sample  # the API function `sample` (light: imports no jax)
+from jax3d.trainer.workdir import sample
 
 if TYPE_CHECKING:  # at run time `Trainer` is imported on first use (module __getattr__ below)
   import jax
   import ml_collections
 
-  from jax3d.run import Setup
-  from jax3d.tools.costmodel import Hardware
-  from jax3d.training.trainer import Trainer
+  from jax3d.planning.costmodel import Hardware
+  from jax3d.record import Setup
+  from jax3d.trainer.trainer import Trainer
 
 __all__ = [
   'use_fake_cpu_devices',
@@ -121,7 +121,7 @@ def _with(cfg: ml_collections.ConfigDict, **kw: Any) -> ml_collections.ConfigDic
 def __getattr__(name: str) -> Any:
   # `Trainer` is imported on first use: importing it imports jax and flax.
   if name == 'Trainer':
-    from jax3d.training.trainer import Trainer
+    from jax3d.trainer.trainer import Trainer
 
     return Trainer
   raise AttributeError(f"module 'jax3d.api' has no attribute {name!r}")
@@ -140,7 +140,7 @@ def build(
   devices (no full copy on one device first). `verbose` prints the trainer's start-up lines and
   what init did; the notebook keeps it off and prints the numbers it shows.
   """
-  from jax3d.training.trainer import Trainer
+  from jax3d.trainer.trainer import Trainer
 
   t = Trainer(cfg, workdir=workdir, devices=devices, console=verbose)
   what = t.init_state()
@@ -157,9 +157,10 @@ def export_hf(source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30) -
   parameters or a run's workdir (its newest checkpoint); returns the files written. Importing is
   `build(load_config(..., checkpoint__init_from='hf:PATH'))`."""
   from jax3d.hf import export
+  from jax3d.trainer import workdir
 
   if isinstance(source, str | os.PathLike):
-    return export.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes)
+    return workdir.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes)
   return export.export(source.state['params'], source.setup, out, max_shard_bytes)
 
 
@@ -260,7 +261,7 @@ def compiled_memory(
   read when it has one, saving a compile). Overrides (`train__remat='full'`) make a variant to
   compare, e.g. the memory recomputation saves.
   """
-  from jax3d import run
+  from jax3d import assemble
 
   cfg = getattr(source, 'cfg', source)
   if cfg is not source and not overrides:  # a Trainer: its own compiled step
@@ -269,7 +270,7 @@ def compiled_memory(
   if devices is None and cfg is not source:
     devices = list(source.mesh.devices.flat)
   cfg = _with(cfg, **overrides) if overrides else cfg
-  return dict(run.compile_train_step(run.setup(cfg, devices)).memory)
+  return dict(assemble.compile_train_step(assemble.build(cfg, devices)).memory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ def plan_layouts(
   (Not called `plan`: `jax3d.plan` is the planner's module, which other modules import by that
   name; a package attribute of the same name would shadow it.)
   """
-  from jax3d.tools import costmodel, planner
+  from jax3d.planning import costmodel, planner
 
   cfg = (
     load_config(config, overrides)

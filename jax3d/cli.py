@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from jax3d.errors import UsageError
+
 
 class Check(NamedTuple):
   """A condition on a flag's converted value, and the words that say what is valid."""
@@ -77,10 +79,6 @@ class Args:
 
     path = self.config_path or config_lib.default_config_path()
     return os.path.splitext(os.path.basename(path))[0]
-
-
-class UsageError(ValueError):
-  """Bad command-line input (exit status 2)."""
 
 
 def fail(err: object) -> int:
@@ -214,9 +212,9 @@ def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dic
 def prepare_devices(n: int = 8) -> None:
   """Call before jax starts its backend. On a machine without an accelerator, exposes n fake CPU
   devices unless XLA_FLAGS is set; on a GPU machine, adds the communication-overlap XLA flags
-  (jax3d/training/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
+  (jax3d/parallel/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
+  from jax3d.parallel import gpu
   from jax3d.parallel.mesh import use_fake_cpu_devices
-  from jax3d.training import gpu
 
   use_fake_cpu_devices(n)
   gpu.apply_gpu_flags()

@@ -34,15 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     return args
   cli.prepare_devices()
   from jax3d import config as config_lib
-  from jax3d.hf import export
-  from jax3d.tools.sampling import NoCheckpoint
-  from jax3d.training import checkpoint as ckpt_lib
+  from jax3d.trainer import checkpoint as ckpt_lib
+  from jax3d.trainer.workdir import NoCheckpoint, export_workdir
 
   f = args.flags
   try:
-    files = export.export_workdir(
-      f['workdir'], f['out'], args.overrides, max_shard_bytes=f['max_shard_mb'] << 20
-    )
+    files = export_workdir(f['workdir'], f['out'], args.overrides, max_shard_bytes=f['max_shard_mb'] << 20)
   except (NoCheckpoint, config_lib.ConfigError) as e:
     return cli.fail(e)
   except ckpt_lib.CheckpointError as e:

@@ -8,7 +8,7 @@ text for the collectives, and the HLO's matmuls for FLOPs. XLA's own `cost_analy
 while loop's body once, whatever its trip count, so it under-counts a scanned model; we report it
 but multiply every op (matmul or collective) by the trip counts of the loops around it.
 
-Bytes are per device per optimizer step, defined in jax3d/tools/hlo.py: "buffer" is the HLO shape a
+Bytes are per device per optimizer step, defined in jax3d/analysis/hlo.py: "buffer" is the HLO shape a
 device holds, "wire" what it sends with a ring algorithm (the formulas are wire bytes).
 """
 
@@ -28,11 +28,11 @@ def main(argv: list[str] | None = None) -> int:
   if isinstance(args, int):
     return args
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
-  from jax3d import config as config_lib, run
-  from jax3d.tools.inspection import render
+  from jax3d import assemble, config as config_lib
+  from jax3d.analysis.inspection import render
 
   try:
-    result = run.inspect(args.cfg)
+    result = assemble.inspect(args.cfg)
   except config_lib.ConfigError as e:
     return cli.fail(e)
   if args.flags['json']:

@@ -3,7 +3,7 @@
   python -m jax3d.plan --config=configs/llama3_70b.py --nodes=8 --gpus-per-node=8 --gpu-memory-gb=80
   ... --json | --emit (the --config.* overrides for jax3d.train) | --verify (XLA's own figure)
 
-The search (jax3d/tools/planner.py) follows three placement rules: tp at most the GPUs of one
+The search (jax3d/planning/planner.py) follows three placement rules: tp at most the GPUs of one
 node (tensor parallelism stays on NVLink), pp a divisor of what remains, dp fills the rest; every
 candidate is priced with `costmodel.estimate`, so "few layers -> more tp" falls out of the bubble.
 When nothing fits, the out-of-memory ladder is printed with this config's numbers.
@@ -16,10 +16,19 @@ import sys
 
 from jax3d import cli
 from jax3d.config import ConfigError, validate
-from jax3d.tools import costmodel
-from jax3d.tools.costmodel import GB, Hardware, estimate
-from jax3d.tools.oom import oom_ladder
-from jax3d.tools.planner import LAYOUT_KEYS, Candidate, apply, explain, search, table, verify, verify_memory
+from jax3d.planning import costmodel
+from jax3d.planning.costmodel import GB, Hardware, estimate
+from jax3d.planning.oom import oom_ladder
+from jax3d.planning.planner import (
+  LAYOUT_KEYS,
+  Candidate,
+  apply,
+  explain,
+  search,
+  table,
+  verify,
+  verify_memory,
+)
 
 FLAGS = {
   'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),

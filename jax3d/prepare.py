@@ -14,7 +14,7 @@ Turns text into the token shards jax3d trains on (`--config.data.path=DIR`):
 Writes DIR/train-NNNNN.bin and DIR/val-NNNNN.bin (uint16, or uint32 for vocabularies over 65536;
 documents separated by EOS; a document is wholly in one split) and DIR/index.json, on --workers
 processes (default: every core) with a progress bar, then prints the throughput. Rerunning skips
-the shards already done for the same inputs and tokenizer (jax3d/tools/prepare.py).
+the shards already done for the same inputs and tokenizer (jax3d/data/prepare.py).
 
 Exit status: 0 done; 2 bad flags or input (one line on stderr).
 """
@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
   if isinstance(args, int):
     return args
   from jax3d.config import ConfigError
-  from jax3d.tools import prepare
-  from jax3d.training import tokenizer as tok_lib
+  from jax3d.data import prepare, tokenizer as tok_lib
 
   f = args.flags
   if f['input'] and not os.path.exists(f['input']):

@@ -16,7 +16,7 @@ Exit status: 0 printed the text; 2 bad flags, a bad config or no checkpoint in t
 (one line on stderr); 3 a checkpoint that does not match the config.
 
 In Python, `jax3d.sample(trainer_or_workdir, prompt, ...)` does the same: this module is callable
-(it forwards to `jax3d.tools.sampling.sample`, see `_CallableModule`).
+(it forwards to `jax3d.trainer.workdir.sample`, see `_CallableModule`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import types
 
 from jax3d import cli
-from jax3d.tools.sampling import NoCheckpoint, sample_workdir
+from jax3d.trainer.workdir import NoCheckpoint, sample_workdir
 
 FLAGS = {
   'workdir': cli.Flag(str, None, "a training run's workdir, holding checkpoints/", required=True),
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     return args
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   from jax3d import config as config_lib
-  from jax3d.training import checkpoint as ckpt_lib
+  from jax3d.trainer import checkpoint as ckpt_lib
 
   f = args.flags
   try:
@@ -76,10 +76,10 @@ class _CallableModule(types.ModuleType):
   `python -m jax3d.sample` and `import jax3d.sample` work) and the API function
   `jax3d.sample(trainer_or_workdir, prompt, ...)`. A package attribute cannot be both a function
   and a submodule, so the module's class is replaced by this one, whose calls forward to the
-  function `jax3d.tools.sampling.sample` (which `jax3d.api` re-exports as `api.sample`)."""
+  function `jax3d.trainer.workdir.sample` (which `jax3d.api` re-exports as `api.sample`)."""
 
   def __call__(self, *args, **kwargs):
-    from jax3d.tools import sampling
+    from jax3d.trainer import workdir as sampling
 
     return sampling.sample(*args, **kwargs)
 

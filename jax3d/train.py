@@ -20,7 +20,7 @@ import os
 import sys
 
 from jax3d import cli
-from jax3d.training import distributed
+from jax3d.trainer import distributed
 
 # The distributed flags are distributed.FLAGS, typed (an unset one falls back to its environment
 # variable: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX3D_DISTRIBUTED, ...).
@@ -83,9 +83,10 @@ def _run(args: cli.Args) -> int:
   import jax
 
   from jax3d import config as config_lib
+  from jax3d.data import corpus as data_lib
   from jax3d.parallel import mesh as mesh_lib
-  from jax3d.training import checkpoint as ckpt_lib, data as data_lib
-  from jax3d.training.trainer import Trainer, TrainingError
+  from jax3d.trainer import checkpoint as ckpt_lib
+  from jax3d.trainer.trainer import Trainer, TrainingError
 
   multi = distributed.info().multi
   workdir = args.flags['workdir'] or os.path.join('runs', args.config_name)

@@ -33,14 +33,14 @@ def measure(path, overrides):
   import jax
   import numpy as np
 
-  from jax3d import config as config_lib, run
+  from jax3d import assemble, config as config_lib
 
-  s = run.setup(config_lib.load_config(path, overrides))
+  s = assemble.build(config_lib.load_config(path, overrides))
   plan, state = s.plan, s.abstract_state
   local = lambda tree: sum(
     int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree)
   )
-  r = run.compile_train_step(s).analysis()
+  r = assemble.compile_train_step(s).analysis()
   comm = {}
   for c in r['collectives']:
     comm[c['axes']] = comm.get(c['axes'], 0.0) + c['wire_bytes']

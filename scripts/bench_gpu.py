@@ -52,7 +52,7 @@ def main(argv=None) -> int:
   ap.add_argument('--smoke', action='store_true', help='tiny model, 3 steps, runs on CPU')
   args = ap.parse_args(argv)
 
-  from jax3d.training import gpu
+  from jax3d.parallel import gpu
 
   if not args.smoke:
     added = gpu.apply_gpu_flags()  # before jax starts its backend
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   import jax
 
-  from jax3d import config as config_lib, run
+  from jax3d import assemble, config as config_lib
   from jax3d.model import formulas as flops
 
   shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
   }
   cfg = config_lib.load_config('tiny', over)
   device = jax.devices()[0]
-  s = run.setup(cfg, [device])
-  r = run.benchmark(s, steps)
+  s = assemble.build(cfg, [device])
+  r = assemble.benchmark(s, steps)
   compile_s, times, m = r['compile_s'], r['step_times'], r['metrics']
   warm = times[3:] if len(times) > 3 else times
   step_s = statistics.median(warm)

@@ -11,7 +11,7 @@ norm scales randomised, saved with `save_pretrained(safe_serialization=True)` in
 an index. Then, in a fresh process (only the importer's memory in its RSS; the parent imports
 neither jax nor torch, since a child's ru_maxrss starts from its parent's at exec), imports it on
 8 fake CPU devices onto --layout (DPxPPxTP, microbatches 4 when pipelined) through the trainer's own
-path: `run.resolve` (config.json, tensor headers, layout check), `run.setup`, then
+path: `assemble.build` (config.json, tensor headers, layout check, shardings), then
 `hf.weights.load_params` (what `--config.checkpoint.init_from=hf:PATH` runs in Trainer.init_state),
 and waits for the arrays. Reported: seconds (headers and setup, loading, total), the RSS before
 the import (after jax is up), the peak RSS (`ru_maxrss`), the RSS after, the bytes the devices hold
@@ -123,8 +123,8 @@ def child_import(folder: str, layout: tuple[int, int, int], param_dtype: str, ou
   use_fake_cpu_devices(8)
   import jax
 
-  from jax3d import config as config_lib, run
-  from jax3d.hf import config as hf_config, weights as hf_weights
+  from jax3d import assemble, config as config_lib
+  from jax3d.hf import weights as hf_weights
 
   jax.devices()  # the backend is up
   rss_before, maxrss_before = _status()['VmRSS'], _maxrss()
@@ -142,17 +142,16 @@ def child_import(folder: str, layout: tuple[int, int, int], param_dtype: str, ou
     },
   )
   t0 = time.perf_counter()
-  cfg = run.resolve(cfg, n)  # config.json, every tensor's header, the layout check
-  s = run.setup(cfg, jax.devices()[:n])
+  s = assemble.build(cfg, jax.devices()[:n])  # config.json, every tensor's header, the layout check
   t1 = time.perf_counter()
-  params = hf_weights.load_params(hf_config.read(cfg.checkpoint.init_from), s)
+  params = hf_weights.load_params(s)
   jax.block_until_ready(params)
   t2 = time.perf_counter()
   peak, st = _maxrss(), _status()
   leaves = jax.tree_util.tree_leaves_with_path(params)
   device_bytes = sum(sh.data.nbytes for _, a in leaves for sh in a.addressable_shards)
   largest = max(leaves, key=lambda kv: kv[1].nbytes)
-  hf = hf_config.read(cfg.checkpoint.init_from)
+  hf = s.hf
   files = sorted({f for f, _, _ in hf.tensors.values()})
   r = {
     'layout': f'{dp}x{pp}x{tp}',

@@ -15,7 +15,7 @@ tp = 2 and 4 (dp = pp = 1), remat none and full, SP off and on: compiled temp me
 and tp bytes from `jax3d.inspect`; then the median step time SP off / on at the reference shape
 (4x1x2) and at seq 1024 (1x1x4), one micro-batch. Use --layouts= to skip the layout table.
 
---malloc-sweep (jax3d/training/cpu.py): each of --layouts and --dtype in child processes with the
+--malloc-sweep (jax3d/parallel/cpu.py): each of --layouts and --dtype in child processes with the
 C allocator tuned (jax3d's default on CPU) and untuned (JAX3D_NO_MALLOC_TUNING=1), alternating,
 3 rounds: median step time and minor page faults per step, and the ratio tuned / untuned.
 """
@@ -35,7 +35,7 @@ from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
 use_fake_cpu_devices(8)
 import jax  # noqa: E402
 
-from jax3d import config as config_lib, run  # noqa: E402
+from jax3d import assemble, config as config_lib
 
 SHAPE = {
   'model.n_layers': 4,
@@ -62,8 +62,8 @@ def parse_layout(s: str):
 def measure(overrides: dict, steps: int) -> dict:
   cfg = config_lib.load_config('tiny', overrides)
   n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
-  s = run.setup(cfg, jax.devices()[:n])
-  r = run.benchmark(s, steps)
+  s = assemble.build(cfg, jax.devices()[:n])
+  r = assemble.benchmark(s, steps)
   times, m, mem = r['step_times'], r['metrics'], r['compiled'].memory
   return {
     'compile_s': r['compile_s'],
@@ -81,7 +81,7 @@ def log_overhead(rounds: int = 3, steps: int = 30) -> dict:
   evals) with a record every step against one every 100, alternating in one process."""
   import tempfile
 
-  from jax3d.training.trainer import Trainer
+  from jax3d.trainer.trainer import Trainer
 
   ov = dict(SHAPE, **{'mesh.dp': 4, 'mesh.pp': 1, 'mesh.tp': 2, 'pipeline.microbatches': 1})
   ov.update({'train.steps': 10_000, 'eval.every': 0, 'eval.batches': 1, 'log.progress': False})
@@ -122,7 +122,7 @@ def sp_sweep(steps: int) -> dict:
       for sp in ('false', 'true'):
         ov = dict(long, **{'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': tp, 'train.remat': remat})
         cfg = config_lib.load_config('tiny', dict(ov, **{'train.sequence_parallel': sp}))
-        c = run.compile_train_step(run.setup(cfg, jax.devices()[:tp]))
+        c = assemble.compile_train_step(assemble.build(cfg, jax.devices()[:tp]))
         a = c.analysis()
         r[sp] = {'temp_bytes': c.memory['temp'], 'tp_bytes': a['comm_bytes']['tp'], 'checks': a['checks']}
       r['temp_ratio'] = r['true']['temp_bytes'] / r['false']['temp_bytes']

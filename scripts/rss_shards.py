@@ -48,7 +48,7 @@ def child(folder: str, steps: int) -> None:
 
   use_fake_cpu_devices(8)
   from jax3d import config as config_lib
-  from jax3d.training.trainer import Trainer
+  from jax3d.trainer.trainer import Trainer
 
   cfg = config_lib.load_config(
     'tiny',

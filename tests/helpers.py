@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 
-from jax3d import config as config_lib, run
+from jax3d import assemble, config as config_lib
 from jax3d.parallel import pipeline
 from jax3d.training import step as step_lib
 
@@ -37,7 +37,7 @@ def small_cfg(**over):
 
 def setup_for(cfg):
   n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
-  return run.setup(cfg, jax.devices()[:n])
+  return assemble.build(cfg, jax.devices()[:n])
 
 
 def fixed_batches(cfg, n, seed=0):
@@ -68,7 +68,7 @@ def run_steps(cfg, n_steps=3):
   sh = s.batch_sharding
   batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in fixed_batches(cfg, n_steps)]
   init_params = canonical(s, state['params'])
-  train = run.compile_train_step(s)  # the trainer's own compile path
+  train = assemble.compile_train_step(s)  # the trainer's own compile path
   losses, grads = [], None
   for b in batches:
     state, m = train(state, b)

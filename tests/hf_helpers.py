@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax3d import config as config_lib, run
-from jax3d.hf import config as hf_config, weights as hf_weights
+from jax3d import assemble, config as config_lib
+from jax3d.hf import weights as hf_weights
 from jax3d.training import step as step_lib
 
 # GQA (8 query heads over 4 KV heads), a vocabulary that is not a multiple of 128 (padded to 384),
@@ -74,9 +74,8 @@ def imported(path: str, layout: tuple[int, int, int], **over: object) -> tuple[o
 
   cfg = jax3d_cfg(path, layout, **over)
   n = layout[0] * layout[1] * layout[2]
-  cfg = run.resolve(cfg, n)
-  s = run.setup(cfg, jax.devices()[:n])
-  return s, hf_weights.load_params(hf_config.read(cfg.checkpoint.init_from), s)
+  s = assemble.build(cfg, jax.devices()[:n])
+  return s, hf_weights.load_params(s)
 
 
 def jax3d_logits(s: object, params: object, toks: np.ndarray) -> np.ndarray:

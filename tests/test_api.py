@@ -62,7 +62,7 @@ def test_import_is_cheap_and_fake_devices_work():
 
 
 def test_trainer_is_reexported():
-  from jax3d.training.trainer import Trainer
+  from jax3d.trainer.trainer import Trainer
 
   assert jax3d.Trainer is Trainer and 'Trainer' in dir(jax3d)
 

@@ -37,10 +37,10 @@ JAX_SRC_ALLOWED = {
     'whether jax has started its backends (fake CPU devices can only be set before); jax has no '
     'public query that does not itself start them'
   ),
-  'jax3d.tools.costmodel._saved_residuals': (
+  'jax3d.planning.costmodel._saved_residuals': (
     'the residuals a rematerialisation policy keeps, as data; jax.ad_checkpoint only prints them'
   ),
-  'jax3d.training.distributed._jax_coordinator_address': (
+  'jax3d.trainer.distributed._jax_coordinator_address': (
     'the coordinator address jax.distributed.initialize settled on (it may have auto-detected it); '
     'jax.distributed has no public accessor'
   ),
@@ -58,13 +58,13 @@ LONG_MODULES = {
     'all of data parallelism in one file (ZeRO-1 layouts, the bf16/int8 reductions, the explicit shard_map), '
     'so that "how is DP done" is one read'
   ),
-  'jax3d/tools/costmodel.py': (
+  'jax3d/planning/costmodel.py': (
     "the estimate's memory and time model, with the residuals of the real layer it reads memory from"
   ),
   'jax3d/model/llama.py': (
     'the whole model: norm, rotary, the block (training, sequence-parallel and KV-cache paths), embed, head, loss'
   ),
-  'jax3d/training/trainer.py': (
+  'jax3d/trainer/trainer.py': (
     "one class for a run's lifecycle (restore or init, compile, the loop, evaluate, sample, save); "
     'the loop is split into steps of under 35 lines'
   ),
@@ -185,7 +185,7 @@ def test_the_cycle_finder_finds_cycles():
 def test_the_import_graph_sees_every_runtime_import():
   src = (
     'from typing import TYPE_CHECKING\n'
-    'import jax3d.training.data\n'
+    'import jax3d.data.corpus\n'
     'from jax3d import config, no_such_module\n'
     'from jax3d.parallel import mesh as mesh_lib\n'
     'from . import checkpoint\n'
@@ -193,15 +193,15 @@ def test_the_import_graph_sees_every_runtime_import():
     'if TYPE_CHECKING:\n  from jax3d.training import step\n'
     'def f():\n  from jax3d.model import llama\n'
   )
-  found = _imports('jax3d.training.trainer', ast.parse(src), is_package=False)
+  found = _imports('jax3d.trainer.trainer', ast.parse(src), is_package=False)
   assert found == {
     'jax3d',
     'jax3d.config',
     'jax3d.model.llama',
     'jax3d.parallel.mesh',
-    'jax3d.tools.hlo',
-    'jax3d.training.checkpoint',
-    'jax3d.training.data',
+    'jax3d.analysis.hlo',
+    'jax3d.trainer.checkpoint',
+    'jax3d.data.corpus',
   }
 
 

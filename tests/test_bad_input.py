@@ -286,7 +286,7 @@ def test_flag_spellings_and_types():
 
 def test_train_declares_every_distributed_flag():
   from jax3d import train
-  from jax3d.training import distributed
+  from jax3d.trainer import distributed
 
   assert set(train.FLAGS) == {'workdir', *distributed.FLAGS}
 

@@ -15,8 +15,8 @@ import pytest
 
 from jax3d import config as config_lib
 from jax3d.parallel import pipeline
-from jax3d.training import checkpoint as ckpt_lib
-from jax3d.training.trainer import Trainer, TrainingError
+from jax3d.trainer import checkpoint as ckpt_lib
+from jax3d.trainer.trainer import Trainer, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {
@@ -84,7 +84,7 @@ def cli(workdir, *args, timeout=300, **kw):
 RESUME_SCRIPT = """
 import sys
 from jax3d import config as c
-from jax3d.training.trainer import Trainer
+from jax3d.trainer.trainer import Trainer
 cfg = c.load_config('tiny', {overrides!r})
 t = Trainer(cfg, workdir={workdir!r}, console=False)
 print(t.init_state())

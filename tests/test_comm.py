@@ -14,8 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from jax3d import run
-from jax3d.training import gpu, step as step_lib
+from jax3d import assemble
+from jax3d.parallel import gpu
+from jax3d.training import step as step_lib
 
 from helpers import canonical, fixed_batches, setup_for, small_cfg
 
@@ -28,7 +29,7 @@ def train_steps(cfg, n_steps=3):
   s = setup_for(cfg)
   state = step_lib.make_init(s)(cfg.train.seed)
   sh = s.batch_sharding
-  train = run.compile_train_step(s)
+  train = assemble.compile_train_step(s)
   losses = []
   for b in fixed_batches(cfg, n_steps):
     state, m = train(state, {k: jax.device_put(v, sh) for k, v in b.items()})
@@ -38,7 +39,7 @@ def train_steps(cfg, n_steps=3):
 
 @functools.cache
 def inspected(**over):
-  return run.inspect(small_cfg(**over))
+  return assemble.inspect(small_cfg(**over))
 
 
 def dp_wire_bytes(r) -> float:
@@ -170,7 +171,7 @@ def test_int8_error_feedback_matches_float32_held_out_loss():
   little); 1% is 2.5x that, while int8 without error feedback or with a wrong scale drifts by
   several percent."""
   from jax3d import config as config_lib
-  from jax3d.training.trainer import Trainer
+  from jax3d.trainer.trainer import Trainer
 
   losses = {}
   for dtype in ('float32', 'int8'):

@@ -1,4 +1,4 @@
-"""The CPU allocator tuning (jax3d/training/cpu.py): when it applies, and that it removes the page
+"""The CPU allocator tuning (jax3d/parallel/cpu.py): when it applies, and that it removes the page
 faults of a large buffer freed and allocated again (what XLA:CPU does with a step's temporaries)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from jax3d.training import cpu
+from jax3d.parallel import cpu
 
 # In a fresh process: a 64 MiB buffer written, freed, allocated and written again; prints the
 # minor page faults of the second round (the kernel zeroing fresh pages) and whether tuning applied.

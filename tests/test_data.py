@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import config as config_lib, run
-from jax3d.training import data as data_lib
+from jax3d import assemble, config as config_lib
+from jax3d.data import corpus as data_lib
 
 
 @pytest.fixture(scope='module')
@@ -30,7 +30,7 @@ def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
       'train.global_batch_size': batch,
     },
   )
-  s = run.setup(cfg, jax.devices()[:n])
+  s = assemble.build(cfg, jax.devices()[:n])
   sh = s.batch_sharding
   rows = data_lib.local_rows(sh, batch)
   local = data_lib.batch_rows(corpus.train, 0, step, batch, seq, rows)

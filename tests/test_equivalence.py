@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax3d import run
+from jax3d import assemble
 
 from helpers import run_steps, small_cfg
 
@@ -104,7 +104,7 @@ def test_whole_microbatches_split_over_pp_equal_one_device(extra):
   m = 16 // extra.get('train__grad_accum', 1)
   over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': m, **extra}
   cfg = small_cfg(**over)
-  assert run.setup(cfg, jax.devices()).plan.pp_batch_split == 'micro'
+  assert assemble.build(cfg, jax.devices()).plan.pp_batch_split == 'micro'
   check(over)
 
 

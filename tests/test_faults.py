@@ -16,8 +16,8 @@ import pytest
 import test_multihost
 from test_checkpoint import cfg_for, cli, losses, read_ckpt
 
-from jax3d.training import checkpoint as ckpt_lib, lock as lock_lib
-from jax3d.training.trainer import Trainer
+from jax3d.trainer import checkpoint as ckpt_lib, lock as lock_lib
+from jax3d.trainer.trainer import Trainer
 
 
 def steps_on_disk(workdir):

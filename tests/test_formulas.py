@@ -8,7 +8,7 @@ import pytest
 
 from jax3d import config as config_lib
 from jax3d.model import formulas, llama as model_lib
-from jax3d.tools import costmodel
+from jax3d.planning import costmodel
 
 GQA = model_lib.Dims(
   n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=100, vocab_padded=128

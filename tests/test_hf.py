@@ -17,10 +17,11 @@ import jax
 import numpy as np
 import pytest
 
-from jax3d import config as config_lib, run
+from jax3d import assemble, config as config_lib
 from jax3d.hf import config as hf_config, export as hf_export
 from jax3d.model import generate
 from jax3d.parallel import pipeline
+from jax3d.trainer import workdir
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -107,7 +108,7 @@ def test_greedy_generation_matches_transformers(models):
 def test_trained_checkpoint_exported_gives_jax3d_logits(models, tmp_path):
   """Fine-tune an import for 3 steps on (2,2,2), export the checkpoint with jax3d.export's function
   onto another layout, load it in transformers: its logits are jax3d's."""
-  from jax3d.training.trainer import Trainer
+  from jax3d.trainer.trainer import Trainer
 
   path, _ = models['untied']
   text = tmp_path / 'corpus.txt'
@@ -122,7 +123,7 @@ def test_trained_checkpoint_exported_gives_jax3d_logits(models, tmp_path):
   finally:
     t.close()
   out = str(tmp_path / 'hf_out')
-  hf_export.export_workdir(str(tmp_path / 'run'), out, {'mesh.dp': 1, 'mesh.pp': 4, 'mesh.tp': 2})
+  workdir.export_workdir(str(tmp_path / 'run'), out, {'mesh.dp': 1, 'mesh.pp': 4, 'mesh.tp': 2})
   back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert H.rel_err(H.hf_logits(back, toks), ours) < TOL
   assert H.rel_err(ours, H.hf_logits(models['untied'][1], toks)) > 1e-4  # it did train
@@ -198,7 +199,7 @@ def test_bad_imports_exit_2_with_one_line_before_compiling(models, tmp_path):
 
 def test_resolve_derives_the_model_from_config_json(models):
   path, _ = models['tied']
-  cfg = run.resolve(config_lib.load_config('tiny', {'checkpoint.init_from': f'hf:{path}'}))
+  cfg = assemble.resolve(config_lib.load_config('tiny', {'checkpoint.init_from': f'hf:{path}'}))
   m = cfg.model
   got = (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size, m.rope_theta, m.max_seq_len)
   assert got == (4, 64, 8, 4, 96, 300, 500.0, 64)

@@ -1,5 +1,5 @@
 """jax3d.inspect: the HLO reader on known inputs, then the tiny model's (2,2,2) step against
-the expected bytes of `expected_comm` (jax3d/tools/inspection.py). Bytes are per device per
+the expected bytes of `expected_comm` (jax3d/analysis/inspection.py). Bytes are per device per
 optimizer step (see jax3d/inspect.py)."""
 
 import os
@@ -16,8 +16,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-from jax3d import config, run  # noqa: E402
-from jax3d.tools import hlo, inspection  # noqa: E402
+from jax3d import assemble, config
+from jax3d.analysis import hlo, inspection
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = (2, 2, 2)  # (dp, pp, tp); device id = 4*dp + 2*pp + tp
@@ -77,7 +77,7 @@ def test_loop_trip_counts_multiply_collectives():
 @pytest.fixture(scope='module')
 def tiny():
   cfg = config.load_config('tiny')
-  return run.inspect(cfg)
+  return assemble.inspect(cfg)
 
 
 def _check(result, what):
@@ -197,7 +197,7 @@ def _collectives_equal_the_formulas(dp, pp, tp, remat, sp):
   over = {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp, 'pipeline.microbatches': 2 * pp, 'train.remat': remat}
   over['model.n_kv_heads'] = max(tp, 2)  # tiny has 2 KV heads; tp must divide them
   over['train.sequence_parallel'] = 'true' if sp else 'false'
-  r = run.inspect(config.load_config('tiny', over))
+  r = assemble.inspect(config.load_config('tiny', over))
   for c in r['checks']:
     if 'spmd' in c:
       assert c['measured'] == pytest.approx(c['spmd'], rel=0.05, abs=1.0), (c['what'], c)

@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax3d.training import memory  # noqa: E402
+from jax3d.analysis import memory
 
 MB = 2**20
 

@@ -374,7 +374,7 @@ def test_tp_across_hosts_is_refused(tmp_path):
 
 
 def test_resolve_reads_flags_environment_and_launchers(monkeypatch):
-  from jax3d.training import distributed
+  from jax3d.trainer import distributed
 
   for k in list(os.environ):
     if k.startswith(('JAX_COORDINATOR', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID', 'SLURM_', 'OMPI_', 'JAX3D_')):

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jax3d import config
-from jax3d.tools import costmodel, planner as plan
+from jax3d.planning import costmodel, planner as plan
 
 CPU = costmodel.Hardware(flash_attention=False)
 
@@ -220,7 +220,7 @@ def test_sequence_parallel_divides_the_residual_stream_by_tp():
 
 
 def test_oom_ladder_more_tp_rung_states_the_sequence_parallel_saving():
-  from jax3d.tools import oom
+  from jax3d.planning import oom
 
   cfg = config.load_config('tiny', {'mesh.dp': 8, 'mesh.pp': 1, 'mesh.tp': 1, 'pipeline.microbatches': 1})
   p = config.validate(cfg, 8)

@@ -13,9 +13,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-from jax3d import config as config_lib, run
-from jax3d.tools import prepare
-from jax3d.training import data as data_lib, documents, shards, tokenizer as tok_lib
+from jax3d import assemble, config as config_lib
+from jax3d.data import corpus as data_lib, documents, prepare, shards, tokenizer as tok_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB = sysconfig.get_paths()['stdlib']
@@ -163,7 +162,7 @@ def test_token_stream_batches_equal_the_concatenated_stream(bpe):
 
 
 def test_a_run_on_shards_takes_their_tokenizer_and_vocabulary(bpe):
-  cfg = run.resolve(config_lib.load_config('tiny', {'data.path': bpe[1]}))
+  cfg = assemble.resolve(config_lib.load_config('tiny', {'data.path': bpe[1]}))
   assert cfg.data.tokenizer == os.path.join(bpe[1], 'tokenizer.json') and cfg.model.vocab_size == 1000
   corpus = data_lib.load_corpus(cfg.data.path, 0.05, 129, tok_lib.load(cfg.data.tokenizer))
   assert corpus.vocab_size == 1000 and isinstance(corpus.train, shards.TokenStream)

@@ -73,7 +73,7 @@ def test_report_command(tmp_path):
 
 
 def test_resume_keeps_the_latest_record_of_each_step(tmp_path):
-  from jax3d.tools import report
+  from jax3d.analysis import report
 
   _write_run(tmp_path)
   run = report.load(str(tmp_path / 'metrics.jsonl'))

@@ -22,7 +22,7 @@ import jax3d
 from jax3d import sample as sample_lib
 from jax3d.model import generate as gen_lib, llama as model_lib
 from jax3d.parallel import pipeline
-from jax3d.tools import sampling
+from jax3d.trainer import workdir as sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {

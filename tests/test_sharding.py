@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import config as config_lib, run
+from jax3d import assemble, config as config_lib
+from jax3d.analysis import hlo as hlo_lib
 from jax3d.model import llama as model_lib
 from jax3d.parallel import sharding
-from jax3d.tools import hlo as hlo_lib
 
 EXPECTED = {  # tiny model under (dp, pp, tp) = (2, 2, 2)
   'embed/embedding': P('tp', None),  # vocabulary-parallel
@@ -28,7 +28,7 @@ EXPECTED = {  # tiny model under (dp, pp, tp) = (2, 2, 2)
 
 def tiny_setup(**over):
   cfg = config_lib.load_config('tiny', over)
-  return run.setup(cfg, jax.devices())
+  return assemble.build(cfg, jax.devices())
 
 
 def test_partition_spec_of_every_parameter():

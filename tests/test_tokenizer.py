@@ -1,8 +1,8 @@
-"""A SentencePiece `.model` through jax3d's tokenizer loader (jax3d/training/tokenizer.py): a tiny
+"""A SentencePiece `.model` through jax3d's tokenizer loader (jax3d/data/tokenizer.py): a tiny
 model trained here with the `sentencepiece` library on standard-library source, loaded as a file
 and as a folder; its vocabulary, BOS/EOS ids and encodings are the library's own, decode inverts
 encode on text the model represents, and `jax3d.prepare --tokenizer=X.model` and the trainer's
-vocabulary rule (`run.resolve`) take it."""
+vocabulary rule (`assemble.resolve`) take it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-from jax3d import config as config_lib, run
-from jax3d.training import documents, shards, tokenizer as tok_lib
+from jax3d import assemble, config as config_lib
+from jax3d.data import documents, shards, tokenizer as tok_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB = sysconfig.get_paths()['stdlib']
@@ -108,5 +108,5 @@ def test_prepare_and_the_trainer_take_a_sentencepiece_model(sp_model, tmp_path):
   np.testing.assert_array_equal(train[0 : train.size], want)
   # The trainer's vocabulary rule: the shards' tokenizer, or data.tokenizer given directly.
   for over in ({'data.path': str(out)}, {'data.tokenizer': path}):
-    cfg = run.resolve(config_lib.load_config('tiny', over))
+    cfg = assemble.resolve(config_lib.load_config('tiny', over))
     assert cfg.data.tokenizer == os.path.abspath(path) and cfg.model.vocab_size == VOCAB, over

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jax3d.data import tokenizer as tok_lib
 from jax3d.hf import safetensors_io, weights
-from jax3d.training import tokenizer as tok_lib
 
 if TYPE_CHECKING:
-  from jax3d.run import Setup
+  from jax3d.record import Setup
 
 
 def config_json(setup: Setup, tok: tok_lib.Tokenizer) -> dict:
@@ -112,30 +112,3 @@ def export(params: Any, setup: Setup, out: str, max_shard_bytes: int = 2 << 30) 
   with open(os.path.join(out, 'generation_config.json'), 'w') as f:
     json.dump(gen, f, indent=2)
   return written + ['config.json', 'generation_config.json'] + _copy_tokenizer(tok, out)
-
-
-def export_workdir(
-  workdir: str,
-  out: str,
-  overrides: dict | None = None,
-  devices: list | None = None,
-  max_shard_bytes: int = 2 << 30,
-) -> list[str]:
-  """Exports the newest good checkpoint of a run (its saved config, read onto this machine's
-  devices in the saved layout or the one `overrides` sets) to `out`; returns the files written."""
-  import jax
-
-  from jax3d.tools import sampling
-
-  sampling.checkpoint_steps(workdir)  # NoCheckpoint when there is none
-  devices = list(devices if devices is not None else jax.devices())
-  cfg = sampling.sampling_config(sampling.saved_config(workdir), len(devices), overrides)
-  setup, params, _ = sampling.load_params(workdir, cfg, devices[: _n_devices(cfg, len(devices))])
-  return export(params, setup, out, max_shard_bytes)
-
-
-def _n_devices(cfg: Any, available: int) -> int:
-  from jax3d import config as config_lib
-
-  dp, pp, tp = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, available)
-  return dp * pp * tp

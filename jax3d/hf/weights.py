@@ -30,7 +30,7 @@ from jax3d.hf import safetensors_io
 from jax3d.hf.config import HFModel
 
 if TYPE_CHECKING:
-  from jax3d.run import Setup
+  from jax3d.record import Setup
 
 
 def _bounds(sl: slice, n: int) -> tuple[int, int]:
@@ -108,10 +108,13 @@ def _keys(path: tuple) -> tuple[str, ...]:
   return tuple(str(getattr(k, 'key', k)) for k in path)
 
 
-def load_params(hf: HFModel, setup: Setup) -> Any:
-  """The checkpoint's weights as jax3d parameters, each created in its target sharding from the
-  blocks its devices hold (see the module docstring), in setup's pipeline layer order and dtype."""
-  blocks = _Blocks(hf, setup)
+def load_params(setup: Setup) -> Any:
+  """The weights of the Hugging Face folder setup was built from (`setup.hf`, read once by
+  assemble.build) as jax3d parameters, each created in its target sharding from the blocks its
+  devices hold (see the module docstring), in setup's pipeline layer order and dtype."""
+  if setup.hf is None:
+    raise ValueError('load_params: the setup was not built from an hf: import (checkpoint.init_from)')
+  blocks = _Blocks(setup.hf, setup)
 
   def make(path: tuple, a: jax.ShapeDtypeStruct) -> jax.Array:
     # Each distinct block is read once and put on every device that holds it before the next is

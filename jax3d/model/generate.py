@@ -20,7 +20,7 @@ from jax3d.model import llama as model_lib
 from jax3d.parallel import pipeline
 
 if TYPE_CHECKING:
-  from jax3d.run import Setup
+  pass
 
 
 def empty_cache(dims: model_lib.Dims, batch: int, max_len: int) -> tuple:
@@ -149,29 +149,3 @@ def generate(
     -1 if stop is None else stop,
   )
   return [int(t) for t in jax.device_get(out[0])[: int(out[1])]]
-
-
-def generate_text(
-  setup: Setup, params: Any, prompt: str, n_tokens: int, temperature: float, top_k: int, seed: int
-) -> str:
-  """prompt + up to n_tokens generated tokens from `params` (stored in the pipeline layer order of
-  the jax3d.run.Setup `setup`), encoded and decoded with the run's tokenizer (data.tokenizer): the
-  prompt after BOS where the tokenizer has one, generation stopping at EOS."""
-  from jax3d.training import tokenizer
-
-  cfg, plan = setup.cfg, setup.plan
-  tok = tokenizer.load(cfg.data.tokenizer)
-  ids = tok.encode(prompt)
-  toks = generate(
-    setup.dims,
-    params,
-    (cfg.model.n_layers, plan.pp, plan.repeats),
-    ([tok.bos_id] if tok.bos_id is not None else []) + ids,
-    n_tokens,
-    cfg.model.max_seq_len,
-    temperature,
-    top_k,
-    seed,
-    stop=tok.eos_id,
-  )
-  return tok.decode(ids + toks)

@@ -365,12 +365,11 @@ def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
 
 def param_logical_axes(dims: Dims) -> PyTree:
   """The same tree as `init_params`, with each leaf's logical axis names (a tuple)."""
-  tok = jnp.zeros((1, 1), jnp.int32)
-  x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
-  key = jax.random.key(0)
+  tok = jax.ShapeDtypeStruct((1, 1), jnp.int32)  # shapes only: nothing runs or compiles
+  x = jax.ShapeDtypeStruct((1, 1, dims.d_model), dims.dtype)
 
   def names(module, *args):
-    boxed = jax.eval_shape(lambda: module.init(key, *args)['params'])
+    boxed = jax.eval_shape(lambda *a: module.init(jax.random.key(0), *a)['params'], *args)
     return jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=lambda b: isinstance(b, nn.Partitioned))
 
   layer = jax.tree.map(

@@ -39,8 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax3d.config import RunPlan
-from jax3d.model import remat
-from jax3d.parallel import microbatch, ring, sharding
+from jax3d.parallel import microbatch, remat, ring, sharding
 from jax3d.parallel.sharding import DP, PP
 
 AXIS = PP

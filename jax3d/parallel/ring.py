@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax3d.model import remat
+from jax3d.parallel import remat
 from jax3d.parallel.sharding import PP
 
 LayerFn = Callable[[Any, jax.Array], jax.Array]  # (one layer's params, x_btd) -> y_btd

@@ -7,7 +7,7 @@ Data flow of one step (`loss_sum`):
   (jax3d/parallel/data_parallel.py) for ZeRO-1 and 16-/8-bit reductions. `train.grad_accum` chunks run
   sequentially in a scan, their gradients summed.
 
-Every function takes the run's `Setup` (jax3d/run.py), which holds the config, plan, mesh, model
+Every function takes the run's `Setup` (jax3d/assemble.py), which holds the config, plan, mesh, model
 dims, optimizer, logical rules and the shardings, computed once.
 """
 
@@ -27,7 +27,7 @@ from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
 from jax3d.training import optim
 
 if TYPE_CHECKING:
-  from jax3d.run import Setup
+  from jax3d.record import Setup
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -114,7 +114,12 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
 
 # --- state and steps --------------------------------------------------------------------------
 def init_state(key: jax.Array, s: Setup) -> State:
-  params = llama.init_params(key, s.dims, s.layer_order)
+  """A fresh train state: parameters from `key`, step 0, the optimizer's initial state."""
+  return state_from_params(llama.init_params(key, s.dims, s.layer_order), s)
+
+
+def state_from_params(params: Any, s: Setup) -> State:
+  """The train state at step 0 around given parameters (an import, a warm start, or a seed's)."""
   state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': s.tx.init(params)}
   if s.has_residual:  # int8 error feedback: one residual per dp rank (jax3d/parallel/data_parallel.py)
     state['grad_residual'] = data_parallel.init_residual(params, s.plan.dp)
@@ -216,6 +221,19 @@ def make_init(s: Setup) -> MeshJit:
       return init_state(jax.random.key(seed), s)
 
   return MeshJit(init, s.mesh, out_shardings=s.state_shardings)
+
+
+def make_init_from_params(s: Setup) -> MeshJit:
+  """jit(state_from_params) with out_shardings; the parameters (in their shardings) are donated,
+  so an import or a warm start never holds them twice."""
+
+  def init(params):
+    with sharding.use_rules(s.rules):
+      return state_from_params(params, s)
+
+  return MeshJit(
+    init, s.mesh, in_shardings=(s.param_shardings,), out_shardings=s.state_shardings, donate_argnums=(0,)
+  )
 
 
 def make_logits(s: Setup) -> MeshJit:

@@ -27,15 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jax3d.errors import CheckpointError
 from jax3d.parallel import pipeline
 
 SOFT = 'grad_residual'  # train-state entry restored when it matches, else restarted at zero
 TRASH = '.deleted'  # old steps are renamed here (atomic), then removed
 PyTree = Any  # nested dicts / lists of arrays (or of jax.ShapeDtypeStruct for an abstract state)
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be used (message lists what is wrong)."""
 
 
 def _write_error(step: int, directory: str, e: OSError) -> CheckpointError:

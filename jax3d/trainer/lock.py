@@ -7,7 +7,7 @@ import fcntl
 import os
 from collections.abc import Callable
 
-from jax3d.training.checkpoint import CheckpointError
+from jax3d.trainer.checkpoint import CheckpointError
 
 
 class WorkdirLock:

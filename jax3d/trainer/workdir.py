@@ -13,16 +13,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jax3d.errors import NoCheckpoint
+
 if TYPE_CHECKING:
   import jax
   import ml_collections
 
-  from jax3d.run import Setup
-  from jax3d.training.trainer import Trainer
-
-
-class NoCheckpoint(Exception):
-  """The workdir holds no checkpoint to sample from."""
+  from jax3d.record import Setup
+  from jax3d.trainer.trainer import Trainer
 
 
 def _flatten(d: dict, prefix: str = '') -> dict:
@@ -129,10 +127,10 @@ def load_params(
   workdir: str, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
 ) -> tuple[Setup, Any, int]:
   """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout."""
-  from jax3d import run
-  from jax3d.training import checkpoint as ckpt_lib
+  from jax3d import assemble
+  from jax3d.trainer import checkpoint as ckpt_lib
 
-  setup = run.setup(cfg, devices)
+  setup = assemble.build(cfg, devices)
   params, step = ckpt_lib.load_params(
     checkpoint_dir(workdir),
     setup.abstract_state['params'],
@@ -165,9 +163,7 @@ def sample_workdir(
   cfg = sampling_config(cfg, len(devices), overrides)
   setup, params, _ = load_params(workdir, cfg, devices)
   s = cfg.sample
-  from jax3d.model import generate
-
-  return generate.generate_text(
+  return generate_text(
     setup,
     params,
     s.prompt if prompt is None else prompt,
@@ -203,3 +199,57 @@ def sample(
       os.fspath(source), prompt, n_tokens, temperature, top_k, seed, config=config, overrides=overrides
     )
   return source.sample(prompt, n_tokens, temperature, top_k, seed)
+
+
+def generate_text(
+  setup: Setup, params: Any, prompt: str, n_tokens: int, temperature: float, top_k: int, seed: int
+) -> str:
+  """prompt + up to n_tokens generated tokens from `params` (stored in the pipeline layer order of
+  the Setup `setup`), encoded and decoded with the run's tokenizer (data.tokenizer): the
+  prompt after BOS where the tokenizer has one, generation stopping at EOS."""
+  from jax3d.data import tokenizer as tokenizer_lib
+  from jax3d.model import generate
+
+  cfg, plan = setup.cfg, setup.plan
+  tok = tokenizer_lib.load(cfg.data.tokenizer)
+  ids = tok.encode(prompt)
+  toks = generate.generate(
+    setup.dims,
+    params,
+    (cfg.model.n_layers, plan.pp, plan.repeats),
+    ([tok.bos_id] if tok.bos_id is not None else []) + ids,
+    n_tokens,
+    cfg.model.max_seq_len,
+    temperature,
+    top_k,
+    seed,
+    stop=tok.eos_id,
+  )
+  return tok.decode(ids + toks)
+
+
+def export_workdir(
+  workdir: str,
+  out: str,
+  overrides: dict | None = None,
+  devices: list | None = None,
+  max_shard_bytes: int = 2 << 30,
+) -> list[str]:
+  """Exports the newest good checkpoint of a run (its saved config, read onto this machine's
+  devices in the saved layout or the one `overrides` sets) to `out`; returns the files written."""
+  import jax
+
+  from jax3d.hf import export as hf_export
+
+  checkpoint_steps(workdir)  # NoCheckpoint when there is none
+  devices = list(devices if devices is not None else jax.devices())
+  cfg = sampling_config(saved_config(workdir), len(devices), overrides)
+  setup, params, _ = load_params(workdir, cfg, devices[: _n_devices(cfg, len(devices))])
+  return hf_export.export(params, setup, out, max_shard_bytes)
+
+
+def _n_devices(cfg: Any, available: int) -> int:
+  from jax3d import config as config_lib
+
+  dp, pp, tp = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, available)
+  return dp * pp * tp

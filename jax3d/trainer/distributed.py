@@ -25,6 +25,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from jax3d.errors import DistributedError
+
 # The command-line flags of multi-process runs (python -m jax3d.train), with their defaults.
 FLAGS: dict[str, Any] = {
   'coordinator': None,
@@ -40,10 +42,6 @@ DEFAULT_INIT_TIMEOUT = 300
 DEFAULT_HEARTBEAT_TIMEOUT = 100
 DEFAULT_SHUTDOWN_TIMEOUT = 60
 HOSTNAME_BYTES = 256  # host names are exchanged as fixed-size byte arrays (a DNS name has <= 253)
-
-
-class DistributedError(RuntimeError):
-  """The processes could not be joined (unreachable coordinator, ...)."""
 
 
 @dataclasses.dataclass

@@ -1,20 +1,16 @@
-"""Configs: the defaults of every key, loading `configs/*.py`, and validation into a frozen run plan.
-
-Every check here runs before jax traces or compiles anything, and raises `ConfigError` with one
-line naming the setting, its value and what would be valid. The command-line tools turn a
-`ConfigError` into exit status 2.
-"""
+"""Validation of a config into the frozen run plan: every check runs before jax traces or
+compiles anything, and raises `ConfigError` with one line naming the setting, its value and what
+would be valid."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import os
-from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import ml_collections
+
+from jax3d.errors import ConfigError
 
 DTYPES = ('float32', 'bfloat16')
 REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
@@ -24,177 +20,6 @@ ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
 SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
 
 
-class ConfigError(ValueError):
-  """A setting that cannot work. The message is one line: setting, value, what would be valid."""
-
-
-# The key names below are a public contract (tests, scripts and users rely on them): rename nothing.
-def base_config() -> ml_collections.ConfigDict:
-  """Every key jax3d understands, with its default; `configs/*.py` start from it."""
-  c = ml_collections.ConfigDict()
-
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.dp = -1  # data parallel; -1 = all devices left over by the other axes
-  c.mesh.pp = 1  # pipeline stages
-  c.mesh.tp = 1  # tensor (Megatron) parallel, kept inside a host
-  c.mesh.allow_tp_across_hosts = False  # refuse a tp group that spans hosts unless forced
-
-  c.pipeline = ml_collections.ConfigDict()
-  c.pipeline.microbatches = 1  # m: micro-batches per step (per grad_accum chunk)
-  c.pipeline.repeats = 1  # v: layer chunks per stage; > 1 = the circular schedule
-  c.pipeline.schedule = 'gpipe'  # 'gpipe' or 'circular' (repeats > 1 is circular)
-  # true | false | auto: a stage skips the work of its bubble iterations (a lax.cond); auto = on
-  # CPU devices with jax >= 0.12, where fake devices share the cores (jax3d/parallel/pipeline.py)
-  c.pipeline.skip_bubbles = 'auto'
-
-  c.model = ml_collections.ConfigDict()
-  c.model.n_layers = 4  # decoder layers; divisible by mesh.pp * pipeline.repeats
-  c.model.d_model = 256  # hidden size; divisible by n_heads, head size even (rotary)
-  c.model.n_heads = 4  # query heads; divisible by mesh.tp
-  c.model.n_kv_heads = 4  # key/value heads (grouped-query attention); divides n_heads, divisible by mesh.tp
-  c.model.d_ff = 1024  # SwiGLU hidden size; divisible by mesh.tp
-  c.model.vocab_size = 256  # real vocabulary (256 for bytes); at least the data's
-  c.model.vocab_multiple = 128  # the vocabulary is padded to a multiple of this (layout-independent)
-  c.model.max_seq_len = 2048  # longest train.seq_len allowed
-  c.model.rope_theta = 10000.0  # rotary embedding base
-  c.model.norm_eps = 1e-5  # RMSNorm epsilon
-  c.train = ml_collections.ConfigDict()
-  c.train.steps = 1000  # optimizer steps of the whole run (the schedule decays over them)
-  c.train.global_batch_size = 32  # sequences per optimizer step (all devices, all accumulation chunks)
-  c.train.seq_len = 128  # tokens per sequence
-  c.train.seed = 0  # initialisation and data order; the batch of step i depends only on (seed, i)
-  c.train.lr = 3e-3  # peak learning rate (AdamW)
-  c.train.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio
-  c.train.warmup_steps = 50  # linear warmup from 0, then cosine decay
-  c.train.weight_decay = 0.1  # AdamW decay of matrices (not norm scales)
-  c.train.b1 = 0.9  # Adam beta1
-  c.train.b2 = 0.95  # Adam beta2
-  c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
-  c.train.remat = 'none'  # none | full | dots | attn  (see jax3d/model/remat.py)
-  c.train.compute_dtype = 'float32'  # float32 | bfloat16
-  c.train.param_dtype = 'float32'  # float32 | bfloat16 (master weights and optimizer state)
-  c.train.grad_accum = 1  # sequential chunks of the global batch per optimizer step
-  c.train.max_bad_steps = 5  # consecutive non-finite steps before the run stops
-  c.train.inject_nan_at = ''  # fault drill: comma-separated steps whose loss is made NaN
-  c.train.shard_optimizer = False  # ZeRO-1: shard Adam moments over dp
-  c.train.grad_reduce_dtype = 'float32'  # float32 | bfloat16 | int8 for the dp gradient reduction
-  c.train.attention = 'auto'  # auto | xla | cudnn  (jax.nn.dot_product_attention implementation)
-  c.train.sequence_parallel = 'false'  # Megatron-SP with tp > 1: true | false | auto (on when rows divide)
-
-  c.data = ml_collections.ConfigDict()
-  c.data.path = ''  # '' = the Python standard library's own source, as bytes
-  c.data.eval_fraction = 0.05  # held-out share (by file where the corpus has files)
-  c.data.prefetch = 2  # batches prepared ahead on a background thread
-  c.data.tokenizer = 'bytes'  # bytes | a tokenizer.json | a SentencePiece .model | a folder with one
-
-  c.log = ml_collections.ConfigDict()
-  c.log.every = 10  # steps between metric records and console lines
-  c.log.tensorboard = False  # also write TensorBoard event files to WORKDIR/tensorboard
-  c.log.progress = True  # live progress line on a terminal
-  c.log.leak_window = 20  # logged steps the memory-leak detector fits its slope over
-  c.log.leak_mb_per_step = 1.0  # sustained growth above this (MB per step, any device) warns
-
-  c.eval = ml_collections.ConfigDict()
-  c.eval.every = 100  # steps between held-out evaluations (0 = only at the end)
-  c.eval.batches = 8  # held-out batches per evaluation (fixed, the same for every layout)
-  c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 200  # steps between checkpoints (also at the end and on SIGTERM)
-  c.checkpoint.keep = 3  # newest checkpoints kept
-  c.checkpoint.async_save = True  # write in the background while training continues
-  c.checkpoint.init_from = (
-    ''  # warm start: parameters of another run's WORKDIR, or hf:PATH (Llama safetensors)
-  )
-
-  c.profile = ml_collections.ConfigDict()
-  c.profile.start = -1  # first profiled step; -1 = no profile
-  c.profile.steps = 3  # steps traced
-  c.hardware = ml_collections.ConfigDict()
-  c.hardware.peak_tflops = 0.0  # per device; 0 = look it up from the device kind (unknown on CPU)
-  c.hardware.memory_gb = 0.0  # GB per device the compiled step must fit (any backend); 0 = the device's limit
-
-  c.sample = ml_collections.ConfigDict()
-  c.sample.prompt = 'def '  # prompt of the text sample at the end of a run
-  c.sample.tokens = 200  # tokens generated
-  c.sample.temperature = 0.8  # 0 = greedy
-  c.sample.top_k = 40  # sample among the k likeliest tokens (0 = all)
-  return c
-
-
-def configs_dir() -> str:
-  """The folder of the shipped configs, `jax3d/configs/` (package data, so a non-editable install
-  has them too; the repository's top-level `configs` is a link to it)."""
-  return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
-
-
-def default_config_path() -> str:
-  """The config used when none is given: `configs/tiny.py`."""
-  return os.path.join(configs_dir(), 'tiny.py')
-
-
-def load_config(
-  path: str | None = None, overrides: Mapping[str, Any] | None = None
-) -> ml_collections.ConfigDict:
-  """Loads `configs/NAME.py` (its `get_config()`), applies `{'mesh.tp': 4, ...}`, locks it.
-
-  A path is read as given; a short name such as 'tiny' (or `configs/tiny.py` from outside the
-  repository) is looked up among the shipped configs, `jax3d/configs/`.
-  """
-  path = path or default_config_path()
-  if not os.path.exists(path):  # 'tiny', or 'configs/tiny.py' outside the repository: the shipped one
-    name = os.path.basename(path) if os.path.dirname(path) == 'configs' else f'{path}.py'
-    if os.path.exists(os.path.join(configs_dir(), name)):
-      path = os.path.join(configs_dir(), name)
-  if not os.path.exists(path):
-    raise ConfigError(
-      f'--config={path}: no such file (try configs/tiny.py, configs/gpt2_small.py, '
-      'configs/llama3_8b.py or configs/llama3_70b.py)'
-    )
-  spec = importlib.util.spec_from_file_location('jax3d_user_config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config()
-  cfg.lock()
-  for key, value in (overrides or {}).items():
-    set_key(cfg, key, value)
-  return cfg
-
-
-def set_key(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
-  """Sets `cfg.a.b = value`, rejecting keys that do not exist (with the valid ones listed)."""
-  *parents, leaf = dotted.split('.')
-  node = cfg
-  for i, name in enumerate(parents):
-    if not isinstance(node, ml_collections.ConfigDict) or name not in node:
-      raise ConfigError(
-        f'unknown config key {".".join(parents[: i + 1])!r}; valid sections: {", ".join(sorted(cfg.keys()))}'
-      )
-    node = node[name]
-  if leaf not in node:
-    raise ConfigError(f'unknown config key {dotted!r}; valid keys here: {", ".join(sorted(node.keys()))}')
-  current = node[leaf]
-  if isinstance(value, bool) and isinstance(current, str):  # train.sequence_parallel=True
-    value = str(value).lower()
-  if isinstance(value, str) and not isinstance(current, str):
-    try:
-      if isinstance(current, bool):
-        if value.lower() not in ('1', '0', 'true', 'false', 'yes', 'no'):
-          raise ValueError(value)
-        value = value.lower() in ('1', 'true', 'yes')
-      elif isinstance(current, int):
-        value = int(value)
-      elif isinstance(current, float):
-        value = float(value)
-    except ValueError:
-      raise ConfigError(
-        f'{dotted}={value!r} is invalid: expected a {type(current).__name__} (the default is {current!r})'
-      ) from None
-  with node.unlocked():
-    node[leaf] = value
-
-
-# --------------------------------------------------------------------------------------------
-# The run plan: every derived number, validated.
-# --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
   """The validated layout and batch sizes of a run: mesh axes, pipeline schedule, accumulation,

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import ml_collections
 
 from jax3d.config import ConfigError, RunPlan, validate
-from jax3d.tools.costmodel import GB, Hardware, estimate
-from jax3d.tools.planner import apply, search
+from jax3d.planning.costmodel import GB, Hardware, estimate
+from jax3d.planning.planner import apply, search
 
 if TYPE_CHECKING:
   import jax
@@ -116,8 +116,8 @@ def check_fits(cfg: ml_collections.ConfigDict, plan: RunPlan, compiled_bytes: in
   the out-of-memory ladder when they exceed the limit: `hardware.memory_gb` when set (on any
   backend, CPU included), else what the device's allocator reports (none on CPU). On a GPU the
   estimate counts too (XLA:GPU may need more than it reports before it runs)."""
-  from jax3d.training import memory as memory_lib
-  from jax3d.training.metrics import fmt_bytes
+  from jax3d.analysis import memory as memory_lib
+  from jax3d.analysis.memory import fmt_bytes
 
   est = estimate(cfg, plan)
   line = (

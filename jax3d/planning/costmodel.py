@@ -161,7 +161,8 @@ def _traced_residuals(
   import flax.linen as nn
   import jax
 
-  from jax3d.model import llama as model_lib, remat
+  from jax3d.model import llama as model_lib
+  from jax3d.parallel import remat
 
   @dataclasses.dataclass(frozen=True)
   class ShardDims(model_lib.Dims):  # one tp shard: n/tp heads of the full head size

@@ -1,5 +1,5 @@
 """The planner: every valid (dp, pp, tp, micro-batches, remat, ZeRO-1) layout of a config on a GPU
-cluster, priced by the cost model (jax3d/tools/costmodel.py), ranked, explained (tp, then pp, then
+cluster, priced by the cost model (jax3d/planning/costmodel.py), ranked, explained (tp, then pp, then
 dp, with the numbers); the out-of-memory ladder; and an ahead-of-time compile of the winner
 (`verify`).
 
@@ -20,8 +20,8 @@ from typing import Any
 import ml_collections
 
 from jax3d.config import ConfigError, RunPlan, set_key, validate
-from jax3d.tools import costmodel
-from jax3d.tools.costmodel import GB, Hardware, estimate
+from jax3d.planning import costmodel
+from jax3d.planning.costmodel import GB, Hardware, estimate
 
 POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 LAYOUT_KEYS = (
@@ -193,7 +193,7 @@ def verify_memory(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   estimate's (`estimate_memory_gb`), in GB (1e9 bytes); `bf16_note` when compute is bf16."""
   import jax
 
-  from jax3d import run
+  from jax3d import assemble
 
   devices = jax.devices('cpu')
   if len(devices) < plan.n_devices:
@@ -202,7 +202,7 @@ def verify_memory(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
       f'(XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r} was set before the run)'
     )
   est = estimate(cfg, plan, hw=Hardware(flash_attention=False))  # CPU: XLA's own attention
-  m = run.compile_train_step(run.setup(cfg, devices[: plan.n_devices])).memory
+  m = assemble.compile_train_step(assemble.build(cfg, devices[: plan.n_devices])).memory
   gb = lambda b: round(b / GB, 6)
   return {
     'compiled_on_cpu_devices': plan.n_devices,

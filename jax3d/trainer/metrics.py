@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax3d.analysis.memory import fmt_bytes
 from jax3d.model import formulas
 from jax3d.parallel import pipeline
 
@@ -67,20 +68,6 @@ class MetricsWriter:
     if self.file:
       self.file.close()
       self.file = None
-
-
-def fmt_bytes(n: float) -> str:
-  """'512 B', '1.5 KiB', ... '2.0 TiB' (binary units)."""
-  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-    if abs(n) < 1024 or unit == 'TiB':
-      return f'{n:.1f} {unit}' if unit != 'B' else f'{int(n)} B'
-    n /= 1024
-
-
-def fmt_duration(s: float) -> str:
-  """'m:ss', or 'h:mm:ss' from an hour on (negative durations show as 0:00)."""
-  s = int(max(s, 0))
-  return f'{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60}:{s % 60:02d}'
 
 
 class Console:

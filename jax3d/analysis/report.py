@@ -6,7 +6,7 @@ at each 'start' event what an earlier run logged after the resume point is forgo
 step the last record wins; a half-written last line (a killed run) is counted, not fatal.
 `figures` writes the PNGs (loss and held-out loss against steps and tokens, throughput and MFU,
 step time, memory per device); `markdown` the page; `write_report` both, into WORKDIR/report/.
-Record kinds are described in jax3d/training/metrics.py.
+Record kinds are described in jax3d/trainer/metrics.py.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ import jax
 import numpy as np
 
 from jax3d.config import ConfigError
-from jax3d.training import shards, tokenizer
-from jax3d.training.documents import TEXT_SUFFIXES, held_out, iter_files
-from jax3d.training.tokenizer import Tokenizer
+from jax3d.data import shards, tokenizer
+from jax3d.data.documents import TEXT_SUFFIXES, held_out, iter_files
+from jax3d.data.tokenizer import Tokenizer
+from jax3d.errors import DataError
 
 MAX_CORPUS_BYTES = 64 << 20
 
@@ -181,11 +182,6 @@ def to_global(
   return {
     k: jax.make_array_from_process_local_data(sharding, v, (batch,) + v.shape[1:]) for k, v in local.items()
   }
-
-
-class DataError(RuntimeError):
-  """The data pipeline failed: building a batch raised on the prefetch thread (that exception is the
-  cause), or the training data changed under the run (a token file truncated). The CLI exits 3."""
 
 
 class Prefetcher:

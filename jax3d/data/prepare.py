@@ -1,11 +1,11 @@
 """Token shards from text: an optional BPE tokenizer trained with `tokenizers`, then the corpus
 tokenized on every core into `OUT/{train,val}-NNNNN.bin` with `OUT/index.json` (the format of
-jax3d/training/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
+jax3d/data/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
 
 Documents: a text file is one document (a file over `shard_bytes` is cut at line ends into
 several), a JSONL line is one document (its `field`). Each document ends with EOS (and starts with
 BOS when the tokenizer has one). A document is held out when a hash of its name (relative path,
-plus the byte offset for JSONL lines and cut files) says so (jax3d/training/documents.py): a
+plus the byte offset for JSONL lines and cut files) says so (jax3d/data/documents.py): a
 document is wholly in train or wholly in val, so the splits never share a document.
 
 Work units: consecutive documents of about `shard_bytes` of text; unit i writes train-i.bin and
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from jax3d.training import documents, shards, tokenizer as tok_lib
+from jax3d.data import documents, shards, tokenizer as tok_lib
 
 VERSION = 1
 EOS_TOKEN = '<|endoftext|>'

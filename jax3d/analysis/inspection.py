@@ -1,9 +1,9 @@
 """What a compiled train step costs, per device per step, against the formulas: memory (XLA's
 `memory_analysis`), FLOPs (the HLO's matmuls times their loops' trip counts) and the collectives of
-each mesh axis (jax3d/tools/hlo.py), compared with the communication formulas of `expected_comm`
+each mesh axis (jax3d/analysis/hlo.py), compared with the communication formulas of `expected_comm`
 (`checks`).
 
-Bytes, as in jax3d/tools/hlo.py: buffer bytes are the HLO shape one device holds; wire bytes what a
+Bytes, as in jax3d/analysis/hlo.py: buffer bytes are the HLO shape one device holds; wire bytes what a
 device sends with a ring algorithm (the formulas are wire bytes).
 """
 
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 from jax3d.model import formulas
-from jax3d.tools.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 
 if TYPE_CHECKING:
-  from jax3d.run import Setup
+  from jax3d.record import Setup
 
 
 def expected_comm(s: Setup) -> dict:
@@ -227,7 +227,7 @@ def _mb(x: float) -> str:
 
 
 def summary_lines(r: dict) -> list[str]:
-  """A few lines for the trainer's start-up banner (Trainer.compile in jax3d/training/trainer.py)."""
+  """A few lines for the trainer's start-up banner (Trainer.compile in jax3d/trainer/trainer.py)."""
   m, c = r['memory_bytes'], r['comm_bytes']
   lines = [
     f'per device: args {_mb(m["argument"])}, temp {_mb(m["temp"])}, out {_mb(m["output"])} '

@@ -5,8 +5,8 @@
   t.evaluate()         # held-out loss
   t.sample('def ')     # text
 
-Order of work: run.setup (validate the config and the data: errors here, before anything
-compiles; the mesh; the shardings) -> restore or jitted sharded init -> run.compile_train_step
+Order of work: assemble.setup (validate the config and the data: errors here, before anything
+compiles; the mesh; the shardings) -> restore or jitted sharded init -> assemble.compile_train_step
 -> the loop (`train`: one `_step` per iteration, then logging, evaluation, checkpoints).
 """
 
@@ -24,24 +24,21 @@ import jax
 import ml_collections
 import numpy as np
 
-from jax3d import config as config_lib, run
-from jax3d.hf import config as hf_config, weights as hf_weights
-from jax3d.model import formulas as flops_lib, generate as gen_lib
-from jax3d.tools import inspection, oom
-from jax3d.training import (
+from jax3d import assemble
+from jax3d.analysis import inspection, memory as memory_lib
+from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
+from jax3d.errors import TrainingError
+from jax3d.hf import weights as hf_weights
+from jax3d.model import formulas as flops_lib
+from jax3d.planning import oom
+from jax3d.trainer import (
   checkpoint as ckpt_lib,
-  data as data_lib,
   distributed,
   lock as lock_lib,
-  memory as memory_lib,
   metrics as metrics_lib,
-  step as step_lib,
-  tokenizer as tokenizer_lib,
+  workdir as workdir_lib,
 )
-
-
-class TrainingError(RuntimeError):
-  """The run cannot go on (non-finite steps, ...); the CLI exits with status 3."""
+from jax3d.training import step as step_lib
 
 
 class Trainer:
@@ -52,11 +49,11 @@ class Trainer:
     devices: Sequence[jax.Device] | None = None,
     console: bool = True,
   ):
-    devices = list(devices if devices is not None else jax.devices())
-    # The model of a Hugging Face import, the tokenizer's vocabulary (all checked, exit 2 on bad input).
-    cfg = run.resolve(cfg, len(devices))
-    self.cfg, self.workdir = cfg, workdir
-    config_lib.validate(cfg, len(devices))  # config errors before data errors
+    # The one build path: the model of a Hugging Face import, the tokenizer's vocabulary, the
+    # layout, all checked (exit 2 on bad input) before the data is read and anything compiles.
+    self.setup = assemble.build(cfg, devices)
+    cfg = self.cfg = self.setup.cfg
+    self.workdir = workdir
     # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
     self._lock = (
       lock_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
@@ -68,7 +65,6 @@ class Trainer:
       cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1, self.tokenizer
     )
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
-    self.setup = run.setup(cfg, devices)
     self.plan, self.mesh = self.setup.plan, self.setup.mesh
     self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)
     self.quiet = not console
@@ -81,7 +77,7 @@ class Trainer:
       else None
     )
     self.state = None
-    self.compiled: run.CompiledStep | None = None
+    self.compiled: assemble.CompiledStep | None = None
     self._eval_step = None
     self._stop_signal = None
     self.devices = list(self.mesh.devices.flat)
@@ -100,7 +96,7 @@ class Trainer:
 
   @property
   def compiled_info(self) -> dict | None:
-    """Memory, FLOPs and collectives of the compiled step (jax3d/tools/inspection.py), once compiled."""
+    """Memory, FLOPs and collectives of the compiled step (jax3d/analysis/inspection.py), once compiled."""
     return self.compiled.analysis() if self.compiled is not None else None
 
   def log(self, msg: str = '') -> None:
@@ -123,17 +119,17 @@ class Trainer:
           f'resumed from {self.checkpointer.directory}/{meta["step"]} (saved under dp={saved["dp"]} '
           f'pp={saved["pp"]} tp={saved["tp"]} repeats={saved["repeats"]}), next step {meta["step"]}'
         )
-    self.state = step_lib.make_init(self.setup)(self.cfg.train.seed)
-    if hf_config.is_hf(self.cfg.checkpoint.init_from):
-      hf = hf_config.read(self.cfg.checkpoint.init_from)
-      self.state['params'] = hf_weights.load_params(hf, self.setup)
+    if self.setup.hf is not None:  # the parameters straight from the folder, no random init first
+      self.state = step_lib.make_init_from_params(self.setup)(hf_weights.load_params(self.setup))
+      hf = self.setup.hf
       return f'initialised, parameters imported from {hf.path} (Hugging Face {hf.config["architectures"][0]})'
     if self.cfg.checkpoint.init_from:
       params, step = ckpt_lib.load_params(
         self.cfg.checkpoint.init_from, abstract['params'], self.layout, warn=self.console.warn
       )
-      self.state['params'] = params
+      self.state = step_lib.make_init_from_params(self.setup)(params)
       return f'initialised, parameters warm-started from {self.cfg.checkpoint.init_from} (step {step})'
+    self.state = step_lib.make_init(self.setup)(self.cfg.train.seed)
     return f'initialised from seed {self.cfg.train.seed}'
 
   def compile(self) -> list[str]:
@@ -141,7 +137,7 @@ class Trainer:
     (compiled memory per device beside the planner's estimate, FLOPs, bytes per mesh axis)."""
     if self.compiled is not None:
       return []
-    self.compiled = run.compile_train_step(self.setup)
+    self.compiled = assemble.compile_train_step(self.setup)
     self._eval_step = step_lib.make_eval_step(self.setup)
     lines = [f'compiled the train step in {self.compiled.compile_s:.1f} s']
     lines += inspection.summary_lines(self.compiled.analysis())
@@ -205,7 +201,7 @@ class Trainer:
     seed: int = 0,
   ) -> str:
     s = self.cfg.sample
-    return gen_lib.generate_text(
+    return workdir_lib.generate_text(
       self.setup,
       self.state['params'],
       s.prompt if prompt is None else prompt,
@@ -391,8 +387,8 @@ class Trainer:
     self.log(
       f'step {step:>6}/{stop}  loss {float(m["loss"]):.4f}  lr {float(m["lr"]):.2e}  '
       f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step{mfu_txt}  '
-      f'mem {metrics_lib.fmt_bytes(max(mem["bytes_in_use"]))}/dev  '
-      f'ETA {metrics_lib.fmt_duration((stop - step) * dt)}'
+      f'mem {memory_lib.fmt_bytes(max(mem["bytes_in_use"]))}/dev  '
+      f'ETA {memory_lib.fmt_duration((stop - step) * dt)}'
     )
     clock.t_last, clock.steps = now, 0
 

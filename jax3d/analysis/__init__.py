@@ -1,0 +1,1 @@
+"""What a compiled step costs: memory, FLOPs and collectives read from XLA, per-device memory, plots."""

@@ -1,0 +1,218 @@
+"""The one build path, from a config to a built run, and from a built run to its compiled step.
+
+  s = assemble.build(cfg)                  # resolve -> validate once -> mesh -> shardings -> abstract state
+  step = assemble.compile_train_step(s)    # ahead-of-time compile for abstract inputs
+  step.memory['total'], step.analysis()    # XLA's bytes per device; FLOPs and collectives
+
+The trainer, the Python API, the sampler, the exporter, the planner's --verify, the inspector and
+the benchmarks all go through `build`, so what they report is what the trainer trains: an hf:
+import's model, a tokenizer's vocabulary, the layout. `build` returns a `Setup` (jax3d/record.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import resource
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax3d import config as config_lib
+from jax3d.analysis import inspection
+from jax3d.data import shards, tokenizer as tok_lib
+from jax3d.errors import ConfigError
+from jax3d.hf import config as hf_config
+from jax3d.model import llama
+from jax3d.parallel import cpu, data_parallel, mesh as mesh_lib, microbatch, pipeline, sharding
+from jax3d.record import Setup
+from jax3d.training import optim, step as step_lib
+
+
+def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Setup:
+  """The one build path: `resolve` the config (an hf: import, a tokenizer), validate it once for
+  these devices (ConfigError, before anything compiles; naming the imported config.json when the
+  model came from one), build the ('dp', 'pp', 'tp') mesh, the shardings and the train state's
+  abstract shapes. Nothing is allocated or compiled."""
+  devices = list(devices if devices is not None else jax.devices())
+  cfg, hf = _resolve(cfg)
+  try:
+    plan = config_lib.validate(cfg, len(devices))
+  except ConfigError as e:
+    if hf is None:
+      raise
+    raise ConfigError(f'{e} (model.* from {hf.path}/config.json)') from None
+  mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
+  cpu.retain_freed_memory(devices)  # XLA:CPU only: no page faults on every step's buffers
+  dims = llama.Dims.from_config(cfg, plan)
+  rules = sharding.logical_rules(
+    microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan)
+  )
+  s = Setup(
+    cfg=cfg,
+    plan=plan,
+    mesh=mesh,
+    dims=dims,
+    tx=optim.make_optimizer(cfg),
+    schedule=optim.schedule(cfg),
+    rules=rules,
+    layer_order=pipeline.layer_order(dims.n_layers, plan.pp, plan.repeats),
+    zero1=data_parallel.zero1(cfg, plan),
+    explicit_dp=data_parallel.explicit(cfg, plan),
+    has_residual=data_parallel.has_residual(cfg, plan),
+    param_shardings=sharding.tree_shardings(llama.param_logical_axes(dims), mesh, rules),
+    batch_sharding=NamedSharding(mesh, P(sharding.DP)),
+    hf=hf,
+  )
+  return _with_state(s)
+
+
+def _with_state(s: Setup) -> Setup:
+  """`s` with the train state's shapes (traced once, nothing allocated) and shardings."""
+  shapes = jax.eval_shape(lambda: step_lib.init_state(jax.random.key(0), s))
+  replicated = NamedSharding(s.mesh, P())
+  zero = data_parallel.zero_shardings(shapes['params'], s.param_shardings, s.mesh, s.plan.dp)
+  # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
+  moments = zero if s.zero1 else s.param_shardings
+  opt = {}
+
+  def opt_shardings() -> tuple:  # traced, not run: the optimizer's placeholder init stays abstract
+    opt['tree'] = optax.tree_map_params(
+      s.tx, lambda _, sh: sh, shapes['opt_state'], moments, transform_non_params=lambda _: replicated
+    )
+    return ()
+
+  jax.eval_shape(opt_shardings)
+  state_sh = {'step': replicated, 'params': s.param_shardings, 'opt_state': opt['tree']}
+  if s.has_residual:
+    state_sh['grad_residual'] = data_parallel.residual_shardings(s.param_shardings, s.mesh)
+  abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, state_sh)
+  batch = jax.ShapeDtypeStruct((s.plan.global_batch, s.plan.seq_len), jnp.int32, sharding=s.batch_sharding)
+  return dataclasses.replace(
+    s,
+    zero_shardings=zero,
+    state_shardings=state_sh,
+    abstract_state=abstract,
+    abstract_batch={'inputs': batch, 'targets': batch},
+  )
+
+
+def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config a run really has (a copy; cfg is left as it is), before anything compiles:
+
+  * `checkpoint.init_from=hf:PATH`: model.* from PATH/config.json, its tensors checked (names and
+    shapes, from the safetensors headers), and PATH's own tokenizer when data.tokenizer is 'bytes';
+  * token shards (data.path) made with a subword tokenizer: that one when data.tokenizer is 'bytes';
+  * a subword `data.tokenizer`: its absolute path (recorded in checkpoints, so that jax3d.sample
+    finds it) and model.vocab_size from it, or, when an import fixes the vocabulary, a check that
+    the tokenizer's fits in it.
+
+  ConfigError (exit 2) naming the file and what is wrong. `build` calls this; it is public for
+  the tools that only need the config (a check of what an import sets)."""
+  return _resolve(cfg)[0]
+
+
+def _resolve(cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, hf_config.HFModel | None]:
+  """`resolve`, and the Hugging Face folder it read (None without an import)."""
+  hf = hf_config.read(cfg.checkpoint.init_from) if hf_config.is_hf(cfg.checkpoint.init_from) else None
+  if hf is not None:
+    hf_config.check_tensors(hf)
+    cfg = hf_config.apply(cfg, hf)
+    if cfg.data.tokenizer == tok_lib.BYTES and any(
+      os.path.exists(os.path.join(hf.path, n)) for n in ('tokenizer.json', 'tokenizer.model')
+    ):
+      config_lib.set_key(cfg, 'data.tokenizer', hf.path)
+  else:
+    cfg = copy.deepcopy(cfg)
+  if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(cfg.data.path):
+    made_with = shards.read_index(cfg.data.path).get('tokenizer', {}).get('path', tok_lib.BYTES)
+    if made_with != tok_lib.BYTES and os.path.exists(made_with):  # the shards' own tokenizer
+      config_lib.set_key(cfg, 'data.tokenizer', made_with)
+  if cfg.data.tokenizer != tok_lib.BYTES:
+    tok = tok_lib.load(cfg.data.tokenizer)
+    config_lib.set_key(cfg, 'data.tokenizer', tok.path)
+    if hf is None:
+      config_lib.set_key(cfg, 'model.vocab_size', tok.vocab_size)
+    elif tok.vocab_size > cfg.model.vocab_size:
+      raise ConfigError(
+        f'data.tokenizer={tok.path!r} has {tok.vocab_size} tokens, more than model.vocab_size='
+        f'{cfg.model.vocab_size} of {hf.path}/config.json'
+      )
+  return cfg, hf
+
+
+@dataclasses.dataclass(eq=False)
+class CompiledStep:
+  """The train step compiled for one Setup: call it as `state, metrics = step(state, batch)`
+  (it donates the state). `memory` is XLA's figure per device; `analysis()` adds FLOPs and every
+  collective against the formulas (jax3d/analysis/inspection.py), computed once."""
+
+  setup: Setup
+  executable: jax.stages.Compiled
+  compile_s: float
+
+  def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
+    return self.executable(state, batch)
+
+  @functools.cached_property
+  def memory(self) -> dict:
+    return inspection.memory(self.executable)
+
+  _analysis: dict | None = dataclasses.field(default=None, repr=False)
+
+  def analysis(self) -> dict:
+    if self._analysis is None:
+      self._analysis = inspection.analyze(self.executable, self.setup)
+    return self._analysis
+
+
+def inspect(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> dict:
+  """`python -m jax3d.inspect` in Python: memory, FLOPs and collectives of cfg's compiled step."""
+  return compile_train_step(build(cfg, devices)).analysis()
+
+
+def compile_train_step(s: Setup) -> CompiledStep:
+  """The one compile path: the real train step lowered for the abstract state and batch (nothing
+  is allocated) and compiled ahead of time."""
+  t0 = time.perf_counter()
+  executable = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch).compile()
+  return CompiledStep(s, executable, time.perf_counter() - t0)
+
+
+def benchmark(s: Setup, steps: int, seed: int = 0) -> dict:
+  """For the benchmark scripts: the compiled step run `steps` times on a fresh state and one batch
+  of random tokens, each step waited for. Returns the CompiledStep, the seconds and the process's
+  minor page faults of each step, and the last metrics."""
+  compiled = compile_train_step(s)
+  state = step_lib.make_init(s)(seed)
+  toks = (
+    np.random.default_rng(seed)
+    .integers(0, s.dims.vocab_size, (s.plan.global_batch, s.plan.seq_len + 1))
+    .astype(np.int32)
+  )
+  batch = {
+    'inputs': jax.device_put(toks[:, :-1], s.batch_sharding),
+    'targets': jax.device_put(toks[:, 1:], s.batch_sharding),
+  }
+  times, faults, metrics = [], [], None
+  for _ in range(steps):
+    t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics['loss'])
+    times.append(time.perf_counter() - t0)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+  return {
+    'compiled': compiled,
+    'compile_s': compiled.compile_s,
+    'step_times': times,
+    'page_faults': faults,
+    'metrics': metrics,
+  }

@@ -1,0 +1,1 @@
+"""Corpora, tokenizers, token shards and the batches of each step."""

@@ -1,0 +1,68 @@
+"""The build record: everything a built run is, as one plain frozen record every layer reads.
+
+`jax3d.assemble.build(cfg)` fills it in (resolve the config -> validate once -> mesh -> shardings
+-> abstract state); nothing here computes anything or imports the layers above, so the model, the
+pipeline, the train step, the analysis and the trainer can all take a `Setup` without depending
+on how it was built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from jax3d.config import RunPlan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Setup:
+  """A built run (see the module docstring). The fields after `batch_sharding` exist once the
+  train state's shapes are known; `assemble.build` returns records with every field set."""
+
+  cfg: ml_collections.ConfigDict  # the resolved config (an hf: import's model.*, the tokenizer's vocabulary)
+  plan: RunPlan  # the validated layout and batch sizes
+  mesh: Mesh  # ('dp', 'pp', 'tp')
+  dims: Any  # jax3d.model.llama.Dims: the model's shapes and dtypes
+  tx: optax.GradientTransformation  # the optimizer chain
+  schedule: optax.Schedule  # the learning rate of each step
+  rules: Any  # jax3d.parallel.sharding.Rules: logical axis -> mesh axes
+  layer_order: np.ndarray  # position j of the stacked layers holds canonical layer layer_order[j]
+  zero1: bool  # Adam's moments sharded over dp (train.shard_optimizer, resolved)
+  explicit_dp: bool  # the dp gradient sum written by hand (ZeRO-1, bf16/int8 reductions)
+  has_residual: bool  # int8 error feedback: the state carries a residual per dp rank
+  param_shardings: Any  # a NamedSharding per parameter
+  batch_sharding: NamedSharding  # token batches: rows over dp
+  hf: Any = None  # jax3d.hf.config.HFModel of an hf: import (read once), else None
+  zero_shardings: Any = None  # the ZeRO-1 layout of parameter-shaped trees
+  state_shardings: Any = None  # the train state's shardings
+  abstract_state: Any = None  # the train state as ShapeDtypeStructs with their shardings
+  abstract_batch: Any = None  # {'inputs', 'targets'} as ShapeDtypeStructs with their shardings
+
+  @property
+  def layout(self) -> dict:
+    """The layout a checkpoint records (and is re-laid out from)."""
+    p = self.plan
+    return {
+      'dp': p.dp,
+      'pp': p.pp,
+      'tp': p.tp,
+      'microbatches': p.microbatches,
+      'repeats': p.repeats,
+      'n_layers': self.dims.n_layers,
+      'n_devices': p.n_devices,
+    }
+
+  @property
+  def batch_shardings(self) -> dict:
+    return {'inputs': self.batch_sharding, 'targets': self.batch_sharding}
+
+  @property
+  def devices(self) -> list[jax.Device]:
+    """The run's devices, in mesh order."""
+    return list(self.mesh.devices.flat)
