@@ -55,7 +55,10 @@ FLAGS = {
 
 def run(args: cli.Args) -> int:
   """Plans the layouts for parsed arguments, printing them; raises ConfigError when none fits."""
-  f, cfg = args.flags, args.cfg
+  from jax3d import assemble
+
+  # The model the trainer would train: an hf: import's config.json, a tokenizer's vocabulary.
+  f, cfg = args.flags, assemble.resolve(args.cfg)
   hw = Hardware(
     nodes=f['nodes'],
     gpus_per_node=f['gpus_per_node'],

@@ -1,8 +1,12 @@
 """The package's shape, read from the source with `ast` (no jax, nothing imported).
 
-  * no import cycles among jax3d modules (function-level imports count; `if TYPE_CHECKING:` ones
-    do not, since they never run);
+  * the packages are ranked, bottom to top (RANK): a module imports only from its own package or
+    from packages below it. Every import counts: module level, inside functions, and under
+    `if TYPE_CHECKING:` (a type is a dependency a reader follows too);
+  * no import cycles among jax3d modules (inside a package too);
   * library modules never import the command modules (`python -m jax3d.train` and friends);
+  * only jax3d/parallel/ writes collectives (psum, all_gather, ppermute, shard_map, ...) and names
+    mesh axes in a PartitionSpec;
   * no `jax._src` (jax's private internals) outside the functions allowed below, with the reason;
   * every module is at most MAX_LINES lines, unless allowed below with the reason;
   * every public function of every module has annotations on all parameters and its return.
@@ -24,6 +28,33 @@ PACKAGE = 'jax3d'
 # the library, which must not import them back.
 COMMAND_MODULES = frozenset(
   f'jax3d.{n}' for n in ('train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export', 'cli')
+)
+
+# The packages (and top-level modules) from the bottom up. A unit imports only units before it.
+RANK = (
+  'jax3d.errors',  # error types and exit statuses
+  'jax3d.config',  # keys, loading, validation into the run plan
+  'jax3d.configs',  # the shipped configs (configs/*.py)
+  'jax3d.record',  # the build record (Setup)
+  'jax3d.parallel',  # mesh, shardings, collectives, pipeline, remat, device flags
+  'jax3d.model',  # the decoder, its formulas, KV-cache decoding
+  'jax3d.data',  # corpora, tokenizers, shards, batches
+  'jax3d.hf',  # Hugging Face in and out
+  'jax3d.training',  # the train step and the optimizer
+  'jax3d.analysis',  # compiled memory, FLOPs, collectives; memory curves; plots
+  'jax3d.assemble',  # the one build path
+  'jax3d.planning',  # cost model, planner, OOM ladder
+  'jax3d.trainer',  # the Trainer, its loop, checkpoints, metrics, multi-host, a run's workdir
+  'jax3d.api',  # the Python API
+  'jax3d.cli',  # the commands' flag parsing
+  'jax3d.train',  # the commands
+  'jax3d.plan',
+  'jax3d.inspect',
+  'jax3d.report',
+  'jax3d.sample',
+  'jax3d.prepare',
+  'jax3d.export',
+  'jax3d',  # the package: lazy access to the API and the submodules
 )
 
 # Import edges (importer, imported) that close a known cycle, with the cycle; they are left out
@@ -94,30 +125,12 @@ def _parse(rel: str) -> ast.Module:
     return ast.parse(f.read(), filename=rel)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-  return (isinstance(test, ast.Name) and test.id == 'TYPE_CHECKING') or (
-    isinstance(test, ast.Attribute) and test.attr == 'TYPE_CHECKING'
-  )
-
-
-def _walk_runtime(node: ast.AST) -> Iterator[ast.AST]:
-  """Every node under `node` except the bodies of `if TYPE_CHECKING:` (their `else` runs)."""
-  for child in ast.iter_child_nodes(node):
-    if isinstance(child, ast.If) and _is_type_checking(child.test):
-      for other in child.orelse:
-        yield other
-        yield from _walk_runtime(other)
-      continue
-    yield child
-    yield from _walk_runtime(child)
-
-
 def _imports(module: str, tree: ast.Module, is_package: bool) -> set[str]:
-  """The jax3d modules `module` (its source parsed as `tree`) imports anywhere, at module level or
-  inside functions."""
+  """The jax3d modules `module` (its source parsed as `tree`) imports anywhere: at module level,
+  inside functions, under `if TYPE_CHECKING:`."""
   package = module if is_package else module.rpartition('.')[0]
   found = set()
-  for node in _walk_runtime(tree):
+  for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom):
@@ -182,14 +195,14 @@ def test_the_cycle_finder_finds_cycles():
   assert _find_cycle({'a': {'b', 'c'}, 'b': {'c'}, 'c': set()}) is None
 
 
-def test_the_import_graph_sees_every_runtime_import():
+def test_the_import_graph_sees_every_import():
   src = (
     'from typing import TYPE_CHECKING\n'
     'import jax3d.data.corpus\n'
     'from jax3d import config, no_such_module\n'
     'from jax3d.parallel import mesh as mesh_lib\n'
     'from . import checkpoint\n'
-    'from ..tools.hlo import parse_hlo\n'
+    'from ..analysis.hlo import parse_hlo\n'
     'if TYPE_CHECKING:\n  from jax3d.training import step\n'
     'def f():\n  from jax3d.model import llama\n'
   )
@@ -202,7 +215,51 @@ def test_the_import_graph_sees_every_runtime_import():
     'jax3d.analysis.hlo',
     'jax3d.trainer.checkpoint',
     'jax3d.data.corpus',
+    'jax3d.training.step',
   }
+
+
+def _unit(module: str) -> str:
+  """The RANK entry a module belongs to: its package below jax3d, or the top-level module."""
+  parts = module.split('.')
+  return '.'.join(parts[:2])
+
+
+def _rank_violations(graph: dict[str, set[str]]) -> list[str]:
+  rank = {u: i for i, u in enumerate(RANK)}
+  bad = []
+  for m, deps in sorted(graph.items()):
+    for n in sorted(deps):
+      a, b = _unit(m), _unit(n)
+      if a != b and rank[b] > rank[a]:
+        bad.append(f'{m} ({a}, rank {rank[a]}) imports {n} ({b}, rank {rank[b]})')
+  return bad
+
+
+def test_every_module_has_a_rank():
+  missing = sorted({_unit(m) for m in MODULES} - set(RANK))
+  assert not missing, f'packages or top-level modules not in RANK (place them in the house): {missing}'
+  stale = sorted(set(RANK) - {_unit(m) for m in MODULES})
+  assert not stale, f'RANK names units that no longer exist: {stale}'
+
+
+def test_imports_go_down_the_rank():
+  bad = _rank_violations(GRAPH)
+  assert not bad, 'imports that go up the package rank (move the code down, or pass it in): ' + '; '.join(bad)
+
+
+def test_the_rank_check_sees_an_import_going_up():
+  assert _rank_violations({'jax3d.model.llama': {'jax3d.trainer.trainer'}})
+  assert not _rank_violations({'jax3d.trainer.trainer': {'jax3d.model.llama', 'jax3d.trainer.checkpoint'}})
+
+
+def test_the_house_reads_bottom_up():
+  """The package graph drawn from the imports: every arrow points to a unit lower in RANK (the
+  drawing a reader can make of `python -c` over this test's GRAPH)."""
+  edges = {(_unit(m), _unit(n)) for m, deps in GRAPH.items() for n in deps if _unit(m) != _unit(n)}
+  rank = {u: i for i, u in enumerate(RANK)}
+  assert edges, 'no edges: the import scan found nothing'
+  assert all(rank[a] > rank[b] for a, b in edges), sorted(e for e in edges if rank[e[0]] <= rank[e[1]])
 
 
 def test_library_never_imports_a_command():

@@ -53,7 +53,8 @@ def checkpoint_steps(workdir: str) -> list[int]:
 
 def saved_config(workdir: str) -> ml_collections.ConfigDict:
   """The config the run trained with, from its newest checkpoint's meta JSON, over the defaults of
-  this version (keys this version does not know are skipped, so older runs stay readable)."""
+  this version (keys this version does not know are skipped, so older runs stay readable), without
+  its `checkpoint.init_from`."""
   import orbax.checkpoint as ocp
 
   from jax3d import config as config_lib
@@ -83,6 +84,10 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
       config_lib.set_key(cfg, key, value)
     except (config_lib.ConfigError, TypeError, KeyError):
       continue
+  # The saved config is the resolved one (an import's model.*, the tokenizer's path) and the
+  # parameters come from the checkpoint: building it must not read the imported folder again,
+  # which may be gone.
+  cfg.checkpoint.init_from = ''
   cfg.lock()
   return cfg
 
