@@ -273,6 +273,68 @@ def test_library_never_imports_a_command():
   assert not bad, 'library modules import command modules: ' + '; '.join(bad)
 
 
+# Collectives and shard_map: written only in jax3d/parallel/ (the model and the train step speak
+# logical axes; the parallel package maps them to the mesh and moves the bytes).
+COLLECTIVES = frozenset(
+  (
+    'psum',
+    'pmean',
+    'pmax',
+    'pmin',
+    'psum_scatter',
+    'all_gather',
+    'all_to_all',
+    'ppermute',
+    'axis_index',
+    'shard_map',
+  )
+)
+MESH_AXES = frozenset(('dp', 'pp', 'tp'))
+MESH_AXIS_CONSTANTS = frozenset(('DP', 'PP', 'TP'))
+
+
+def _mesh_uses(tree: ast.AST) -> list[tuple[int, str]]:
+  """(line, what) of every collective call, every mesh-axis constant (`sharding.TP`) and every
+  PartitionSpec naming a mesh axis by its string."""
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call):
+      f = node.func
+      name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+      if name in COLLECTIVES:
+        found.append((node.lineno, f'calls {name}'))
+      if name in ('P', 'PartitionSpec'):
+        for arg in ast.walk(node):
+          if isinstance(arg, ast.Constant) and arg.value in MESH_AXES:
+            found.append((node.lineno, f'PartitionSpec names mesh axis {arg.value!r}'))
+    elif isinstance(node, ast.Attribute) and node.attr in MESH_AXIS_CONSTANTS:
+      found.append((node.lineno, f'names mesh axis constant {node.attr}'))
+    elif isinstance(node, ast.ImportFrom) and any(
+      a.name in MESH_AXIS_CONSTANTS | COLLECTIVES for a in node.names
+    ):
+      found.append((node.lineno, f'imports {", ".join(a.name for a in node.names)}'))
+  return found
+
+
+def test_mesh_check_sees_every_form():
+  src = (
+    'x = jax.lax.psum(y, tp)\nz = all_gather(y, "tp")\ns = P("dp", None)\nt = sharding.TP\n'
+    'from jax3d.parallel.sharding import DP\nu = jax.shard_map(f, mesh=m)\n'
+  )
+  assert [line for line, _ in _mesh_uses(ast.parse(src))] == [1, 2, 3, 4, 5, 6]
+  assert not _mesh_uses(ast.parse('s = P("heads", None)\nwith_sharding_constraint(x, s)\nplan.tp'))
+
+
+def test_only_the_parallel_package_writes_collectives_and_names_mesh_axes():
+  bad = [
+    f'{rel}:{line} {what}'
+    for module, rel in sorted(MODULES.items())
+    if not module.startswith('jax3d.parallel')
+    for line, what in _mesh_uses(_parse(rel))
+  ]
+  assert not bad, 'collectives or mesh axes outside jax3d/parallel/: ' + '; '.join(bad)
+
+
 def _uses_jax_src(node: ast.AST) -> bool:
   if isinstance(node, ast.Import):
     return any(a.name == 'jax._src' or a.name.startswith('jax._src.') for a in node.names)
