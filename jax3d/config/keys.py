@@ -48,7 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.b1 = 0.9  # Adam beta1
   c.train.b2 = 0.95  # Adam beta2
   c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
-  c.train.remat = 'none'  # none | full | dots | attn  (see jax3d/parallel/remat.py)
+  c.train.remat = 'none'  # none | dots | attn | full | stage  (see jax3d/parallel/remat.py)
   c.train.compute_dtype = 'float32'  # float32 | bfloat16
   c.train.param_dtype = 'float32'  # float32 | bfloat16 (master weights and optimizer state)
   c.train.grad_accum = 1  # sequential chunks of the global batch per optimizer step
