@@ -69,7 +69,7 @@ def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
     explicit_dp=data_parallel.explicit(cfg, plan),
     has_residual=data_parallel.has_residual(cfg, plan),
     param_shardings=sharding.tree_shardings(llama.param_logical_axes(dims), mesh, rules),
-    batch_sharding=NamedSharding(mesh, P(sharding.DP)),
+    batch_sharding=sharding.batch_sharding(mesh),
     hf=hf,
   )
   return _with_state(s)

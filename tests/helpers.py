@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jax3d import assemble, config as config_lib
+from jax3d.model import llama
 from jax3d.parallel import pipeline
 from jax3d.training import step as step_lib
 
@@ -77,3 +81,18 @@ def run_steps(cfg, n_steps=3):
       mu = optax.tree.get(state['opt_state'], 'mu')
       grads = jax.tree.map(lambda x: x / (1 - cfg.train.b1), canonical(s, mu))
   return np.array(losses), grads, init_params
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def cached_logits(dims, params, layers, tokens_bt, cache, pos0):
+  """Logits of the last position and the updated KV cache, for tokens at positions pos0.. (layers
+  in canonical order): one decoding step built from the model's public pieces (embed, the layer's
+  KV-cache path, head)."""
+  positions_t = pos0 + jnp.arange(tokens_bt.shape[1])
+
+  def body(x_btd, layer):
+    p, k_bskh, v_bskh = layer
+    return llama.block_apply(dims, p, x_btd, positions_t, (k_bskh, v_bskh))
+
+  x_btd, cache = jax.lax.scan(body, llama.embed_apply(dims, params, tokens_bt), (layers, *cache))
+  return llama.head_apply(dims, params, x_btd[:, -1:])[:, 0], cache

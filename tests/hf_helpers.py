@@ -7,6 +7,7 @@ import numpy as np
 
 from jax3d import assemble, config as config_lib
 from jax3d.hf import weights as hf_weights
+from jax3d.parallel import sharding
 from jax3d.training import step as step_lib
 
 # GQA (8 query heads over 4 KV heads), a vocabulary that is not a multiple of 128 (padded to 384),
@@ -78,10 +79,21 @@ def imported(path: str, layout: tuple[int, int, int], **over: object) -> tuple[o
   return s, hf_weights.load_params(s)
 
 
+def make_logits(s: object) -> step_lib.MeshJit:
+  """jit(step.logits) for a batch of `train.global_batch_size` rows of token ids, as training
+  computes them (its mesh and logical rules, the parameters' and the batch's shardings)."""
+
+  def fn(params, tokens_bt):
+    with sharding.use_rules(s.rules):
+      return step_lib.logits(params, tokens_bt, s)
+
+  return step_lib.MeshJit(fn, s.mesh, in_shardings=(s.param_shardings, s.batch_sharding))
+
+
 def jax3d_logits(s: object, params: object, toks: np.ndarray) -> np.ndarray:
   import jax
 
-  out = step_lib.make_logits(s)(params, jax.device_put(toks, s.batch_sharding))
+  out = make_logits(s)(params, jax.device_put(toks, s.batch_sharding))
   return np.asarray(jax.device_get(out))[..., : s.dims.vocab_size]
 
 

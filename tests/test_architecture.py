@@ -68,7 +68,7 @@ JAX_SRC_ALLOWED = {
     'whether jax has started its backends (fake CPU devices can only be set before); jax has no '
     'public query that does not itself start them'
   ),
-  'jax3d.planning.costmodel._saved_residuals': (
+  'jax3d.planning.memory_model._saved_residuals': (
     'the residuals a rematerialisation policy keeps, as data; jax.ad_checkpoint only prints them'
   ),
   'jax3d.trainer.distributed._jax_coordinator_address': (
@@ -77,28 +77,11 @@ JAX_SRC_ALLOWED = {
   ),
 }
 
-MAX_LINES = 300
-# Modules allowed over MAX_LINES, and why they are one module.
+MAX_LINES = 330
+# Modules allowed over MAX_LINES, and why they are one module (line counts after `ruff format`).
 LONG_MODULES = {
-  # Line counts are after `ruff format` (one argument per line when a call does not fit).
-  'jax3d/config.py': (
-    'every config key with its default and comment, and the validation that checks them against each other'
-  ),
-  'jax3d/api.py': 'the public Python API in one place: thin wrappers whose docstrings are its reference',
-  'jax3d/parallel/data_parallel.py': (
-    'all of data parallelism in one file (ZeRO-1 layouts, the bf16/int8 reductions, the explicit shard_map), '
-    'so that "how is DP done" is one read'
-  ),
-  'jax3d/planning/costmodel.py': (
-    "the estimate's memory and time model, with the residuals of the real layer it reads memory from"
-  ),
-  'jax3d/model/llama.py': (
-    'the whole model: norm, rotary, the block (training, sequence-parallel and KV-cache paths), embed, head, loss'
-  ),
-  'jax3d/trainer/trainer.py': (
-    "one class for a run's lifecycle (restore or init, compile, the loop, evaluate, sample, save); "
-    'the loop is split into steps of under 35 lines'
-  ),
+  'jax3d/parallel/data_parallel.py': 'to be split: the explicit dp path and the compressed reductions',
+  'jax3d/model/llama.py': 'to be split: the layers and the model',
 }
 
 
@@ -321,7 +304,7 @@ def test_mesh_check_sees_every_form():
     'x = jax.lax.psum(y, tp)\nz = all_gather(y, "tp")\ns = P("dp", None)\nt = sharding.TP\n'
     'from jax3d.parallel.sharding import DP\nu = jax.shard_map(f, mesh=m)\n'
   )
-  assert [line for line, _ in _mesh_uses(ast.parse(src))] == [1, 2, 3, 4, 5, 6]
+  assert sorted(line for line, _ in _mesh_uses(ast.parse(src))) == [1, 2, 3, 4, 5, 6]
   assert not _mesh_uses(ast.parse('s = P("heads", None)\nwith_sharding_constraint(x, s)\nplan.tp'))
 
 

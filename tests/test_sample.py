@@ -24,6 +24,8 @@ from jax3d.model import generate as gen_lib, llama as model_lib
 from jax3d.parallel import pipeline
 from jax3d.trainer import workdir as sampling
 
+from helpers import cached_logits
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {
   'model.d_model': 64,
@@ -111,11 +113,11 @@ def test_kv_cache_matches_full_forward(run):
   params = t.state['params']
   layers = pipeline.to_canonical(params['layers'], *layout)
   cache = gen_lib.empty_cache(dims, 1, t.cfg.model.max_seq_len)
-  logits, cache = gen_lib._forward(dims, params, layers, jnp.asarray([prompt], jnp.int32), cache, 0)
+  logits, cache = cached_logits(dims, params, layers, jnp.asarray([prompt], jnp.int32), cache, 0)
   for i in range(n):
     got = np.asarray(logits)[0, : dims.vocab_size]
     np.testing.assert_allclose(got, ref_logits[i], rtol=1e-4, atol=1e-4)
-    logits, cache = gen_lib._forward(
+    logits, cache = cached_logits(
       dims, params, layers, jnp.asarray([[ref_tokens[i]]], jnp.int32), cache, len(prompt) + i
     )
 

@@ -274,7 +274,7 @@ def render(r: dict) -> str:
       out.append(f'           {kind:34s}{_mb(k["wire_bytes"]):>12s}  x{k["ops"]}')
   out += [
     '',
-    'measured vs formulas.md (formula = useful work; spmd = as this SPMD pipeline executes it):',
+    'measured vs docs/formulas.md (formula = useful work; spmd = as this SPMD pipeline executes it):',
     f'  {"":56s}{"measured":>12s}{"formula":>12s}{"spmd":>12s}  ratio to formula / spmd',
   ]
   for ch in r['checks']:

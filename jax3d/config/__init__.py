@@ -1,5 +1,6 @@
 """Configs: every key with its default (keys.py), loading `configs/*.py` with overrides
-(loading.py), and validation into the frozen run plan (validate.py).
+(loading.py), what each setting may be (rules.py), and validation into the frozen run plan
+(validate.py).
 
 Every check runs before jax traces or compiles anything and raises `ConfigError` with one line
 naming the setting, its value and what would be valid; the commands exit 2 on it. Nothing here
@@ -8,18 +9,16 @@ imports jax.
 
 from jax3d.config.keys import base_config
 from jax3d.config.loading import configs_dir, default_config_path, load_config, set_key
-from jax3d.config.validate import (
+from jax3d.config.rules import (
   ATTENTION_IMPLS,
   DTYPES,
   GRAD_REDUCE_DTYPES,
   REMAT_POLICIES,
   SCHEDULES,
   SWITCH,
-  RunPlan,
   padded_vocab,
-  resolve_mesh,
-  validate,
 )
+from jax3d.config.validate import RunPlan, resolve_mesh, validate
 from jax3d.errors import ConfigError
 
 __all__ = [

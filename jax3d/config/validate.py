@@ -1,23 +1,28 @@
 """Validation of a config into the frozen run plan: every check runs before jax traces or
 compiles anything, and raises `ConfigError` with one line naming the setting, its value and what
-would be valid."""
+would be valid. The checks themselves are data (jax3d/config/rules.py); this module runs them in
+order and resolves the mesh between the model's checks and the layout's."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import ml_collections
 
+from jax3d.config.rules import (
+  LAYOUT_CHECKS,
+  MODEL_CHECKS,
+  SETTINGS,
+  SWITCH,
+  Failure,
+  padded_vocab,
+  setting,
+  step_list,
+)
 from jax3d.errors import ConfigError
-
-DTYPES = ('float32', 'bfloat16')
-REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
-SCHEDULES = ('gpipe', 'circular')
-GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
-ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
-SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,108 +110,35 @@ def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int) -> tuple[int, int, i
   return sizes['mesh.dp'], sizes['mesh.pp'], sizes['mesh.tp']
 
 
-def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
-  """Checks every setting against the others and the device count; returns the run plan."""
-  m, t, p_ = cfg.model, cfg.train, cfg.pipeline
-  for key, value in (('train.compute_dtype', t.compute_dtype), ('train.param_dtype', t.param_dtype)):
-    if value not in DTYPES:
-      _fail(key, value, f'one of {", ".join(DTYPES)}')
-  if t.remat not in REMAT_POLICIES:
-    _fail('train.remat', t.remat, f'one of {", ".join(REMAT_POLICIES)}')
-  if p_.schedule not in SCHEDULES:
-    _fail('pipeline.schedule', p_.schedule, f'one of {", ".join(SCHEDULES)}')
-  if t.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-    _fail('train.grad_reduce_dtype', t.grad_reduce_dtype, f'one of {", ".join(GRAD_REDUCE_DTYPES)}')
-  if t.attention not in ATTENTION_IMPLS:
-    _fail('train.attention', t.attention, f'one of {", ".join(ATTENTION_IMPLS)}')
-  for key in (
-    'n_layers',
-    'd_model',
-    'n_heads',
-    'n_kv_heads',
-    'd_ff',
-    'vocab_size',
-    'max_seq_len',
-    'vocab_multiple',
-  ):
-    if not isinstance(m[key], int) or m[key] < 1:
-      _fail(f'model.{key}', m[key], 'a positive integer')
-  for key in ('global_batch_size', 'seq_len', 'grad_accum', 'max_bad_steps'):
-    if not isinstance(t[key], int) or t[key] < 1:
-      _fail(f'train.{key}', t[key], 'a positive integer')
-  if not isinstance(t.steps, int) or t.steps < 0:
-    _fail('train.steps', t.steps, 'an integer >= 0')
-  if not isinstance(p_.microbatches, int) or p_.microbatches < 1:
-    _fail('pipeline.microbatches', p_.microbatches, 'an integer >= 1')
-  if not isinstance(p_.repeats, int) or p_.repeats < 1:
-    _fail('pipeline.repeats', p_.repeats, 'an integer >= 1')
-  # repeats > 1 *is* the circular schedule (GPipe is its v=1 case, one loop runs both), so it never
-  # demands pipeline.schedule=circular as well.
-  try:
-    nan_steps = tuple(int(x) for x in str(t.inject_nan_at).split(',') if x.strip())
-  except ValueError:
-    _fail('train.inject_nan_at', t.inject_nan_at, 'comma-separated step numbers, e.g. "3,4"')
-  if not isinstance(cfg.hardware.memory_gb, int | float) or cfg.hardware.memory_gb < 0:
-    _fail('hardware.memory_gb', cfg.hardware.memory_gb, "a number of GB >= 0 (0 = the device's own limit)")
-  if cfg.log.every < 1:
-    _fail('log.every', cfg.log.every, 'an integer >= 1')
-  if m.d_model % m.n_heads:
-    _fail('model.d_model', m.d_model, f'a multiple of model.n_heads={m.n_heads}')
-  if (m.d_model // m.n_heads) % 2:
-    _fail(
-      'model.d_model',
-      m.d_model,
-      f'd_model/n_heads must be even for rotary embeddings (it is {m.d_model // m.n_heads})',
-    )
-  if m.n_heads % m.n_kv_heads:
-    _fail('model.n_kv_heads', m.n_kv_heads, f'a divisor of model.n_heads={m.n_heads}')
-  if t.seq_len > m.max_seq_len:
-    _fail('train.seq_len', t.seq_len, f'at most model.max_seq_len={m.max_seq_len}')
+def _raise_first(failures: Iterable[Failure]) -> None:
+  for failure in failures:
+    if failure is not None:
+      _fail(*failure)
 
+
+def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
+  """Checks every setting (SETTINGS), then the settings against each other (MODEL_CHECKS) and
+  against the device count (LAYOUT_CHECKS); returns the run plan."""
+  for key, rule in SETTINGS:
+    if not rule.ok(setting(cfg, key)):
+      _fail(key, setting(cfg, key), rule.valid)
+  _raise_first(check(cfg) for check in MODEL_CHECKS)
   dp, pp, tp = resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices)
-  for key in ('n_heads', 'n_kv_heads', 'd_ff'):
-    if m[key] % tp:
-      _fail(f'model.{key}', m[key], f'must be divisible by mesh.tp={tp}')
-  vocab_padded = padded_vocab(m)
-  if vocab_padded % tp:
-    _fail(
-      'model.vocab_size',
-      m.vocab_size,
-      f'padded to {vocab_padded} (model.vocab_multiple='
-      f'{m.vocab_multiple}), which mesh.tp={tp} does not divide; pick a vocab_multiple divisible by tp',
-    )
-  v = p_.repeats
-  if m.n_layers % (pp * v):
-    _fail(
-      'model.n_layers', m.n_layers, f'must be divisible by mesh.pp*pipeline.repeats = {pp}*{v} = {pp * v}'
-    )
-  if v > 1 and p_.microbatches < pp:
-    _fail(
-      'pipeline.microbatches',
-      p_.microbatches,
-      f'the circular schedule (repeats={v}) needs microbatches >= mesh.pp={pp}',
-    )
-  per = dp * p_.microbatches * t.grad_accum
-  if t.global_batch_size % per:
-    _fail(
-      'train.global_batch_size',
-      t.global_batch_size,
-      f'must be divisible by mesh.dp*'
-      f'pipeline.microbatches*train.grad_accum = {dp}*{p_.microbatches}*{t.grad_accum} = {per} '
-      f'(each micro-batch is split over dp)',
-    )
+  _raise_first(check(cfg, dp, pp, tp) for check in LAYOUT_CHECKS)
+  t, p_ = cfg.train, cfg.pipeline
+  rows = t.global_batch_size // (dp * p_.microbatches * t.grad_accum) * t.seq_len
   return RunPlan(
-    sequence_parallel=_sequence_parallel(t.sequence_parallel, t.global_batch_size // per * t.seq_len, tp),
+    sequence_parallel=_sequence_parallel(t.sequence_parallel, rows, tp),
     dp=dp,
     pp=pp,
     tp=tp,
     microbatches=p_.microbatches,
-    repeats=v,
+    repeats=p_.repeats,
     grad_accum=t.grad_accum,
     global_batch=t.global_batch_size,
     seq_len=t.seq_len,
-    vocab_padded=vocab_padded,
-    nan_steps=nan_steps,
+    vocab_padded=padded_vocab(cfg.model),
+    nan_steps=step_list(t.inject_nan_at),
     skip_bubbles=_skip_bubbles(p_.skip_bubbles),
   )
 
@@ -240,8 +172,3 @@ def _sequence_parallel(value: Any, rows: int, tp: int) -> bool:
       f'divisible by mesh.tp={tp}; use a micro-batch or seq_len that tp divides, or false',
     )
   return True
-
-
-def padded_vocab(model_cfg: ml_collections.ConfigDict) -> int:
-  """The stored vocabulary: model.vocab_size rounded up to a multiple of model.vocab_multiple."""
-  return -(-model_cfg.vocab_size // model_cfg.vocab_multiple) * model_cfg.vocab_multiple

@@ -119,7 +119,7 @@ def load_params(setup: Setup) -> Any:
   def make(path: tuple, a: jax.ShapeDtypeStruct) -> jax.Array:
     # Each distinct block is read once and put on every device that holds it before the next is
     # read, so the host holds one block at a time (make_array_from_callback would build all of a
-    # process's blocks first: 3.4 GiB for one stacked gate/up kernel of a 1B model on 8 devices).
+    # process's blocks first, all of a stacked kernel's at once).
     keys, by_block = _keys(path), {}
     for d, idx in a.sharding.addressable_devices_indices_map(a.shape).items():
       key = tuple((s.start, s.stop, s.step) for s in idx)

@@ -27,12 +27,27 @@ bf16 peak or less), so its MFU against the bf16 peak is low by construction.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:  # llama imports this module: its types only for the annotations
+if TYPE_CHECKING:
   import jax
 
-  from jax3d.model.llama import Dims
+
+class Dims(Protocol):
+  """The model sizes the formulas read (jax3d.model.llama.Dims has them; llama imports this
+  module, so the formulas name the fields, not that class)."""
+
+  n_layers: int
+  d_model: int
+  n_heads: int
+  n_kv_heads: int
+  d_ff: int
+  vocab_size: int
+  vocab_padded: int
+
+  @property
+  def head_dim(self) -> int: ...
+
 
 # (substring of jax's device.device_kind, dense bf16 TFLOP/s per device). First match wins, so
 # the more specific names come first.
@@ -165,8 +180,8 @@ def pipeline_edge_bytes(
   """Wire bytes per device of entering and leaving the pipeline loop, per optimizer step and
   accumulation chunk: the m micro-batches on one dp shard (fp32 at the boundary, X = rows*s*h*4)
   with their rows split over (dp, pp), or the micro-batches over pp, take an all-gather in and a
-  reduce-scatter out, each transposed in the backward pass (4 of (p-1)/p X); otherwise a psum out
-  over pp and, backward, the psum of the input's gradient (2 of 2(p-1)/p X). The same bytes
+  reduce-scatter out, each transposed in the backward pass (4 of (p-1)/p X); otherwise an all-reduce
+  out over pp and, backward, the all-reduce of the input's gradient (2 of 2(p-1)/p X). The same bytes
   either way, except under sequence parallelism over `sp_tp` without the split rows (`scatter`
   False): the input's gradient is summed over pp while its rows are still split over tp (1/tp of
   it)."""

@@ -10,7 +10,7 @@ device; larger ones keep their training shardings and the compiler gathers what 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +18,6 @@ import numpy as np
 
 from jax3d.model import llama as model_lib
 from jax3d.parallel import pipeline
-
-if TYPE_CHECKING:
-  pass
 
 
 def empty_cache(dims: model_lib.Dims, batch: int, max_len: int) -> tuple:
@@ -39,13 +36,6 @@ def _run(dims, params, layers, tokens_bt, cache, pos0):
     return model_lib.block_apply(dims, p, x_btd, positions_t, (k_bskh, v_bskh))
 
   return jax.lax.scan(body, x_btd, (layers, *cache))
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _forward(dims, params, layers, tokens_bt, cache, pos0):
-  """Logits of the last position and the updated cache, for tokens at positions pos0.. ."""
-  x_btd, cache = _run(dims, params, layers, tokens_bt, cache, pos0)
-  return model_lib.head_apply(dims, params, x_btd[:, -1:])[:, 0], cache
 
 
 def _pick(logits_bv, temperature, top_k, key):
@@ -94,8 +84,7 @@ def _generate(dims, layout, params, prompt_bt, n_prompt, n_tokens, top_k, temper
 
 
 # Parameters up to this size are decoded on one device: a decode step is tiny, and on the training
-# layout each one would wait on tp/pp collectives (200 tokens of the tiny model after compiling:
-# ~1.0 s on its 2x2x2 layout, 0.46 s on one device, on the shared 2-core machine).
+# layout each one would wait on tp/pp collectives.
 ONE_DEVICE_BYTES = 1 << 30
 
 

@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import config as config_lib
 from jax3d.model import formulas
-from jax3d.parallel import sharding
+from jax3d.parallel import tensor
 from jax3d.parallel.sharding import constrain
 
 PyTree = Any  # nested dicts of arrays (or of their abstract shapes)
@@ -135,8 +135,8 @@ def swiglu(gu_r2f: jax.Array) -> jax.Array:
   """silu(gate) * up of the fused gate/up projection's output [r, 2, f], in fp32 (returned fp32).
 
   fp32, rounded once by the caller: XLA:CPU rounds every bf16 elementwise op back to bf16 (silu's
-  negate, exp, add, divide and the product, and their derivatives), which cost the bf16 step 6-8%
-  and the accuracy of five roundings. The gradient is written out so that it leaves as one
+  negate, exp, add, divide and the product, and their derivatives), which costs time and the
+  accuracy of five roundings. The gradient is written out so that it leaves as one
   [r, 2, f] array: autodiff's transpose of the two slices is two zero-padded copies of the whole
   array and their sum, and it keeps silu's fp32 intermediates as residuals; this keeps only gu."""
   g_rf, u_rf = _gate_up_f32(gu_r2f)
@@ -159,17 +159,11 @@ def _swiglu_bwd(gu_r2f: jax.Array, dh_rf: jax.Array) -> tuple[jax.Array]:
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-SP_PROJECTION = 'sp_projection'  # checkpoint name of SequenceParallelDense's outputs
-
-
 class SequenceParallelDense(nn.Module):
   """The projection `nn.DenseGeneral(features, axis)` of the same name (and kernel) under sequence
-  parallelism, with Megatron-SP's collectives written out on each tp rank's blocks
-  (`sharding.tp_local`): a column-parallel projection (kernel names start with 'embed') all-gathers
-  its input's rows first, inside a checkpoint so that the backward pass keeps the rows split and
-  gathers them again, as Megatron-LM does (its transpose reduce-scatters the input gradient); a
-  row-parallel one (names end with 'embed') reduce-scatters its partial sums over the rows. Apply only: parameters are
-  created by the plain Block."""
+  parallelism: its kernel here, its collectives in jax3d/parallel/tensor.py (a column-parallel
+  projection gathers its input's rows, a row-parallel one reduce-scatters its partial sums over
+  them). Apply only: parameters are created by the plain Block."""
 
   features: int | tuple[int, ...]
   axis: int | tuple[int, ...]
@@ -184,23 +178,7 @@ class SequenceParallelDense(nn.Module):
     kernel = self.param(
       'kernel', nn.initializers.zeros_init(), tuple(x.shape[a] for a in axes) + feat, self.param_dtype
     )
-    n_in, row = len(axes), self.names[-1] == 'embed'
-    tp = sharding.TP
-
-    def local(x, w):
-      x, w = x.astype(self.dtype), w.astype(self.dtype)
-      if not row:
-        x = jax.lax.all_gather(x, tp, axis=0, tiled=True)
-      y = jax.lax.dot_general(x, w, ((axes, tuple(range(n_in))), ((), ())))
-      return jax.lax.psum_scatter(y, tp, scatter_dimension=0, tiled=True) if row else y
-
-    x_names = ('batch' if row else 'rows_sp',) + self.names[:n_in]
-    out_names = ('rows_sp', 'embed') if row else ('batch',) + self.names[n_in:]
-    # Nothing inside is a residual (a policy's residual inside a nested shard_map fails to lower);
-    # the output is named, so remat 'dots' still keeps the projections.
-    fn = jax.checkpoint(local, prevent_cse=False)
-    x = constrain(x, x_names)  # a saved input (remat 'attn') arrives with the outer loops' sharding
-    return checkpoint_name(sharding.tp_local(fn, (x_names, self.names), out_names)(x, kernel), SP_PROJECTION)
+    return tensor.sequence_parallel_dense(x, kernel, axes, self.names, self.dtype)
 
 
 class Block(nn.Module):
@@ -273,7 +251,7 @@ class Block(nn.Module):
       o_btnh = cached_attention(q_btnh, *cache, positions_t)
     # Outside SP the output projection reads o as [b, t, n, h], not as rows: its weight gradient
     # then contracts two dims, and XLA:CPU transposes o for a YNNPACK matmul where from rows it
-    # kept a transposed-operand dot and ran it in Eigen (bf16 train step -16%, float32 -5%, 4x1x2).
+    # keeps a transposed-operand dot and runs it in Eigen, slower.
     o_names = ('batch', 'heads', 'head_dim') if sp else ('batch', 'seq', 'heads', 'head_dim')
     o = checkpoint_name(constrain(o_btnh.reshape(b * t, n, h) if sp else o_btnh, o_names), 'attn_out')
     o_rd = dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), out_std, 'o')(o).reshape(b * t, d)

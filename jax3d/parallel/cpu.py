@@ -1,16 +1,15 @@
 """XLA:CPU runs: keep the step's freed buffers in the process heap instead of returning them to
-the kernel. Applied by `run.setup` when every device of the run is a CPU device.
+the kernel. Applied by `assemble.build` when every device of the run is a CPU device.
 
 XLA:CPU allocates a step's temporaries (activations, the stacked gradients of the scanned layers,
 optimizer intermediates) with the C allocator at every execution and frees them at its end. glibc
 serves large blocks with fresh `mmap`s and unmaps them on free, and trims the heap's top back
-to the kernel, so every step touches new pages: 76,000 minor page faults per step at 8x1x1 on
-the tiny benchmark shape (~300 MiB of pages zeroed by the kernel per step). With glibc's
-`mallopt`: no mmap for blocks its arenas can hold (M_MMAP_MAX=0), no trimming (M_TRIM_THRESHOLD),
-and 64 MiB of head room on each heap extension (M_TOP_PAD), the same step faults ~200 times
-and runs ~10% faster (`python scripts/bench_step.py --malloc-sweep`). The process keeps its
-high-water heap (resident memory does not shrink after the largest step), which a trainer reaches
-on its first step anyway.
+to the kernel, so every step touches new pages (minor page faults, each page zeroed by the
+kernel). With glibc's `mallopt`: no mmap for blocks its arenas can hold (M_MMAP_MAX=0), no
+trimming (M_TRIM_THRESHOLD), and 64 MiB of head room on each heap extension (M_TOP_PAD), a step
+reuses the pages of the steps before it (`python scripts/bench_step.py --malloc-sweep` measures
+the difference). The process keeps its high-water heap (resident memory does not shrink after the
+largest step), which a trainer reaches on its first step anyway.
 
 Nothing happens on GPU or TPU runs (their buffers live in device memory, with their own
 allocators), on a C library without `mallopt` (macOS, musl), or with JAX3D_NO_MALLOC_TUNING=1.

@@ -323,8 +323,8 @@ def value_and_grad(
 
   def reduce_keep_tp(grads, residual):
     """`reduce` on each device's own tp block: in a shard_map nested over tp, so the partitioner
-    cannot gather tp-sharded gradients before the dp collectives (it did: the dp wire carried
-    full-tp arrays, and tp all-gathers were added)."""
+    cannot gather tp-sharded gradients before the dp collectives (which would put full-tp arrays on
+    the dp wire, and add tp all-gathers)."""
     fn = lambda g, r: reduce(g, r, dims, dtype, dp, shard)
     if mesh.shape[TP] == 1:
       return fn(grads, residual)

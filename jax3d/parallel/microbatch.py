@@ -27,7 +27,7 @@ def batch_axes(plan: RunPlan) -> str | tuple[str, str]:
 def splits_microbatches(plan: RunPlan) -> bool:
   """Whether whole micro-batches, not their rows, are split over pp outside the loop: where a
   micro-batch's rows do not divide over dp*pp but the micro-batches divide over pp (2x2x2 with
-  micro-batches of 2 sequences: the embedding, head and loss were computed twice, once per stage)."""
+  micro-batches of 2 sequences), so that no two stages compute the same embedding, head and loss."""
   return plan.pp_batch_split == 'micro'
 
 

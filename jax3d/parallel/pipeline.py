@@ -42,8 +42,6 @@ from jax3d.config import RunPlan
 from jax3d.parallel import microbatch, remat, ring, sharding
 from jax3d.parallel.sharding import DP, PP
 
-AXIS = PP
-
 
 # --- stage placement ------------------------------------------------------------------------
 def layer_order(n_layers: int, pp: int, repeats: int) -> np.ndarray:
@@ -87,7 +85,7 @@ def apply(
   the layers keep the rows split over tp from one layer to the next, across the ring too."""
 
   def stage_layer(p, h):  # rows are local inside the loop: the rules name no manual axis there
-    with sharding.use_rules(sharding.without(rules, (DP, PP))):
+    with sharding.use_rules(sharding.without_dp_pp(rules)):
       return layer_fn(p, h)
 
   if microbatch.splits_microbatches(plan):  # whole micro-batches over pp: blocks of each dp shard's rows
@@ -104,7 +102,7 @@ def apply(
 
   def rows_over_tp(split):  # the loop's micro-batches with their rows over tp (the layers'), or whole
     def annotate(x_mrd):
-      with sharding.use_rules(sharding.without(rules, (DP, PP))):
+      with sharding.use_rules(sharding.without_dp_pp(rules)):
         return sharding.constrain(x_mrd, ('micro', 'rows_sp' if split else 'batch', 'embed'))
 
     return annotate
@@ -191,8 +189,8 @@ def run(
 
 
 # jax < 0.12 saves a cond's loop-invariant operands (here: the stage's weights) as a residual of
-# every pipeline iteration: compiled temp memory of tiny under remat 'full' 22 -> 42 MiB with
-# jax 0.10.2, 21.5 -> 21.7 MiB with 0.12.0.1. 'auto' skips bubbles only where it costs no memory.
+# every pipeline iteration, so skipping bubbles there costs memory; 'auto' skips them only where
+# it costs none.
 COND_FORWARDS_OPERANDS = jax.__version_info__ >= (0, 12)
 
 
@@ -202,10 +200,9 @@ def skips_bubbles(plan: RunPlan, mesh: Mesh) -> bool:
 
   A bubble iteration's output is never written, so computing it only costs time when its work
   could have gone to another device: with fake CPU devices sharing the cores, skipping it (a
-  `lax.cond` around the stage's layers, forward and backward) gives that time to the busy stages
-  (2x2x2 m4: 0.45 -> 0.37 s a step; 2x4x1 m4: 0.48 -> 0.36). On an accelerator the bubble is idle
-  time either way and a conditional costs a device-to-host read of its predicate every iteration,
-  so 'auto' computes it there."""
+  `lax.cond` around the stage's layers, forward and backward) gives that time to the busy stages.
+  On an accelerator the bubble is idle time either way and a conditional costs a device-to-host
+  read of its predicate every iteration, so 'auto' computes it there."""
   if plan.pp == 1:
     return False
   if plan.skip_bubbles is not None:

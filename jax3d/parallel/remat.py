@@ -16,13 +16,15 @@ from collections.abc import Callable
 
 import jax
 
+from jax3d.parallel.tensor import SP_PROJECTION
+
 POLICIES = {
   'none': None,
   'full': jax.checkpoint_policies.nothing_saveable,
   'stage': jax.checkpoint_policies.nothing_saveable,  # per layer, inside the iteration's checkpoint
   'dots': jax.checkpoint_policies.save_from_both_policies(  # and sequence parallelism's projections
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    jax.checkpoint_policies.save_only_these_names('sp_projection'),
+    jax.checkpoint_policies.save_only_these_names(SP_PROJECTION),
   ),
   'attn': jax.checkpoint_policies.save_only_these_names('attn_out'),
 }
@@ -37,8 +39,7 @@ def wrap_layer(fn: Callable, policy: str) -> Callable:
 
 def wrap_iteration(fn: Callable, policy: str) -> Callable:
   """The pipeline iteration under 'stage' keeps only its input; other policies act per layer only
-  (a checkpoint around checkpointed layers computes the forward three times: 'full' did, until
-  measured at 1.55x the model's FLOPs instead of 4/3)."""
+  (a checkpoint around checkpointed layers would compute the forward three times)."""
   if policy != 'stage':
     return fn
   return jax.checkpoint(fn, policy=POLICIES['stage'], prevent_cse=False)

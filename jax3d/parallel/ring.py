@@ -216,14 +216,14 @@ def circulate(
   (v = 1) the inputs are the scan's xs and the outputs its ys, sliced statically after the loop.
   The loop then carries one micro-batch, and its backward pass is a slice of each (not, as with
   a carried buffer read and written at a slot each iteration, a pass over all m micro-batches'
-  gradient buffers every iteration: XLA:CPU copied them whole, and in bf16 converted them to fp32
-  and back, 8.5% of the 1x2x4 m4 bf16 step's op time). With v > 1 a micro-batch goes round the
-  ring again: the stage-0 queue stays a carried buffer, fp32 (where XLA adds a slot's gradient in
-  place), read and written in `dtype`'s values (exact in fp32).
+  gradient buffers every iteration, which XLA:CPU copies whole, and in bf16 converts to fp32 and
+  back). With v > 1 a micro-batch goes round the ring again: the stage-0 queue stays a carried
+  buffer, fp32 (where XLA adds a slot's gradient in place), read and written in `dtype`'s values
+  (exact in fp32).
 
   Under 'full' and 'stage' remat the backward pass is `Ring.backward`: JAX's transpose of the
   scan would zero a stage-sized gradient buffer in every iteration and add it to the loop's
-  accumulator (its transpose of a loop-invariant operand), ~5% of the 2x2x2 m4 step's op time."""
+  accumulator (its transpose of a loop-invariant operand)."""
   m = x_mbtd.shape[0]
   # layers_local: this stage's v chunks, [v * lc, ...] -> [v, lc, ...]
   chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)

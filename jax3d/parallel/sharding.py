@@ -85,6 +85,17 @@ def without(rules: Rules, axes: Iterable[str]) -> Rules:
   return tuple((k, strip(v)) for k, v in rules)
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Token batches [rows, seq]: rows split over dp, the rest replicated."""
+  return NamedSharding(mesh, P(DP))
+
+
+def without_dp_pp(rules: Rules) -> Rules:
+  """The rules inside a shard_map manual over dp and pp (the pipeline's loop, data_parallel's
+  explicit reduction): each device holds its own rows and its own stage, and only tp is named."""
+  return without(rules, (DP, PP))
+
+
 _RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar('jax3d_logical_rules', default=None)
 
 

@@ -5,7 +5,9 @@ take the last record of a step). Kinds of record:
   {"event": "start", "layout": {...}, "config": {...}}                 once per (re)start
   {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "tokens", "mfu", "memory"}
   {"step", "eval_loss"}                                                  held-out evaluations
-  {"step", "event": "nonfinite" | "memory_leak" | "checkpoint" | ..., ...}
+  {"step", "event": "nonfinite", "loss", "grad_norm", "consecutive"}   a skipped update
+  {"step", "event": "memory_leak", "message", ...}                      the leak detector's warning
+  {"step", "event": "preempted", "checkpoint"}                          a SIGTERM that saved
 """
 
 from __future__ import annotations

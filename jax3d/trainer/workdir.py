@@ -20,7 +20,6 @@ if TYPE_CHECKING:
   import ml_collections
 
   from jax3d.record import Setup
-  from jax3d.trainer.trainer import Trainer
 
 
 def _flatten(d: dict, prefix: str = '') -> dict:
@@ -180,7 +179,7 @@ def sample_workdir(
 
 
 def sample(
-  source: Trainer | str | os.PathLike,
+  source: Any,
   prompt: str = 'def ',
   n_tokens: int = 200,
   temperature: float = 0.8,

@@ -37,8 +37,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   """optax's `clip_by_global_norm` as one scalar factor, min(1, max_norm / norm), times each update.
 
   optax divides every element by the norm and selects per element; XLA counts a divide as costly
-  and will not repeat it in both of Adam's moment updates, so the clipped gradient was written out
-  and read back, two passes over every gradient each step. A multiply is fused into its readers.
+  and will not repeat it in both of Adam's moment updates, so the clipped gradient would be written
+  out and read back, two passes over every gradient each step. A multiply is fused into its readers.
   Unclipped updates are returned bit for bit (times 1.0)."""
 
   def clip(updates: Any, params: Any) -> Any:

@@ -96,7 +96,7 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
 
   def local_grads(params, batch):  # one device's rows: the mesh axes dp and pp are manual here
     grad_fn = jax.value_and_grad(lambda p, x, y: loss_sum(p, x, y, s, manual=True) / n_tokens)
-    with sharding.use_rules(sharding.without(s.rules, (sharding.DP, sharding.PP))):
+    with sharding.use_rules(sharding.without_dp_pp(s.rules)):
       return accumulate(grad_fn, params, batch, s.plan.grad_accum, first_outside=True)
 
   return data_parallel.value_and_grad(
@@ -163,8 +163,7 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
   # A step whose loss or gradients are not finite leaves the state as it was (the norm is
   # non-finite iff some gradient is; a non-finite loss with finite gradients is possible in
   # overflowed bf16). One cond around the whole update: skipped work is not done, and no select
-  # over the state trees (measured: those selects and optax.apply_if_finite's per-leaf is-finite
-  # pass were ~7% of a step's op time at 8x1x1).
+  # over the state trees (nor optax.apply_if_finite's per-leaf is-finite pass).
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
   def update(operands):
@@ -234,16 +233,6 @@ def make_init_from_params(s: Setup) -> MeshJit:
   return MeshJit(
     init, s.mesh, in_shardings=(s.param_shardings,), out_shardings=s.state_shardings, donate_argnums=(0,)
   )
-
-
-def make_logits(s: Setup) -> MeshJit:
-  """jit(logits) for a batch of `train.global_batch_size` rows of token ids (checks and compares)."""
-
-  def fn(params, tokens_bt):
-    with sharding.use_rules(s.rules):
-      return logits(params, tokens_bt, s)
-
-  return MeshJit(fn, s.mesh, in_shardings=(s.param_shardings, s.batch_sharding))
 
 
 def make_train_step(s: Setup) -> MeshJit:

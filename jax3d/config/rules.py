@@ -1,0 +1,206 @@
+"""What each setting may be, alone and against the others: the tables `validate` runs in order.
+
+SETTINGS checks one key at a time: (key, rule), the rule a test of the value and the words of
+what is valid. MODEL_CHECKS relate model and train keys to each other; LAYOUT_CHECKS relate them
+to the mesh (dp, pp, tp resolved from the device count). A check returns (key, value, what is
+valid) when it fails, None when it passes; the error names them word for word.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+
+DTYPES = ('float32', 'bfloat16')
+REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
+SCHEDULES = ('gpipe', 'circular')
+GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
+ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
+SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
+
+
+# ---------------------------------------------------------------------------------------------
+# One setting at a time: (key, rule), checked in this order.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """What one setting may be: `ok(value)`, and the words that say so in the error."""
+
+  ok: Callable[[Any], bool]
+  valid: str
+
+
+def one_of(values: tuple[str, ...]) -> Rule:
+  return Rule(lambda v: v in values, f'one of {", ".join(values)}')
+
+
+def int_at_least(low: int, valid: str) -> Rule:
+  return Rule(lambda v: isinstance(v, int) and not v < low, valid)
+
+
+def _is_step_list(value: Any) -> bool:
+  try:
+    step_list(value)
+  except ValueError:
+    return False
+  return True
+
+
+def step_list(value: Any) -> tuple[int, ...]:  # train.inject_nan_at: '3,4' -> (3, 4)
+  return tuple(int(x) for x in str(value).split(',') if x.strip())
+
+
+POSITIVE = int_at_least(1, 'a positive integer')
+MODEL_SIZES = (
+  'n_layers',
+  'd_model',
+  'n_heads',
+  'n_kv_heads',
+  'd_ff',
+  'vocab_size',
+  'max_seq_len',
+  'vocab_multiple',
+)
+TRAIN_SIZES = ('global_batch_size', 'seq_len', 'grad_accum', 'max_bad_steps')
+
+SETTINGS: tuple[tuple[str, Rule], ...] = (
+  ('train.compute_dtype', one_of(DTYPES)),
+  ('train.param_dtype', one_of(DTYPES)),
+  ('train.remat', one_of(REMAT_POLICIES)),
+  ('pipeline.schedule', one_of(SCHEDULES)),
+  ('train.grad_reduce_dtype', one_of(GRAD_REDUCE_DTYPES)),
+  ('train.attention', one_of(ATTENTION_IMPLS)),
+  *((f'model.{k}', POSITIVE) for k in MODEL_SIZES),
+  *((f'train.{k}', POSITIVE) for k in TRAIN_SIZES),
+  ('train.steps', int_at_least(0, 'an integer >= 0')),
+  ('pipeline.microbatches', int_at_least(1, 'an integer >= 1')),
+  # repeats > 1 *is* the circular schedule (GPipe is its v=1 case, one loop runs both), so it
+  # never demands pipeline.schedule=circular as well.
+  ('pipeline.repeats', int_at_least(1, 'an integer >= 1')),
+  ('train.inject_nan_at', Rule(_is_step_list, 'comma-separated step numbers, e.g. "3,4"')),
+  (
+    'hardware.memory_gb',
+    Rule(
+      lambda v: isinstance(v, int | float) and not v < 0, "a number of GB >= 0 (0 = the device's own limit)"
+    ),
+  ),
+  ('log.every', Rule(lambda v: not v < 1, 'an integer >= 1')),
+)
+
+
+def setting(cfg: ml_collections.ConfigDict, key: str) -> Any:
+  section, name = key.split('.')
+  return cfg[section][name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings against each other: each check returns (key, value, what is valid) when it fails.
+# ---------------------------------------------------------------------------------------------
+Failure = tuple[str, Any, str] | None
+
+
+def _heads_divide_d_model(cfg: ml_collections.ConfigDict) -> Failure:
+  m = cfg.model
+  if m.d_model % m.n_heads:
+    return 'model.d_model', m.d_model, f'a multiple of model.n_heads={m.n_heads}'
+  return None
+
+
+def _head_size_even(cfg: ml_collections.ConfigDict) -> Failure:
+  m = cfg.model
+  if (m.d_model // m.n_heads) % 2:
+    return (
+      'model.d_model',
+      m.d_model,
+      f'd_model/n_heads must be even for rotary embeddings (it is {m.d_model // m.n_heads})',
+    )
+  return None
+
+
+def _kv_heads_divide_heads(cfg: ml_collections.ConfigDict) -> Failure:
+  m = cfg.model
+  if m.n_heads % m.n_kv_heads:
+    return 'model.n_kv_heads', m.n_kv_heads, f'a divisor of model.n_heads={m.n_heads}'
+  return None
+
+
+def _seq_len_fits(cfg: ml_collections.ConfigDict) -> Failure:
+  if cfg.train.seq_len > cfg.model.max_seq_len:
+    return 'train.seq_len', cfg.train.seq_len, f'at most model.max_seq_len={cfg.model.max_seq_len}'
+  return None
+
+
+MODEL_CHECKS: tuple[Callable[[ml_collections.ConfigDict], Failure], ...] = (
+  _heads_divide_d_model,
+  _head_size_even,
+  _kv_heads_divide_heads,
+  _seq_len_fits,
+)
+
+
+def _tp_divides_layers(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+  for key in ('n_heads', 'n_kv_heads', 'd_ff'):
+    if cfg.model[key] % tp:
+      return f'model.{key}', cfg.model[key], f'must be divisible by mesh.tp={tp}'
+  return None
+
+
+def _tp_divides_vocab(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+  m, vocab_padded = cfg.model, padded_vocab(cfg.model)
+  if vocab_padded % tp:
+    return (
+      'model.vocab_size',
+      m.vocab_size,
+      f'padded to {vocab_padded} (model.vocab_multiple='
+      f'{m.vocab_multiple}), which mesh.tp={tp} does not divide; pick a vocab_multiple divisible by tp',
+    )
+  return None
+
+
+def _stages_divide_layers(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+  n, v = cfg.model.n_layers, cfg.pipeline.repeats
+  if n % (pp * v):
+    return 'model.n_layers', n, f'must be divisible by mesh.pp*pipeline.repeats = {pp}*{v} = {pp * v}'
+  return None
+
+
+def _circular_has_microbatches(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+  m, v = cfg.pipeline.microbatches, cfg.pipeline.repeats
+  if v > 1 and m < pp:
+    return (
+      'pipeline.microbatches',
+      m,
+      f'the circular schedule (repeats={v}) needs microbatches >= mesh.pp={pp}',
+    )
+  return None
+
+
+def _batch_divides(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+  t, m = cfg.train, cfg.pipeline.microbatches
+  per = dp * m * t.grad_accum
+  if t.global_batch_size % per:
+    return (
+      'train.global_batch_size',
+      t.global_batch_size,
+      f'must be divisible by mesh.dp*'
+      f'pipeline.microbatches*train.grad_accum = {dp}*{m}*{t.grad_accum} = {per} '
+      f'(each micro-batch is split over dp)',
+    )
+  return None
+
+
+LAYOUT_CHECKS: tuple[Callable[[ml_collections.ConfigDict, int, int, int], Failure], ...] = (
+  _tp_divides_layers,
+  _tp_divides_vocab,
+  _stages_divide_layers,
+  _circular_has_microbatches,
+  _batch_divides,
+)
+
+
+def padded_vocab(model_cfg: ml_collections.ConfigDict) -> int:
+  """The stored vocabulary: model.vocab_size rounded up to a multiple of model.vocab_multiple."""
+  return -(-model_cfg.vocab_size // model_cfg.vocab_multiple) * model_cfg.vocab_multiple

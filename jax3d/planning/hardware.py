@@ -1,0 +1,27 @@
+"""The cluster an estimate prices (`Hardware`), and the byte sizes it counts in."""
+
+from __future__ import annotations
+
+import dataclasses
+
+GB = 1e9
+BYTES = {'float32': 4, 'bfloat16': 2, 'int8': 1}  # bytes per element of each dtype a config names
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """One cluster. Defaults: an H100/H200 SXM node (dense bf16 peak, NVLink 4, 400 Gb/s NIC per GPU)."""
+
+  nodes: int = 1
+  gpus_per_node: int = 8
+  memory_gb: float = 80.0
+  peak_tflops: float = 989.0  # dense bf16 per GPU; float32 compute runs at half (TF32)
+  efficiency: float = 0.55  # achievable share of peak for the model's matmuls
+  intra_gbps: float = 450.0  # GB/s per GPU per direction inside a node (NVLink)
+  inter_gbps: float = 50.0  # GB/s per GPU across nodes (400 Gb/s InfiniBand)
+  overlap: float = 0.5  # share of the backward pass the dp gradient all-reduce can hide behind
+  flash_attention: bool = True  # cuDNN fused attention (bf16 on GPU) keeps no s x s scores
+
+  @property
+  def n_devices(self) -> int:
+    return self.nodes * self.gpus_per_node

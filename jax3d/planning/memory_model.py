@@ -1,0 +1,218 @@
+"""Memory per device of one layout, from the published formulas (Megatron-LM; Korthikanti et al.
+for activations), modelling what jax3d's step really does:
+
+  - parameters, gradients and AdamW's m and v in `train.param_dtype`; layer weights split over
+    pp (the stacked layer axis) and tp; embedding and head over tp only (replicated over dp, pp);
+    the vocabulary padded to `model.vocab_multiple`; Adam moments over dp too with
+    `train.shard_optimizer` (ZeRO-1).
+  - gradients held twice for the stage's layers (three times with `grad_accum > 1`: the
+    accumulator): the pipeline loop's carry, and each iteration's fresh gradient of the
+    loop-invariant stage weights (JAX's transpose of a scan's constant operand) added into it.
+    `python -m jax3d.plan --verify` checks this against XLA's figure.
+  - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
+    residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
+    pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
+    `jax3d.model.llama.Block` at the tp-local shapes, under the remat policy), so it follows the
+    code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    where the layer is Megatron's. With remat 'stage' it counts m+1 micro-batches per iteration (its
+    input and, with pp > 1, a stage-0 queue of m): an upper bound, since the compiled loop saves the
+    iteration's input only (the queue, where v > 1, is a carry updated in place).
+  - the head: fp32 logits, their exp and the one-hot targets (vocab over tp), and the embedding's
+    output, for the rows outside the pipeline's loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jax3d.config import RunPlan
+from jax3d.model import formulas
+from jax3d.planning.hardware import BYTES
+
+if TYPE_CHECKING:
+  import ml_collections
+
+  from jax3d.model.llama import Dims
+
+
+# ---------------------------------------------------------------------------------------------
+# What one layer keeps for the backward pass, read off the real layer.
+# ---------------------------------------------------------------------------------------------
+def layer_residual_bytes(
+  d_model: int,
+  n_heads: int,
+  n_kv_heads: int,
+  d_ff: int,
+  seq: int,
+  tp: int,
+  policy: str,
+  compute: str,
+  param: str,
+  flash: bool,
+  batch: int,
+  sequence_parallel: bool = False,
+) -> float:
+  """Bytes one tp shard of one layer keeps for its backward pass, its input included. Its weights
+  count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
+  stack in the backward pass (jax3d/parallel/ring.py `run_layers`); without one, XLA keeps
+  the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
+  rows: traced at 1 and 2 rows.
+
+  With `sequence_parallel` the residual stream (what is [rows, d_model]: the input, the RMSNorm
+  outputs, the residual adds, the row-parallel outputs) is split over tp. Read off the same layer:
+  of the bytes per row, the stream's are the ones that grow with d_model (the tp shard's heads,
+  head size and d_ff held fixed), so a trace at twice d_model measures them."""
+  trace = lambda b, d: _traced_residuals(
+    d, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, b, d_model // n_heads
+  )
+  one, two = trace(1, d_model), trace(2, d_model)
+  total = one + (batch - 1) * (two - one)
+  if not sequence_parallel or tp == 1:
+    return total
+  stream_per_row = (trace(2, 2 * d_model) - trace(1, 2 * d_model)) - (two - one)
+  return total - batch * stream_per_row * (1 - 1 / tp)
+
+
+@functools.cache
+def _traced_residuals(
+  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, batch, head_dim
+) -> float:
+  """The residuals of the real layer at abstract shapes (nothing is computed or allocated).
+  XLA's attention keeps the s x s scores; a fused (flash) kernel keeps a logsumexp instead."""
+  import flax.linen as nn
+  import jax
+
+  from jax3d.model import llama as model_lib
+  from jax3d.parallel import remat
+
+  @dataclasses.dataclass(frozen=True)
+  class ShardDims(model_lib.Dims):  # one tp shard: n/tp heads of the full head size
+    local_head_dim: int = 0
+
+    @property
+    def head_dim(self) -> int:
+      return self.local_head_dim
+
+  dims = ShardDims(
+    n_layers=1,
+    d_model=d_model,
+    n_heads=n_heads // tp,
+    n_kv_heads=n_kv_heads // tp,
+    d_ff=d_ff // tp,
+    vocab_size=1,
+    vocab_padded=1,
+    dtype=np.dtype(compute),
+    param_dtype=np.dtype(param),
+    local_head_dim=head_dim,
+  )
+  x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)
+  block = model_lib.Block(dims)
+  params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
+  fn = remat.wrap_layer(lambda h, p: (block.apply({'params': p}, h), None), policy)
+  res = _saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x, policy != 'none')
+  scores = lambda a: len(a.shape) >= 2 and a.shape[-2:] == (seq, seq)
+  kept = [a for a in res if not (flash and scores(a))]
+  lse = batch * (n_heads // tp) * seq * 4 if flash else 0
+  return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept) + lse)
+
+
+def _saved_residuals(f, p, h, drop_weights: bool) -> list:
+  """The abstract values (shape, dtype) that reverse-mode differentiation of `f(p, h)` keeps
+  (less the weights `p` themselves when `drop_weights`).
+
+  jax's public API only prints this list (`jax.ad_checkpoint.print_saved_residuals`, as text);
+  the function that returns it lives in jax's private modules, so this is the one place that
+  imports it.
+  """
+  from jax._src.ad_checkpoint import saved_residuals
+
+  res = saved_residuals(f, p, h)
+  return [aval for aval, src in res if not (drop_weights and src.startswith('from the argument p['))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes per device
+# ---------------------------------------------------------------------------------------------
+def model_dims(cfg: ml_collections.ConfigDict, plan: RunPlan | None = None) -> Dims:
+  from jax3d.model import llama as model_lib  # imported when needed: flax and jax are heavy
+
+  return model_lib.Dims.from_config(cfg, plan)
+
+
+def local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
+  """Parameters held by one device: layer matrices over pp*tp, norms over pp, embed/head over tp."""
+  dims = model_dims(cfg, plan)
+  return {
+    'layers': dims.n_layers // plan.pp * formulas.layer_params(dims, plan.tp),
+    'embed_head': formulas.embed_head_params(dims, plan.tp, padded=True),
+  }
+
+
+def micro_rows(plan: RunPlan) -> int:
+  """Rows of one micro-batch on one device."""
+  return plan.micro_batch // plan.dp
+
+
+def micro_activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+  """One micro-batch's activation [b, s, h] on one device, in the compute dtype."""
+  return micro_rows(plan) * plan.seq_len * cfg.model.d_model * BYTES[cfg.train.compute_dtype]
+
+
+def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> float:
+  """What the pipeline's loop keeps for the backward pass, plus one layer recomputed in it."""
+  m, t = cfg.model, cfg.train
+  lc = m.n_layers // (plan.pp * plan.repeats)  # layers per chunk: what one pipeline iteration runs
+  res = functools.partial(
+    layer_residual_bytes,
+    m.d_model,
+    m.n_heads,
+    m.n_kv_heads,
+    m.d_ff,
+    plan.seq_len,
+    plan.tp,
+    compute=t.compute_dtype,
+    param=t.param_dtype,
+    flash=flash,
+    batch=micro_rows(plan),
+    sequence_parallel=plan.sequence_parallel,
+  )
+  if t.remat != 'stage':
+    return plan.iterations * lc * res(policy=t.remat) + res(policy='none')
+  # 'stage': per iteration its carry (input and, with pp > 1, the stage-0 queue of m micro-batches),
+  # plus one iteration recomputed in the backward pass
+  sp = plan.tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
+  carry = plan.microbatches + 1 if plan.pp > 1 else 1
+  act_mb = micro_activation_bytes(cfg, plan)
+  return plan.iterations * carry * act_mb / sp + lc * res(policy='full') + res(policy='none')
+
+
+def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+  """fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out."""
+  dp_pp = plan.dp * plan.pp
+  rows_all = plan.chunk_batch // (dp_pp if plan.chunk_batch % dp_pp == 0 else plan.dp)
+  h, cb = cfg.model.d_model, BYTES[cfg.train.compute_dtype]
+  return rows_all * plan.seq_len * (3 * 4 * plan.vocab_padded // plan.tp + 2 * h * cb)
+
+
+def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dict:
+  """Bytes per device: params, grads, optimizer, activations, head."""
+  t = cfg.train
+  pb = BYTES[t.param_dtype]
+  local = local_params(cfg, plan)
+  n_local = sum(local.values())
+  # + the accumulator of gradient accumulation, and the pipeline loop's own: each iteration's
+  # gradient of the stage's weights (JAX's transpose of the loop-invariant operand) is a fresh
+  # buffer added into the loop's carry, so the stage's weight gradients are held twice.
+  grads = n_local * pb * (2 if plan.grad_accum > 1 else 1) + local['layers'] * pb
+  return {
+    'params': n_local * pb,
+    'grads': grads,
+    'optimizer': 2 * n_local * pb / (plan.dp if t.shard_optimizer else 1),
+    'activations': activation_bytes(cfg, plan, flash),
+    'head': head_bytes(cfg, plan),
+  }

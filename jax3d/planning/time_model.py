@@ -1,0 +1,81 @@
+"""Step time of one layout: compute at `efficiency` of peak, the tp/pp/dp traffic over the links
+each axis is placed on (jax3d/parallel/mesh.py: tp inside a node, then pp, dp outermost), the dp
+all-reduce partly hidden behind the backward pass, and the bubble as wasted compute:
+executed/useful = (v*m+p-1)/(v*m).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jax3d.config import RunPlan
+from jax3d.model import formulas
+from jax3d.planning import memory_model
+from jax3d.planning.hardware import BYTES, Hardware
+
+if TYPE_CHECKING:
+  import ml_collections
+
+
+def compute_seconds(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> float:
+  """The step's FLOPs per device (recomputation and bubble iterations included) at
+  `hw.efficiency` of the peak (half the peak for float32 compute)."""
+  m, t, s = cfg.model, cfg.train, plan.seq_len
+  dims = memory_model.model_dims(cfg, plan)
+  dims_p = formulas.param_count(dims)
+  p_layers = m.n_layers * formulas.layer_params(dims)
+  attn = formulas.attention_flops_per_token(dims, s)
+  # Recomputed forward work per token: 'full' reruns each layer once; 'stage' each iteration and,
+  # inside it, each layer (both are checkpointed: 2 extra forwards); 'dots' the attention core;
+  # 'attn' the matmuls.
+  fwd = 2 * p_layers + attn / 3
+  extra = {'none': 0, 'dots': attn / 3, 'attn': 2 * p_layers, 'full': fwd, 'stage': 2 * fwd}
+  layer_flops = 6 * p_layers + attn + extra[t.remat]
+  waste = plan.iterations / (plan.repeats * plan.microbatches)  # bubble iterations compute too
+  peak = hw.peak_tflops * 1e12 * (1.0 if t.compute_dtype == 'bfloat16' else 0.5)
+  tokens = plan.tokens_per_step
+  return tokens * (layer_flops * waste + 6 * (dims_p - p_layers)) / plan.n_devices / (peak * hw.efficiency)
+
+
+def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
+  """Bytes each device sends per step over each mesh axis: {'tp', 'pp', 'dp'}."""
+  t, dp, pp, tp = cfg.train, plan.dp, plan.pp, plan.tp
+  act_mb = memory_model.micro_activation_bytes(cfg, plan)
+  sp = tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
+  lc = cfg.model.n_layers // (pp * plan.repeats)  # layers per chunk: what one iteration runs
+  layer_calls = plan.iterations * lc * plan.grad_accum
+  all_reduces = 4 + formulas.TP_ALL_REDUCES_RECOMPUTED[t.remat]  # per layer: 2 forward, 2 backward
+  tp_bytes = layer_calls * all_reduces * 2 * (tp - 1) / tp * act_mb
+  # The ring's ppermute is outside every checkpoint: one send forward, one backward.
+  pp_bytes = plan.iterations * plan.grad_accum * 2 * act_mb / sp if pp > 1 else 0
+  rows = plan.microbatches * memory_model.micro_rows(plan)
+  edge = formulas.pipeline_edge_bytes(
+    pp, rows, plan.seq_len, cfg.model.d_model, sp, plan.pp_batch_split is not None
+  )
+  pp_bytes += edge * plan.grad_accum
+  n_local = sum(memory_model.local_params(cfg, plan).values())
+  dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
+  return {'tp': tp_bytes, 'pp': pp_bytes, 'dp': dp_bytes}
+
+
+def step_times(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> dict:
+  """Seconds per step: compute, tp, pp, dp, the dp share hidden behind the backward pass
+  (dp_hidden), the step itself, and the peak FLOP/s per device it was priced at."""
+  compute = compute_seconds(cfg, plan, hw)
+  traffic = traffic_bytes(cfg, plan)
+  per_host = hw.gpus_per_node
+  tp_in = plan.tp <= per_host
+  pp_in = plan.tp * plan.pp <= per_host
+  dp_in = plan.tp * plan.pp * plan.dp <= per_host
+  bw = lambda inside: (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
+  t_dp = traffic['dp'] / bw(dp_in)
+  times = {
+    'compute': compute,
+    'tp': traffic['tp'] / bw(tp_in),
+    'pp': traffic['pp'] / bw(pp_in),
+    'dp': t_dp,
+    'dp_hidden': min(t_dp, hw.overlap * compute * 2 / 3),
+    'peak': hw.peak_tflops * 1e12,
+  }
+  times['step'] = compute + times['tp'] + times['pp'] + t_dp - times['dp_hidden']
+  return times
