@@ -4,15 +4,16 @@ When is a run multi-process?
   * explicit: `--coordinator=HOST:PORT --num_processes=N --process_id=I` on the command line, or the
     environment variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (what
     `scripts/launch_local.py` and the Kubernetes example set);
-  * automatic: under SLURM (SLURM_NTASKS > 1), Open MPI (OMPI_COMM_WORLD_SIZE > 1) or a Kubernetes
-    job JAX can introspect, `jax.distributed.initialize()` detects the rest itself;
+  * automatic: under SLURM (SLURM_NTASKS > 1; cluster.slurm_layout reads the layout), Open MPI
+    (OMPI_COMM_WORLD_SIZE > 1) or a Kubernetes job JAX can introspect (JAX detects the rest);
   * `--distributed=off` (or JAX3D_DISTRIBUTED=off) forces one process, `--distributed=on` forces
     the call (JAX's cluster detection then has to find everything).
 
-The call is bounded: a process that cannot reach the coordinator gives up after `--init_timeout`
-seconds (JAX3D_INIT_TIMEOUT, default 300) with a message naming the address; a peer that stops
-sending heartbeats for `--heartbeat_timeout` seconds (JAX3D_HEARTBEAT_TIMEOUT, default 100) makes
-the others stop with an error. On CPU, cross-process collectives use gloo.
+With the layout known (explicit, SLURM) the processes first meet in join.py: every failure to start
+(a coordinator name that never resolves, a peer that never comes, a port in use, a host whose own
+name does not resolve) is a DistributedError on every process within `--init_timeout` seconds
+(JAX3D_INIT_TIMEOUT, default 300). A peer silent for `--heartbeat_timeout` seconds (default 100)
+makes the others stop with an error. On CPU, cross-process collectives use gloo.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import dataclasses
 import os
 import socket
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from jax3d.errors import DistributedError
+from jax3d.trainer import cluster, join
 
 # The command-line flags of multi-process runs (python -m jax3d.train), with their defaults.
 FLAGS: dict[str, Any] = {
@@ -41,6 +42,7 @@ FLAGS: dict[str, Any] = {
 DEFAULT_INIT_TIMEOUT = 300
 DEFAULT_HEARTBEAT_TIMEOUT = 100
 DEFAULT_SHUTDOWN_TIMEOUT = 60
+EXPLICIT = 'from --coordinator / JAX_COORDINATOR_ADDRESS'
 HOSTNAME_BYTES = 256  # host names are exchanged as fixed-size byte arrays (a DNS name has <= 253)
 
 
@@ -55,6 +57,8 @@ class Info:
   how: str = 'single process'
   init_timeout: int = DEFAULT_INIT_TIMEOUT
   heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT
+  source: str = ''  # where the coordinator address came from (for messages)
+  local_device_ids: list[int] | None = None  # None: every device (or JAX_LOCAL_DEVICE_IDS)
 
 
 _INFO = Info(multi=False)
@@ -116,23 +120,37 @@ def resolve(flags: Mapping[str, Any]) -> Info:
   ]
   if n is not None and n < 1:
     raise ValueError(f'--num_processes={n} is invalid: a positive integer')
-  if explicit and not (n == 1 and mode == 'auto'):
-    if len(explicit) < 3 and _detected_cluster() is None:
+  if n == 1 and mode == 'auto':
+    return Info(multi=False, **base)
+  launcher = _detected_cluster()
+  slurm = cluster.slurm_layout(env) if launcher == 'SLURM' else None
+  if explicit or slurm:
+    if coord is not None and (':' not in coord or not coord.rsplit(':', 1)[1].isdigit()):
+      raise ValueError(f'--coordinator={coord!r} is invalid: HOST:PORT of process 0')
+    base['source'] = EXPLICIT if coord else ''
+    if slurm:  # SLURM's variables fill in what is not given
+      base.update(source=base['source'] or slurm.source, local_device_ids=slurm.local_device_ids)
+      coord, n = coord or slurm.coordinator, n or slurm.num_processes
+      pid = slurm.process_id if pid is None else pid
+    elif len(explicit) < 3 and launcher is None:
       missing = [k for k in ('--coordinator', '--num_processes', '--process_id') if k not in explicit]
       raise ValueError(
         f'{", ".join(explicit)} given without {", ".join(missing)} (or the matching '
         'JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)'
       )
-    if coord is not None and (':' not in coord or not coord.rsplit(':', 1)[1].isdigit()):
-      raise ValueError(f'--coordinator={coord!r} is invalid: HOST:PORT of process 0')
     if pid is not None and n is not None and not 0 <= pid < n:
       raise ValueError(f'--process_id={pid} is invalid: 0 <= process_id < num_processes={n}')
+    how = 'explicit' if explicit else 'SLURM'  # -1 and 0 below: JAX's cluster detection finds them
     return Info(
-      multi=True, process_id=pid or 0, num_processes=n or 0, coordinator=coord, how='explicit', **base
+      multi=True,
+      process_id=-1 if pid is None else pid,
+      num_processes=n or 0,
+      coordinator=coord,
+      how=how,
+      **base,
     )
-  cluster = _detected_cluster()
-  if mode == 'on' or cluster:
-    return Info(multi=True, coordinator=coord, how=cluster or 'cluster auto-detection', **base)
+  if mode == 'on' or launcher:
+    return Info(multi=True, coordinator=coord, how=launcher or 'cluster auto-detection', **base)
   return Info(multi=False, **base)
 
 
@@ -149,36 +167,56 @@ def initialize(flags: Mapping[str, Any]) -> Info:
 
   # Only the host (CPU) client reads this: cross-process collectives on fake CPU devices use gloo.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  kwargs = dict(
+  kwargs: dict[str, Any] = dict(
     initialization_timeout=inf.init_timeout,
     heartbeat_timeout_seconds=inf.heartbeat_timeout,
     shutdown_timeout_seconds=min(DEFAULT_SHUTDOWN_TIMEOUT, max(inf.heartbeat_timeout, 10)),
   )
-  if inf.how == 'explicit':
+  who = inf.process_id if inf.process_id >= 0 and inf.num_processes else '?'
+  problem = cluster.own_host_problem()
+  if inf.coordinator and inf.num_processes and inf.process_id >= 0:
+    # The whole layout is known: meet the others first (join.py says why), then hand JAX all of it,
+    # so that it does not probe for clusters (its Kubernetes probe warns without `kubernetes`).
+    meet = join.Join(inf.coordinator, inf.num_processes, inf.process_id, inf.init_timeout, how_hint(inf))
+    meet.bind, meet.problem = os.environ.get('JAX_COORDINATOR_BIND_ADDRESS') or None, problem
+    left = meet.run()
     kwargs.update(
-      coordinator_address=inf.coordinator, num_processes=inf.num_processes or None, process_id=inf.process_id
+      coordinator_address=inf.coordinator,
+      num_processes=inf.num_processes,
+      process_id=inf.process_id,
+      local_device_ids=inf.local_device_ids,
+      cluster_detection_method='deactivate',
+      initialization_timeout=max(int(left), 10),
+    )
+  elif problem:
+    raise DistributedError(f'process {who}: {problem}')
+  elif inf.how == 'explicit':  # a partial layout in a cluster JAX detects (Open MPI): it fills in the rest
+    kwargs.update(
+      coordinator_address=inf.coordinator,
+      num_processes=inf.num_processes or None,
+      process_id=None if inf.process_id < 0 else inf.process_id,
     )
   where = inf.coordinator or os.environ.get('JAX_COORDINATOR_ADDRESS') or '(auto-detected address)'
-  if inf.coordinator:
-    # jaxlib aborts the whole process (no Python exception) when it cannot register with the
-    # coordinator, so the address is checked here first, within the same bound.
-    left = wait_for_coordinator(
-      inf.coordinator, inf.init_timeout, connect=inf.process_id != 0, hint=how_hint(inf), who=inf.process_id
-    )
-    kwargs['initialization_timeout'] = max(int(left), 5)
   try:
     jax.distributed.initialize(**kwargs)
   except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error types
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     raise DistributedError(
-      f'process {inf.process_id if inf.how == "explicit" else "?"} could not join the run: the '
-      f'coordinator at {where} did not answer within --init_timeout={inf.init_timeout} s '
-      f'({how_hint(inf)}); check that process 0 is running and HOST:PORT is reachable from this '
-      f'host [{type(e).__name__}: {first}]'
+      f'process {who} could not join the run: the coordinator at {where} did not answer within '
+      f'--init_timeout={inf.init_timeout} s ({how_hint(inf)}); check that process 0 is running and '
+      f'HOST:PORT is reachable from this host [{_first_line(e)}]'
     ) from None
-  inf.process_id, inf.num_processes = jax.process_index(), jax.process_count()
+  try:  # starts JAX's backends (gloo's on CPU)
+    inf.process_id, inf.num_processes = jax.process_index(), jax.process_count()
+  except Exception as e:  # noqa: BLE001
+    raise DistributedError(
+      f'process {who} joined the run, then JAX failed to start: {_first_line(e)}'
+    ) from None
   inf.coordinator = _jax_coordinator_address() or where
   return inf
+
+
+def _first_line(e: BaseException) -> str:
+  return f'{type(e).__name__}: ' + (str(e).strip().splitlines() or [''])[0][:300]
 
 
 def _jax_coordinator_address() -> str | None:
@@ -197,38 +235,9 @@ def _jax_coordinator_address() -> str | None:
     return None
 
 
-def wait_for_coordinator(address: str, timeout: float, connect: bool, hint: str, who: int | str) -> float:
-  """Resolves HOST (all processes) and, unless this is process 0 (which starts the coordinator),
-  waits until HOST:PORT accepts a TCP connection. Returns the seconds left of `timeout`.
-  Raises DistributedError naming the address."""
-  t0 = time.time()
-  host, _, port = address.rpartition(':')
-  host = host.strip('[]')
-  try:
-    socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-  except (socket.gaierror, OSError) as e:
-    raise DistributedError(
-      f'process {who}: the coordinator address {address} ({hint}) does not resolve: {e}'
-    ) from None
-  if not connect:
-    return timeout
-  last = None
-  while time.time() - t0 < timeout:
-    try:
-      with socket.create_connection((host, int(port)), timeout=min(2.0, timeout)):
-        return timeout - (time.time() - t0)
-    except OSError as e:
-      last = e
-      time.sleep(0.25)
-  raise DistributedError(
-    f'process {who} could not reach the coordinator at {address} ({hint}) within --init_timeout='
-    f'{timeout:g} s: {last}; check that process 0 is running there and the port is open'
-  )
-
-
 def how_hint(inf: Info) -> str:
   """Where the coordinator address came from, for error messages."""
-  return 'from --coordinator / JAX_COORDINATOR_ADDRESS' if inf.how == 'explicit' else f'detected by {inf.how}'
+  return inf.source or (EXPLICIT if inf.how == 'explicit' else f'detected by {inf.how}')
 
 
 def hostnames() -> list[str]:
