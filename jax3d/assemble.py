@@ -125,7 +125,7 @@ def _resolve(cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict,
   hf = hf_config.read(cfg.checkpoint.init_from) if hf_config.is_hf(cfg.checkpoint.init_from) else None
   if hf is not None:
     hf_config.check_tensors(hf)
-    cfg = hf_config.apply(cfg, hf)
+    cfg = hf_config.with_model(cfg, hf)
     if cfg.data.tokenizer == tok_lib.BYTES and any(
       os.path.exists(os.path.join(hf.path, n)) for n in ('tokenizer.json', 'tokenizer.model')
     ):

@@ -15,17 +15,20 @@ calls `parse(argv, __doc__, FLAGS, config=..., positional=...)`, which understan
 Bad input gives one line `error: ...` on stderr that names the flag, its value and what is valid,
 and exit status 2, before jax starts: nothing here imports jax, and the config file is loaded and
 its overrides checked during parsing.
+
+Every command maps its errors to exit statuses here, by the error's type (jax3d/errors.py: 2 bad
+input, 3 the run failed): `run_command(body, parse(...))` runs the command's body and turns a
+jax3d error into its one `error:` line and status; `fail(e)` does it for one error or message.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from jax3d.errors import UsageError
+from jax3d import errors
 
 
 class Check(NamedTuple):
@@ -81,10 +84,22 @@ class Args:
     return os.path.splitext(os.path.basename(path))[0]
 
 
-def fail(err: object) -> int:
-  """Prints `error: err` as one line on stderr and returns exit status 2."""
-  print(f'error: {err}', file=sys.stderr, flush=True)
-  return 2
+def fail(err: BaseException | str) -> int:
+  """Prints `error: err` as one line on stderr; returns the exit status its type means
+  (errors.exit_status: 2 bad input, 3 the run failed; a plain message is bad input)."""
+  return errors.report(err)
+
+
+def run_command(body: Callable[[Args], int], args: Args | int, *also: type[Exception]) -> int:
+  """A command's exit status: `args` as `parse` returned it (an int: --help or bad flags, returned
+  as is), else `body(args)`, where a jax3d error (or one of the types in `also`, e.g. ValueError)
+  becomes its one `error:` line on stderr and the exit status of its type (`fail`)."""
+  if isinstance(args, int):
+    return args
+  try:
+    return body(args)
+  except (errors.Jax3dError, *also) as e:
+    return fail(e)
 
 
 _TRUE, _FALSE = ('1', 'true', 'yes'), ('0', 'false', 'no')
@@ -100,7 +115,9 @@ def _convert(name: str, flag: Flag, text: str) -> Any:
       return flag.type(text)
     except ValueError:
       pass
-  raise UsageError(f'--{name}={text!r} is invalid: expected {_KIND.get(flag.type, flag.type.__name__)}')
+  raise errors.UsageError(
+    f'--{name}={text!r} is invalid: expected {_KIND.get(flag.type, flag.type.__name__)}'
+  )
 
 
 def help_text(
@@ -150,15 +167,12 @@ def parse(
     return 0
   try:
     args = _scan(list(argv), flags, config, positional)
-  except UsageError as e:
-    return fail(e)
-  if config:
-    from jax3d import config as config_lib
+    if config:
+      from jax3d import config as config_lib
 
-    try:
       args.cfg = config_lib.load_config(args.config_path, args.overrides)  # set_key converts the types
-    except config_lib.ConfigError as e:
-      return fail(e)
+  except (errors.UsageError, errors.ConfigError) as e:
+    return fail(e)
   return args
 
 
@@ -179,14 +193,14 @@ def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dic
     if flag is None and not is_config:
       negated = flags.get(key[2:]) if key.startswith('no') else None
       if negated is None or negated.type is not bool or eq:
-        raise UsageError(f'unknown flag {arg}{usage}')
+        raise errors.UsageError(f'unknown flag {arg}{usage}')
       args.flags[key[2:]] = False
       continue
     if not eq and flag is not None and flag.type is bool:
       value = 'true'
     elif not eq:  # --name VALUE
       if not argv or argv[0].startswith('--'):
-        raise UsageError(f'--{name} needs a value: --{name}=VALUE')
+        raise errors.UsageError(f'--{name} needs a value: --{name}=VALUE')
       value = argv.pop(0)
     if name == 'config' and is_config:
       args.config_path = value
@@ -195,15 +209,15 @@ def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dic
     else:
       converted = _convert(key, flag, value)
       if flag.check is not None and not flag.check.ok(converted):
-        raise UsageError(f'--{key}={value} is invalid: {flag.check.valid}')
+        raise errors.UsageError(f'--{key}={value} is invalid: {flag.check.valid}')
       args.flags[key] = converted
   for name, f in flags.items():
     if f.required and args.flags[name] in (None, ''):
-      raise UsageError(f'--{name} is required: {f.help}')
+      raise errors.UsageError(f'--{name} is required: {f.help}')
   if len(args.positional) != len(positional):
     if not positional:
-      raise UsageError(f'unexpected argument {args.positional[0]!r}{usage}')
-    raise UsageError(
+      raise errors.UsageError(f'unexpected argument {args.positional[0]!r}{usage}')
+    raise errors.UsageError(
       f'expected {" ".join(positional)}, got {len(args.positional)} argument(s) {args.positional!r}{usage}'
     )
   return args

@@ -4,8 +4,10 @@
   3  the run failed: TrainingError, DataError, CheckpointError, DistributedError
 
 Each message is one line that names the setting (or file), its value and what would be valid.
-The commands print it as `error: MESSAGE` on stderr and exit with `exit_status(e)`
-(`jax3d.cli.fail`); nothing else maps errors to statuses.
+The commands print it as `error: MESSAGE` on stderr and exit with `exit_status(e)`: they catch
+these errors in one place (`jax3d.cli.run_command`; jax3d.train, which runs on several processes,
+in its own) and hand them to `jax3d.cli.fail`, that is `report` below; nothing else maps errors
+to statuses.
 """
 
 from __future__ import annotations

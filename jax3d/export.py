@@ -29,22 +29,15 @@ FLAGS = {
 
 def main(argv: list[str] | None = None) -> int:
   """Runs `python -m jax3d.export` with argv (default sys.argv[1:]); returns the exit status."""
-  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
-  if isinstance(args, int):
-    return args
+  return cli.run_command(_export, cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS))
+
+
+def _export(args: cli.Args) -> int:
   cli.prepare_devices()
-  from jax3d import config as config_lib
-  from jax3d.trainer import checkpoint as ckpt_lib
-  from jax3d.trainer.workdir import NoCheckpoint, export_workdir
+  from jax3d.trainer.workdir import export_workdir
 
   f = args.flags
-  try:
-    files = export_workdir(f['workdir'], f['out'], args.overrides, max_shard_bytes=f['max_shard_mb'] << 20)
-  except (NoCheckpoint, config_lib.ConfigError) as e:
-    return cli.fail(e)
-  except ckpt_lib.CheckpointError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 3
+  files = export_workdir(f['workdir'], f['out'], args.overrides, max_shard_bytes=f['max_shard_mb'] << 20)
   print(f'wrote {f["out"]}: {", ".join(files)}')
   return 0
 

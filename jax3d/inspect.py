@@ -24,17 +24,15 @@ FLAGS = {'json': cli.Flag(bool, False, 'print the result as one JSON object')}
 
 def main(argv: list[str] | None = None) -> int:
   """Runs `python -m jax3d.inspect` with argv (default sys.argv[1:]); returns the exit status."""
-  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
-  if isinstance(args, int):
-    return args
+  return cli.run_command(_inspect, cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS))
+
+
+def _inspect(args: cli.Args) -> int:
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
-  from jax3d import assemble, config as config_lib
+  from jax3d import assemble
   from jax3d.analysis.inspection import render
 
-  try:
-    result = assemble.inspect(args.cfg)
-  except config_lib.ConfigError as e:
-    return cli.fail(e)
+  result = assemble.inspect(args.cfg)
   if args.flags['json']:
     colls = [{k: v for k, v in c.items() if k != 'op_name'} for c in result['collectives']]
     print(json.dumps({k: v for k, v in result.items() if k != 'collectives'} | {'collectives': colls}))

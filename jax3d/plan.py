@@ -22,12 +22,12 @@ from jax3d.planning.oom import oom_ladder
 from jax3d.planning.planner import (
   LAYOUT_KEYS,
   Candidate,
-  apply,
   explain,
   search,
   table,
   verify,
   verify_memory,
+  with_overrides,
 )
 
 FLAGS = {
@@ -98,7 +98,7 @@ def run(args: cli.Args) -> int:
   if f['json']:  # stdout is exactly one JSON document; --verify adds XLA's figures to rank 1
     rows = [dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] + [dict(c.row(), rank=None) for c in misfits]
     if f['verify'] and fit:
-      rows[0].update(verify_memory(apply(cfg, fit[0].overrides), fit[0].plan))
+      rows[0].update(verify_memory(with_overrides(cfg, fit[0].overrides), fit[0].plan))
     print(json.dumps(rows, indent=1))
   elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
@@ -124,26 +124,22 @@ def run(args: cli.Args) -> int:
   if not fit:
     worst = min(ranked, key=lambda c: c.est.total_bytes)
     if not f['json']:
-      print('\n' + '\n'.join(oom_ladder(apply(cfg, worst.overrides), worst.plan, hw.memory_gb * GB, hw)))
+      print(
+        '\n' + '\n'.join(oom_ladder(with_overrides(cfg, worst.overrides), worst.plan, hw.memory_gb * GB, hw))
+      )
     raise ConfigError(
       f'no layout of {name} fits {hw.nodes} x {hw.gpus_per_node} GPUs of '
       f'{hw.memory_gb:g} GB: the smallest {worst.est.reason}'
     )
   if f['verify'] and not f['json']:
     best = fit[0]
-    print('\n' + '\n'.join(verify(apply(cfg, best.overrides), best.plan)))
+    print('\n' + '\n'.join(verify(with_overrides(cfg, best.overrides), best.plan)))
   return 0
 
 
 def main(argv: list[str] | None = None) -> int:
   """Runs `python -m jax3d.plan` with argv (default sys.argv[1:]); returns the exit status."""
-  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
-  if isinstance(args, int):
-    return args
-  try:
-    return run(args)
-  except ConfigError as e:
-    return cli.fail(e)
+  return cli.run_command(run, cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS))
 
 
 if __name__ == '__main__':

@@ -45,10 +45,12 @@ FLAGS = {
 
 def main(argv: list[str] | None = None) -> int:
   """Runs `python -m jax3d.prepare` with argv (default sys.argv[1:]); returns the exit status."""
+  # A ValueError of the tokenizer or the input (a JSONL line without the text field) is bad input.
   args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS, config=False)
-  if isinstance(args, int):
-    return args
-  from jax3d.config import ConfigError
+  return cli.run_command(_prepare, args, ValueError)
+
+
+def _prepare(args: cli.Args) -> int:
   from jax3d.data import prepare, tokenizer as tok_lib
 
   f = args.flags
@@ -68,21 +70,18 @@ def main(argv: list[str] | None = None) -> int:
       print(f'trained a BPE tokenizer: {tok_lib.load(own).describe()}')
     spec = f['tokenizer'] or (own if os.path.exists(own) else tok_lib.BYTES)
     tok = tok_lib.load(spec)
-  except (ConfigError, ValueError) as e:
+  except ValueError as e:  # a ConfigError too: named by this command's flag
     return cli.fail(str(e).replace('data.tokenizer=', '--tokenizer='))
-  try:
-    r = prepare.tokenize(
-      f['input'],
-      f['out'],
-      tok.path or tok_lib.BYTES,
-      f['field'],
-      f['eval_fraction'],
-      shard_bytes,
-      f['workers'],
-      f['progress'],
-    )
-  except ValueError as e:  # a JSONL line without the text field
-    return cli.fail(e)
+  r = prepare.tokenize(
+    f['input'],
+    f['out'],
+    tok.path or tok_lib.BYTES,
+    f['field'],
+    f['eval_fraction'],
+    shard_bytes,
+    f['workers'],
+    f['progress'],
+  )
   n = lambda split: sum(s['tokens'] for s in r[split])
   print(
     f'{f["out"]}: {n("train"):,} train tokens, {n("val"):,} held out ({r["dtype"]}, vocab {r["vocab_size"]}); '

@@ -28,7 +28,7 @@ class Setup:
   cfg: ml_collections.ConfigDict  # the resolved config (an hf: import's model.*, the tokenizer's vocabulary)
   plan: RunPlan  # the validated layout and batch sizes
   mesh: Mesh  # ('dp', 'pp', 'tp')
-  dims: Any  # jax3d.model.llama.Dims: the model's shapes and dtypes
+  dims: Any  # jax3d.model.dims.Dims: the model's shapes and dtypes
   tx: optax.GradientTransformation  # the optimizer chain
   schedule: optax.Schedule  # the learning rate of each step
   rules: Any  # jax3d.parallel.sharding.Rules: logical axis -> mesh axes

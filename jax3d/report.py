@@ -27,8 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     config=False,
     positional={'WORKDIR': "a training run's workdir, holding metrics.jsonl"},
   )
-  if isinstance(args, int):
-    return args
+  return cli.run_command(_report, args)
+
+
+def _report(args: cli.Args) -> int:
   workdir = args.positional[0]
   metrics = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(metrics):

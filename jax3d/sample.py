@@ -25,7 +25,7 @@ import sys
 import types
 
 from jax3d import cli
-from jax3d.trainer.workdir import NoCheckpoint, sample_workdir
+from jax3d.trainer.workdir import sample_workdir
 
 FLAGS = {
   'workdir': cli.Flag(str, None, "a training run's workdir, holding checkpoints/", required=True),
@@ -43,30 +43,22 @@ def main(argv: list[str] | None = None) -> int:
 
   The --config.KEY=VALUE overrides are checked against the default config's keys and types here,
   then applied to the config the text is generated with (the checkpoint's, unless --config)."""
-  args = cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS)
-  if isinstance(args, int):
-    return args
-  cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
-  from jax3d import config as config_lib
-  from jax3d.trainer import checkpoint as ckpt_lib
+  return cli.run_command(_sample, cli.parse(sys.argv[1:] if argv is None else argv, __doc__, FLAGS))
 
+
+def _sample(args: cli.Args) -> int:
+  cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   f = args.flags
-  try:
-    text = sample_workdir(
-      f['workdir'],
-      f['prompt'],
-      f['tokens'],
-      0.0 if f['greedy'] else f['temperature'],
-      f['top_k'],
-      f['seed'],
-      config=args.config_path,
-      overrides=args.overrides,
-    )
-  except (NoCheckpoint, config_lib.ConfigError) as e:
-    return cli.fail(e)
-  except ckpt_lib.CheckpointError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 3
+  text = sample_workdir(
+    f['workdir'],
+    f['prompt'],
+    f['tokens'],
+    0.0 if f['greedy'] else f['temperature'],
+    f['top_k'],
+    f['seed'],
+    config=args.config_path,
+    overrides=args.overrides,
+  )
   print(text)
   return 0
 

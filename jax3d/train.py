@@ -10,8 +10,10 @@ Several processes (one per host, or per GPU group; see docs/multihost.md):
 
 Exit status: 0 done (also after a SIGTERM that saved a checkpoint, on every process); 2 invalid
 configuration or input (one line on stderr, before anything compiles); 3 the run failed (non-finite
-steps, a checkpoint that does not match, a coordinator that cannot be reached, a lost peer process,
-the workdir in use by another run, a checkpoint write that failed (disk full), a truncated data file).
+steps, a checkpoint that does not match, a distributed start that fails: a coordinator that cannot
+be reached, a peer that never joins, a coordinator port in use, a host whose own name does not
+resolve; a lost peer process, the workdir in use by another run, a checkpoint write that failed
+(disk full), a truncated data file).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jax3d import cli
+from jax3d import cli, errors
 from jax3d.trainer import distributed
 
 # The distributed flags are distributed.FLAGS, typed (an unset one falls back to its environment
@@ -53,11 +55,8 @@ def main(argv: list[str] | None = None) -> int:
   cli.prepare_devices(args.flags['devices_per_process'])
   try:
     inf = distributed.initialize(args.flags)  # before anything touches a device
-  except ValueError as e:
+  except (errors.Jax3dError, ValueError) as e:  # a bad flag (2), an unreachable coordinator (3)
     return cli.fail(e)
-  except distributed.DistributedError as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)
-    return 3
   if not inf.multi:
     return _run(args)
   try:
@@ -80,24 +79,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: cli.Args) -> int:
-  import jax
-
-  from jax3d import config as config_lib
-  from jax3d.data import corpus as data_lib
   from jax3d.parallel import mesh as mesh_lib
-  from jax3d.trainer import checkpoint as ckpt_lib
-  from jax3d.trainer.trainer import Trainer, TrainingError
+  from jax3d.trainer.trainer import Trainer
 
   multi = distributed.info().multi
   workdir = args.flags['workdir'] or os.path.join('runs', args.config_name)
+  trainer = None
   try:
+    # A ConfigError here is bad input (exit 2), found before anything compiles; a CheckpointError
+    # is another run holding the workdir (exit 3).
     trainer = Trainer(args.cfg, workdir=workdir)
-  except config_lib.ConfigError as e:
-    return cli.fail(e) if jax.process_index() == 0 or not multi else 2
-  except ckpt_lib.CheckpointError as e:  # another run holds the workdir
-    print(f'error: {e}', file=sys.stderr, flush=True)
-    return 3
-  try:
     for line in trainer.summary():
       trainer.log(line)
     if multi:
@@ -110,18 +101,25 @@ def _run(args: cli.Args) -> int:
     # train() sets its SIGTERM handler, then initialises (or restores) the state and logs it, then
     # compiles: a SIGTERM from the moment that line shows saves and exits 0. A ConfigError there
     # is the memory check, with the OOM ladder.
-    try:
-      trainer.train()
-    except config_lib.ConfigError as e:
-      return cli.fail(e) if jax.process_index() == 0 or not multi else 2
-    if trainer._stop_signal is None and not multi:
+    trainer.train()
+    if not trainer.preempted and not multi:
       trainer.log('sample: ' + repr(trainer.sample()))
-  except (TrainingError, ckpt_lib.CheckpointError, data_lib.DataError) as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)  # the same on every process
-    return 3
+  except errors.Jax3dError as e:
+    return _fail(e, multi)
   finally:
-    trainer.close()
+    if trainer is not None:
+      trainer.close()
   return 0
+
+
+def _fail(e: errors.Jax3dError, multi: bool) -> int:
+  """`cli.fail`, except that with several processes bad input (the same on every one) is printed by
+  process 0 only; a failed run (TrainingError, CheckpointError, DataError) by every process."""
+  import jax
+
+  if multi and errors.exit_status(e) == errors.BAD_INPUT and jax.process_index() != 0:
+    return errors.exit_status(e)
+  return cli.fail(e)
 
 
 if __name__ == '__main__':

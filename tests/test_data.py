@@ -32,7 +32,7 @@ def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
   )
   s = assemble.build(cfg, jax.devices()[:n])
   sh = s.batch_sharding
-  rows = data_lib.local_rows(sh, batch)
+  rows = data_lib.process_rows(sh, batch)
   local = data_lib.batch_rows(corpus.train, 0, step, batch, seq, rows)
   return jax.device_get(data_lib.to_global(local, sh, batch))
 
@@ -80,19 +80,20 @@ class _OneProcess:
     return {d: i for d, i in self.sharding.devices_indices_map(shape).items() if d in self.devices}
 
 
-def test_local_rows_of_a_sharding():
+def test_process_rows_of_a_sharding():
   """The rows a process holds are the union of its devices' row blocks in the sharding's own index
   map, in global order: all of them with every device, its dp blocks when it holds part of dp
   (also non-adjacent ones), and each block once however many pp/tp devices replicate it."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 1, 2), ('dp', 'pp', 'tp'))
   sh = NamedSharding(mesh, P('dp'))
-  assert data_lib.local_rows(sh, 16).tolist() == list(range(16))
+  assert data_lib.process_rows(sh, 16).tolist() == list(range(16))
   devs = mesh.devices
-  assert data_lib.local_rows(_OneProcess(sh, devs[1].flat), 16).tolist() == [4, 5, 6, 7]
-  assert data_lib.local_rows(_OneProcess(sh, devs[[0, 2]].flat), 16).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
-  assert data_lib.local_rows(_OneProcess(sh, devs[:, :, 1].flat), 16).tolist() == list(range(16))
+  assert data_lib.process_rows(_OneProcess(sh, devs[1].flat), 16).tolist() == [4, 5, 6, 7]
+  assert data_lib.process_rows(_OneProcess(sh, devs[[0, 2]].flat), 16).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+  assert data_lib.process_rows(_OneProcess(sh, devs[:, :, 1].flat), 16).tolist() == list(range(16))
   sh2 = NamedSharding(mesh, P(('dp', 'tp')))  # rows over dp and tp: device (1, 0, 1) holds block 3
-  assert data_lib.local_rows(_OneProcess(sh2, [devs[1, 0, 1], devs[3, 0, 0]]), 16).tolist() == [6, 7, 12, 13]
+  rows = data_lib.process_rows(_OneProcess(sh2, [devs[1, 0, 1], devs[3, 0, 0]]), 16)
+  assert rows.tolist() == [6, 7, 12, 13]
 
 
 def test_default_corpus_is_the_standard_library_split_by_file(corpus):

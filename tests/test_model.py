@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax3d.model import llama
+from jax3d.model import layers
 
 
 def _plain_swiglu(gu_r2f):
@@ -18,7 +18,7 @@ def test_swiglu_value_and_gradient_equal_autodiff(dtype):
   gu_r2f = (3 * jax.random.normal(jax.random.key(0), (64, 2, 48))).astype(dtype)
   w_rf = jax.random.normal(jax.random.key(1), (64, 48))
   loss = lambda fn: jax.value_and_grad(lambda gu: jnp.sum(fn(gu) * w_rf))(gu_r2f)
-  (value, grad), (want_value, want_grad) = loss(llama.swiglu), loss(_plain_swiglu)
+  (value, grad), (want_value, want_grad) = loss(layers.swiglu), loss(_plain_swiglu)
   assert grad.dtype == dtype and grad.shape == gu_r2f.shape
   chex.assert_trees_all_close(value, want_value, rtol=0)
   # float32: the same derivative summed in another order; bf16: both round the fp32 result once.

@@ -80,8 +80,8 @@ def test_zero1_and_bf16_shrink_the_state():
   base = config.load_config('tiny', {'mesh.pp': 1, 'mesh.dp': 4, 'pipeline.microbatches': 1})
   p = config.validate(base, 8)
   e0 = costmodel.estimate(base, p, hw=CPU)
-  e1 = costmodel.estimate(plan.apply(base, {'train.shard_optimizer': True}), p, hw=CPU)
-  e2 = costmodel.estimate(plan.apply(base, {'train.param_dtype': 'bfloat16'}), p, hw=CPU)
+  e1 = costmodel.estimate(plan.with_overrides(base, {'train.shard_optimizer': True}), p, hw=CPU)
+  e2 = costmodel.estimate(plan.with_overrides(base, {'train.param_dtype': 'bfloat16'}), p, hw=CPU)
   assert e1.breakdown['optimizer'] == pytest.approx(e0.breakdown['optimizer'] / 4)
   assert e2.breakdown['params'] == pytest.approx(e0.breakdown['params'] / 2)
 

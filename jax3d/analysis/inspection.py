@@ -38,6 +38,44 @@ def expected_comm(s: Setup) -> dict:
   bsh = plan.micro_batch // d * plan.seq_len * dims.d_model * act  # one micro-batch on one dp shard
   iters, layers_per_chunk = v * m + p - 1, dims.n_layers // (p * v)
   per_layer_mb = 4 * 2 * (t - 1) / t * bsh
+  dp = _dp_comm(s)
+  scatter = plan.pp_batch_split is not None  # the loop's inputs gathered, outputs scattered over pp
+  edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
+  edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
+  edge += dp['shared_wire'] if d == 1 else 0.0
+  tp_spmd = per_layer_mb * layers_per_chunk * iters * a  # no recomputation
+  halves = formulas.tp_halves_per_layer(s.cfg.train.remat, plan.sequence_parallel)  # 8 = 4 all-reduces
+  sp = t if plan.sequence_parallel else 1  # the ring's micro-batches are split over tp with SP
+  # SP: one all-gather over tp of the loop's fp32 outputs, and one of its inputs' gradient.
+  sp_edges = (
+    2 * (t - 1) / t * m * (plan.micro_batch // d) * plan.seq_len * dims.d_model * 4 * a if sp > 1 else 0.0
+  )
+  return {
+    'tp': {
+      'formula': per_layer_mb * dims.n_layers // p * m * a,
+      'spmd': tp_spmd * halves / 8,
+      'spmd_forward': tp_spmd / 2,  # the recomputed ones count as backward
+    },
+    'tp_edges': {'formula': sp_edges, 'spmd': sp_edges},
+    'pp': {
+      'formula': 2 * v * m * bsh * a / sp if p > 1 else 0.0,
+      'spmd': 2 * iters * bsh * a / sp if p > 1 else 0.0,
+    },
+    'pp_edges': {'formula': edge, 'spmd': edge},
+    'dp': {'formula': dp['wire'], 'spmd': dp['wire']},
+    'p_local_bytes': dp['p_local'],
+    'dp_grad_bytes': dp['grads'],
+    'layer_bytes_local': dp['layers_local'],
+    'bsh_bytes': bsh,
+  }
+
+
+def _dp_comm(s: Setup) -> dict:
+  """expected_comm's dp part: {'wire': wire bytes over groups with dp, 'shared_wire': those of the
+  weights every pp stage holds, 'grads': the gradient bytes entering the dp reduction, 'p_local'
+  and 'layers_local': the parameter bytes this device holds (all, the layers')}."""
+  plan = s.plan
+  p, d = plan.pp, plan.dp
   local = lambda leaf: int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
   params = s.abstract_state['params']
   p_local = sum(local(x) for x in jax.tree.leaves(params))
@@ -58,34 +96,12 @@ def expected_comm(s: Setup) -> dict:
     shared_wire = 2 * (d * p - 1) / (d * p) * (p_local - layers_local)
     if d > 1:
       dp_wire += shared_wire - ring * (p_local - layers_local)
-  scatter = plan.pp_batch_split is not None  # the loop's inputs gathered, outputs scattered over pp
-  edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
-  edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
-  edge += shared_wire if d == 1 else 0.0
-  tp_spmd = per_layer_mb * layers_per_chunk * iters * a  # no recomputation
-  halves = formulas.tp_halves_per_layer(s.cfg.train.remat, plan.sequence_parallel)  # 8 = 4 all-reduces
-  sp = t if plan.sequence_parallel else 1  # the ring's micro-batches are split over tp with SP
-  # SP: one all-gather over tp of the loop's fp32 outputs, and one of its inputs' gradient.
-  sp_edges = (
-    2 * (t - 1) / t * m * (plan.micro_batch // d) * plan.seq_len * dims.d_model * 4 * a if sp > 1 else 0.0
-  )
   return {
-    'tp': {
-      'formula': per_layer_mb * dims.n_layers // p * m * a,
-      'spmd': tp_spmd * halves / 8,
-      'spmd_forward': tp_spmd / 2,  # the recomputed ones count as backward
-    },
-    'tp_edges': {'formula': sp_edges, 'spmd': sp_edges},
-    'pp': {
-      'formula': 2 * v * m * bsh * a / sp if p > 1 else 0.0,
-      'spmd': 2 * iters * bsh * a / sp if p > 1 else 0.0,
-    },
-    'pp_edges': {'formula': edge, 'spmd': edge},
-    'dp': {'formula': dp_wire, 'spmd': dp_wire},
-    'p_local_bytes': p_local,
-    'dp_grad_bytes': grads,
-    'layer_bytes_local': layers_local,
-    'bsh_bytes': bsh,
+    'wire': dp_wire,
+    'shared_wire': shared_wire,
+    'grads': grads,
+    'p_local': p_local,
+    'layers_local': layers_local,
   }
 
 
@@ -112,7 +128,7 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   tp_layers = lambda c: c['axes'] == 'tp' and c['in_layers']
   dp_grads = lambda c: (
     'dp' in c['axes'].split('+') and c['kind'] in ('all-reduce', 'reduce-scatter', 'all-to-all')
-  )  # all-to-all: jax3d/parallel/data_parallel.py
+  )  # all-to-all: jax3d/parallel/compression.py
   out = [
     {
       'axis': 'tp',

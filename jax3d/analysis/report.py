@@ -88,15 +88,21 @@ def figures(run: dict, out_dir: str) -> dict[str, str]:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  train, evals, written = run['train'], run['eval'], {}
-
-  def save(fig: Any, name: str) -> None:
+  written = {}
+  for name, draw in FIGURES:
+    fig = draw(plt, run)
+    if fig is None:
+      continue
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f'{name}.png'), dpi=110)
     plt.close(fig)
     written[name] = f'{name}.png'
+  return written
 
-  # Loss and held-out loss, against steps and against tokens seen.
+
+def _loss_figure(plt: Any, run: dict) -> Any:
+  """Loss and held-out loss, against steps and against tokens seen."""
+  train, evals = run['train'], run['eval']
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   s, loss = _col(train, 'loss')
   es, eloss = _col(evals, 'eval_loss')
@@ -106,51 +112,77 @@ def figures(run: dict, out_dir: str) -> dict[str, str]:
     if len(es):
       ax.plot(ex, eloss, 'o-', label='held-out loss', ms=3)
     ax.set_xlabel(label), ax.set_ylabel('loss (nats/token)'), ax.grid(alpha=0.3), ax.legend()
-  save(fig, 'loss')
+  return fig
 
-  # Throughput and MFU.
+
+def _throughput_figure(plt: Any, run: dict) -> Any:
+  """Throughput and MFU."""
   fig, ax = plt.subplots(figsize=(11, 3.5))
-  s, tps = _col(train, 'tokens_per_sec')
+  s, tps = _col(run['train'], 'tokens_per_sec')
   ax.plot(s, tps, lw=1, color='C0')
   ax.set_xlabel('step'), ax.set_ylabel('tokens/s', color='C0'), ax.grid(alpha=0.3)
-  ms, mfu = _col(train, 'mfu')
+  ms, mfu = _col(run['train'], 'mfu')
   if len(ms):
     ax2 = ax.twinx()
     ax2.plot(ms, 100 * mfu, lw=1, color='C1')
     ax2.set_ylabel('MFU (%)', color='C1')
   else:
     ax.set_title('MFU unknown (no peak FLOP/s for this device; set hardware.peak_tflops)', fontsize=9)
-  save(fig, 'throughput')
+  return fig
 
-  # Memory: one curve per device; peaks dashed where the backend reports them.
-  mem = [r for r in train if isinstance(r.get('memory'), dict) and r['memory'].get('bytes_in_use')]
-  if mem:
-    fig, ax = plt.subplots(figsize=(11, 4))
-    steps = [r['step'] for r in mem]
-    n_dev = max(len(r['memory']['bytes_in_use']) for r in mem)
-    for i in range(n_dev):
-      used = [_mib_at(r['memory'].get('bytes_in_use'), i) for r in mem]
-      (line,) = ax.plot(steps, used, lw=1, label=f'device {i}')
-      peaks = [_mib_at(r['memory'].get('peak_bytes'), i) for r in mem]
-      if not np.all(np.isnan(peaks)):
-        ax.plot(steps, peaks, '--', lw=0.8, color=line.get_color())
-    for ev in run['events']:
-      if ev.get('event') == 'memory_leak' and 'step' in ev:
-        ax.axvline(ev['step'], color='red', lw=0.8, alpha=0.6)
-    ax.set_xlabel('step'), ax.set_ylabel('MiB in use (dashed: peak)'), ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=min(n_dev, 8))
-    save(fig, 'memory')
 
-  # Step time distribution (the first logged step includes compilation and is left out).
-  _, st = _col(train[1:] if len(train) > 1 else train, 'step_time_s')
-  if len(st):
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.hist(st * 1e3, bins=min(40, max(5, len(st) // 3)), color='C2', alpha=0.8)
-    for q, style in ((50, '-'), (90, '--'), (99, ':')):
-      ax.axvline(np.percentile(st * 1e3, q), color='k', ls=style, lw=1, label=f'p{q}')
-    ax.set_xlabel('step time (ms)'), ax.set_ylabel('log records'), ax.legend()
-    save(fig, 'step_time')
-  return written
+def _memory_figure(plt: Any, run: dict) -> Any:
+  """Memory: one curve per device; peaks dashed where the backend reports them (None: no data)."""
+  mem = [r for r in run['train'] if isinstance(r.get('memory'), dict) and r['memory'].get('bytes_in_use')]
+  if not mem:
+    return None
+  fig, ax = plt.subplots(figsize=(11, 4))
+  steps = [r['step'] for r in mem]
+  n_dev = max(len(r['memory']['bytes_in_use']) for r in mem)
+  for i in range(n_dev):
+    used = [_mib_at(r['memory'].get('bytes_in_use'), i) for r in mem]
+    (line,) = ax.plot(steps, used, lw=1, label=f'device {i}')
+    peaks = [_mib_at(r['memory'].get('peak_bytes'), i) for r in mem]
+    if not np.all(np.isnan(peaks)):
+      ax.plot(steps, peaks, '--', lw=0.8, color=line.get_color())
+  for ev in run['events']:
+    if ev.get('event') == 'memory_leak' and 'step' in ev:
+      ax.axvline(ev['step'], color='red', lw=0.8, alpha=0.6)
+  ax.set_xlabel('step'), ax.set_ylabel('MiB in use (dashed: peak)'), ax.grid(alpha=0.3)
+  ax.legend(fontsize=7, ncol=min(n_dev, 8))
+  return fig
+
+
+def _step_time_figure(plt: Any, run: dict) -> Any:
+  """Step time distribution (the first logged step includes compilation and is left out)."""
+  _, st = _col(_after_first(run['train']), 'step_time_s')
+  if not len(st):
+    return None
+  fig, ax = plt.subplots(figsize=(7, 3.5))
+  ax.hist(st * 1e3, bins=min(40, max(5, len(st) // 3)), color='C2', alpha=0.8)
+  for q, style in ((50, '-'), (90, '--'), (99, ':')):
+    ax.axvline(np.percentile(st * 1e3, q), color='k', ls=style, lw=1, label=f'p{q}')
+  ax.set_xlabel('step time (ms)'), ax.set_ylabel('log records'), ax.legend()
+  return fig
+
+
+FIGURES = (  # (name, draw(plt, run) -> figure or None), in the report's order
+  ('loss', _loss_figure),
+  ('throughput', _throughput_figure),
+  ('memory', _memory_figure),
+  ('step_time', _step_time_figure),
+)
+CAPTIONS = {
+  'loss': 'Loss',
+  'throughput': 'Throughput and MFU',
+  'memory': 'Memory per device',
+  'step_time': 'Step time distribution',
+}
+
+
+def _after_first(train: Sequence[dict]) -> Sequence[dict]:
+  """The training records less the first (its step time includes compilation), if there are more."""
+  return train[1:] if len(train) > 1 else train
 
 
 def _fmt_bytes(b: float) -> str:
@@ -159,7 +191,7 @@ def _fmt_bytes(b: float) -> str:
 
 def markdown(run: dict, written: dict[str, str], workdir: str) -> str:
   """The report page: the layout, the headline numbers and the figures `written` (name: file)."""
-  train, evals, events = run['train'], run['eval'], run['events']
+  events = run['events']
   start = next((e for e in reversed(events) if e.get('event') == 'start'), {})
   layout = start.get('layout', {})
   lines = [f'# Run report: `{os.path.abspath(workdir)}`', '']
@@ -170,6 +202,18 @@ def markdown(run: dict, written: dict[str, str], workdir: str) -> str:
       '| ' + ' | '.join(str(v) for v in layout.values()) + ' |',
       '',
     ]
+  head = _progress_lines(run['train'], run['eval']) + _median_lines(run['train'])
+  head += _memory_lines(run['train']) + _event_lines(events)
+  if run['bad_lines']:
+    head.append(f'- {run["bad_lines"]} unreadable line(s) in metrics.jsonl skipped')
+  lines += ['## Headline numbers', ''] + head + ['']
+  for name, fname in written.items():
+    lines += [f'## {CAPTIONS.get(name, name)}', '', f'![{name}]({fname})', '']
+  return '\n'.join(lines)
+
+
+def _progress_lines(train: Sequence[dict], evals: Sequence[dict]) -> list[str]:
+  """Steps and tokens logged, the final train loss, the final and best held-out loss."""
   head = []
   if train:
     last = train[-1]
@@ -182,13 +226,19 @@ def markdown(run: dict, written: dict[str, str], workdir: str) -> str:
       f'- final held-out loss: {evals[-1]["eval_loss"]:.4f} (step {evals[-1]["step"]}); '
       f'best {best["eval_loss"]:.4f} (step {best["step"]})'
     )
+  return head
+
+
+def _median_lines(train: Sequence[dict]) -> list[str]:
+  """Median throughput and MFU, median and p90 step time (the first record left out)."""
   medians = (
     ('tokens_per_sec', 'tokens/s (median)', '{:,.0f}'),
     ('mfu', 'MFU (median)', '{:.1%}'),
     ('step_time_s', 'step time (median / p90)', None),
   )
+  head = []
   for key, label, fmt in medians:
-    _, v = _col(train[1:] if len(train) > 1 else train, key)
+    _, v = _col(_after_first(train), key)
     if len(v):
       text = (
         f'{np.median(v) * 1e3:.1f} / {np.percentile(v, 90) * 1e3:.1f} ms'
@@ -198,34 +248,33 @@ def markdown(run: dict, written: dict[str, str], workdir: str) -> str:
       head.append(f'- {label}: {text}')
     elif key == 'mfu':
       head.append('- MFU: unknown (no peak FLOP/s known for this device; set hardware.peak_tflops)')
+  return head
+
+
+def _memory_lines(train: Sequence[dict]) -> list[str]:
+  """The most memory in use on any device, and the allocator's peak where reported."""
   mem = [r['memory'] for r in train if isinstance(r.get('memory'), dict) and r['memory'].get('bytes_in_use')]
-  if mem:
-    peak_used = max(max(m['bytes_in_use']) for m in mem)
-    peaks = [p for m in mem for p in (m.get('peak_bytes') or []) if p is not None]
-    head.append(
-      f'- memory: max in use on any device {_fmt_bytes(peak_used)}'
-      + (f', allocator peak {_fmt_bytes(max(peaks))}' if peaks else '')
-    )
+  if not mem:
+    return []
+  peak_used = max(max(m['bytes_in_use']) for m in mem)
+  peaks = [p for m in mem for p in (m.get('peak_bytes') or []) if p is not None]
+  return [
+    f'- memory: max in use on any device {_fmt_bytes(peak_used)}'
+    + (f', allocator peak {_fmt_bytes(max(peaks))}' if peaks else '')
+  ]
+
+
+def _event_lines(events: Sequence[dict]) -> list[str]:
+  """How many memory-leak and non-finite events, and the first of each."""
+  head = []
   for kind in ('memory_leak', 'nonfinite'):
     evs = [e for e in events if e.get('event') == kind]
     if evs:
-      head.append(
-        f'- {len(evs)} `{kind}` event(s), first at step {evs[0].get("step")}: {evs[0].get("message", "")}'.rstrip(
-          ': '
-        )
+      first = (
+        f'- {len(evs)} `{kind}` event(s), first at step {evs[0].get("step")}: {evs[0].get("message", "")}'
       )
-  if run['bad_lines']:
-    head.append(f'- {run["bad_lines"]} unreadable line(s) in metrics.jsonl skipped')
-  lines += ['## Headline numbers', ''] + head + ['']
-  captions = {
-    'loss': 'Loss',
-    'throughput': 'Throughput and MFU',
-    'memory': 'Memory per device',
-    'step_time': 'Step time distribution',
-  }
-  for name, fname in written.items():
-    lines += [f'## {captions.get(name, name)}', '', f'![{name}]({fname})', '']
-  return '\n'.join(lines)
+      head.append(first.rstrip(': '))
+  return head
 
 
 def write_report(workdir: str) -> str:

@@ -167,7 +167,7 @@ def eval_batches(corpus: Corpus, seed: int, n: int, batch: int, seq_len: int) ->
   return [batch_rows(corpus.held_out, seed + 1_000_003, j, batch, seq_len) for j in range(n)]
 
 
-def local_rows(sharding: jax.sharding.Sharding, batch: int) -> np.ndarray:
+def process_rows(sharding: jax.sharding.Sharding, batch: int) -> np.ndarray:
   """Indices of the global-batch rows this process holds, in global order (its row blocks
   concatenated: what jax.make_array_from_process_local_data expects)."""
   idx = sharding.addressable_devices_indices_map((batch,))
@@ -178,7 +178,7 @@ def local_rows(sharding: jax.sharding.Sharding, batch: int) -> np.ndarray:
 def to_global(
   local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, batch: int
 ) -> dict[str, jax.Array]:
-  """Global arrays of `batch` rows from this process's rows (those of `local_rows`) of each entry."""
+  """Global arrays of `batch` rows from this process's rows (those of `process_rows`) of each entry."""
   return {
     k: jax.make_array_from_process_local_data(sharding, v, (batch,) + v.shape[1:]) for k, v in local.items()
   }
@@ -204,7 +204,7 @@ class Prefetcher:
     sharding: jax.sharding.Sharding,
     depth: int = 2,
   ):
-    self.rows = local_rows(sharding, batch)
+    self.rows = process_rows(sharding, batch)
     self.args = (corpus.train, seed, batch, seq_len)
     self.sharding, self.batch = sharding, batch
     self.q: queue.Queue = queue.Queue(maxsize=max(depth, 1))

@@ -199,8 +199,6 @@ def tokenize(
 ) -> dict:
   """Tokenizes the corpus at `path` into `out` (see the module docstring); returns the index with
   the run's figures added ('seconds', 'mb_per_s', 'workers', 'units_done', 'units_skipped')."""
-  from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
   os.makedirs(out, exist_ok=True)
   tok = tok_lib.load(tok_path)
   dtype = shards.dtype_for(tok.vocab_size)
@@ -212,28 +210,12 @@ def tokenize(
   }
   root, files = input_files(path)
   work = units(pieces(root, files, shard_bytes), shard_bytes)
-  jobs, records = [], {}
-  for i, unit in enumerate(work):
-    fp = _fingerprint(unit, settings)
-    rec = _done(out, i, fp, np.dtype(dtype).itemsize)
-    if rec is None:
-      jobs.append((i, unit, out, field, eval_fraction, dtype, fp))
-    else:
-      records[i] = rec
+  jobs, records = _jobs(work, out, settings)
   workers = workers or os.cpu_count() or 1
   total = sum(p.end - p.start for j in jobs for p in j[1])
   t0 = time.perf_counter()
   if jobs:
-    ctx = multiprocessing.get_context('spawn')  # tokenizers' threads do not survive a fork
-    columns = (TextColumn('tokenizing'), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with (
-      ctx.Pool(min(workers, len(jobs)), _init_worker, (tok.path or tok_lib.BYTES,)) as pool,
-      Progress(*columns, disable=not progress) as bar,
-    ):
-      task = bar.add_task('tokenize', total=total)
-      for rec in pool.imap_unordered(run_unit, jobs):
-        records[rec['unit']] = rec
-        bar.advance(task, rec['bytes'])
+    records |= _run_jobs(jobs, tok.path or tok_lib.BYTES, workers, total, progress)
   seconds = time.perf_counter() - t0
   index = {
     'format': shards.FORMAT,
@@ -248,12 +230,51 @@ def tokenize(
     'train': [records[i]['train'] for i in sorted(records)],
     'val': [records[i]['val'] for i in sorted(records)],
   }
+  _write_index(out, index)
+  figures = {'seconds': seconds, 'mb_per_s': total / 1e6 / max(seconds, 1e-9), 'workers': workers}
+  return index | figures | {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
+
+
+def _jobs(work: list[list[Piece]], out: str, settings: dict) -> tuple[list[tuple], dict[int, dict]]:
+  """(the jobs of the units still to tokenize, {unit: record} of those already done with these
+  settings)."""
+  jobs, records = [], {}
+  itemsize = np.dtype(settings['dtype']).itemsize
+  for i, unit in enumerate(work):
+    fp = _fingerprint(unit, settings)
+    rec = _done(out, i, fp, itemsize)
+    if rec is None:
+      jobs.append((i, unit, out, settings['field'], settings['eval_fraction'], settings['dtype'], fp))
+    else:
+      records[i] = rec
+  return jobs, records
+
+
+def _run_jobs(jobs: list[tuple], tok_path: str, workers: int, total: int, progress: bool) -> dict[int, dict]:
+  """Runs the jobs in a pool of `workers` processes (a progress bar over their `total` bytes);
+  returns {unit: record}."""
+  from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+  records = {}
+  ctx = multiprocessing.get_context('spawn')  # tokenizers' threads do not survive a fork
+  columns = (TextColumn('tokenizing'), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+  with (
+    ctx.Pool(min(workers, len(jobs)), _init_worker, (tok_path,)) as pool,
+    Progress(*columns, disable=not progress) as bar,
+  ):
+    task = bar.add_task('tokenize', total=total)
+    for rec in pool.imap_unordered(run_unit, jobs):
+      records[rec['unit']] = rec
+      bar.advance(task, rec['bytes'])
+  return records
+
+
+def _write_index(out: str, index: dict) -> None:
+  """Writes the index into `out` atomically (a temporary file, then renamed)."""
   tmp = os.path.join(out, shards.INDEX + '.tmp')
   with open(tmp, 'w') as f:
     json.dump(index, f, indent=1)
   os.replace(tmp, os.path.join(out, shards.INDEX))
-  figures = {'seconds': seconds, 'mb_per_s': total / 1e6 / max(seconds, 1e-9), 'workers': workers}
-  return index | figures | {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
 
 
 def training_texts(path: str, field: str, eval_fraction: float, shard_bytes: int) -> Iterator[str]:

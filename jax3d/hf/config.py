@@ -2,7 +2,7 @@
 safetensors files found and their tensor headers checked, all before anything compiles.
 
   hf = hf_config.read('path/to/llama')        # ConfigError (exit 2) on a folder that cannot work
-  cfg = hf_config.apply(cfg, hf)              # model.* from config.json
+  cfg = hf_config.with_model(cfg, hf)         # model.* from config.json
 
 Llama-like means: a decoder of RMSNorm, rotary attention without biases (grouped-query allowed)
 and a SwiGLU MLP without biases, no experts, no rope scaling; this covers Llama 2/3, Mistral
@@ -146,7 +146,7 @@ def model_keys(hf: HFModel) -> dict[str, Any]:
   }
 
 
-def apply(cfg: ml_collections.ConfigDict, hf: HFModel) -> ml_collections.ConfigDict:
+def with_model(cfg: ml_collections.ConfigDict, hf: HFModel) -> ml_collections.ConfigDict:
   """A copy of cfg with the model settings of the checkpoint. A Mistral sliding window shorter than
   model.max_seq_len is refused (jax3d attends over the whole sequence)."""
   cfg = copy.deepcopy(cfg)

@@ -1,6 +1,6 @@
 """The model's counting formulas, in one place: parameters, FLOPs per token, MFU.
 
-Parameters (`dims` is a jax3d.model.llama.Dims, or anything with its fields and `head_dim`):
+Parameters (`dims` is a jax3d.model.dims.Dims, or anything with its fields and `head_dim`):
 
   per layer        2*d (two RMSNorm scales) + d*hd*(2*n + 2*k) (q, o; k, v) + 3*d*f (gate, up, down)
   embedding/head   2*V*d (input table, output projection) + d (final norm)
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class Dims(Protocol):
-  """The model sizes the formulas read (jax3d.model.llama.Dims has them; llama imports this
+  """The model sizes the formulas read (jax3d.model.dims.Dims has them; dims imports this
   module, so the formulas name the fields, not that class)."""
 
   n_layers: int

@@ -1,6 +1,6 @@
 """Text generation from a model's parameters: greedy, or temperature with top-k.
 
-Generation runs the training model's own layer (jax3d.model.llama.Block, with its KV-cache path)
+Generation runs the training model's own layer (jax3d.model.layers.Block, with its KV-cache path)
 in the canonical layer order (no pipeline schedule): one forward over the prompt (padded to a
 power-of-two bucket) fills the cache, then one token per step, all in one compiled program (a
 `fori_loop`, sampling on the device). It works on any layout: small models are decoded on one

@@ -81,7 +81,7 @@ def apply(
   """The embedded batch [B, T, D] through all layers (stacked, in storage order), pipelined.
 
   With sequence parallelism (`plan.sequence_parallel`) the loop carries each micro-batch as its
-  flattened rows [b*t, D] and `layer_fn` takes and returns them (llama.Block's `seq_len` path):
+  flattened rows [b*t, D] and `layer_fn` takes and returns them (layers.Block's `seq_len` path):
   the layers keep the rows split over tp from one layer to the next, across the ring too."""
 
   def stage_layer(p, h):  # rows are local inside the loop: the rules name no manual axis there
@@ -159,7 +159,7 @@ def run(
       # The weights are the same on every dp rank; marking them as varying here, in their stored
       # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
       # loop, instead of once per micro-batch inside it.
-      layers_local = jax.tree.map(lambda a: ring.vary(a, (DP,)), layers_local)
+      layers_local = jax.tree.map(lambda a: sharding.vary(a, (DP,)), layers_local)
     if scatter is not None:
       x_mbtd = jax.lax.all_gather(x_mbtd, PP, axis=scatter, tiled=True)
     x_mbtd = split(x_mbtd)
@@ -170,7 +170,7 @@ def run(
       return whole(jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32))
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
     out_mbtd = ring.circulate(
-      layer_fn, layers_local, ring.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles
+      layer_fn, layers_local, sharding.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles
     )
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
     out_mbtd = whole(out_mbtd)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.parallel import remat
-from jax3d.parallel.sharding import PP
+from jax3d.parallel.sharding import PP, vary
 
 LayerFn = Callable[[Any, jax.Array], jax.Array]  # (one layer's params, x_btd) -> y_btd
 
@@ -41,12 +41,6 @@ def run_layers(
 
   lc = jax.tree.leaves(layers)[0].shape[1]
   return jax.lax.scan(remat.wrap_layer(one, policy), x, jnp.arange(lc))[0]
-
-
-def vary(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """Marks `a` as varying over the manual `axes` it is not yet varying over (shard_map's vma)."""
-  missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
-  return jax.lax.pcast(a, missing, to='varying') if missing else a
 
 
 @dataclasses.dataclass(frozen=True)

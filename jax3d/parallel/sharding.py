@@ -115,6 +115,13 @@ def constrain(x: jax.Array, logical: tuple) -> jax.Array:
   return x if rules is None else nn.with_logical_constraint(x, logical, rules=rules)
 
 
+def vary(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """Marks `a` as varying over the manual `axes` it is not yet varying over (shard_map's vma):
+  inside a shard_map, a value that differs per rank; its transpose sums the gradient over them."""
+  missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
+  return jax.lax.pcast(a, missing, to='varying') if missing else a
+
+
 def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
   """`fn` on each tp rank's own blocks: a shard_map manual over tp alone, nested in the context
   (the step is traced under `jax.set_mesh`; dp and pp may be manual already), its specs the

@@ -12,7 +12,7 @@ for activations), modelling what jax3d's step really does:
   - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
     pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
-    `jax3d.model.llama.Block` at the tp-local shapes, under the remat policy), so it follows the
+    `jax3d.model.layers.Block` at the tp-local shapes, under the remat policy), so it follows the
     code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
     where the layer is Megatron's. With remat 'stage' it counts m+1 micro-batches per iteration (its
     input and, with pp > 1, a stage-0 queue of m): an upper bound, since the compiled loop saves the
@@ -37,7 +37,7 @@ from jax3d.planning.hardware import BYTES
 if TYPE_CHECKING:
   import ml_collections
 
-  from jax3d.model.llama import Dims
+  from jax3d.model.dims import Dims
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,11 +87,11 @@ def _traced_residuals(
   import flax.linen as nn
   import jax
 
-  from jax3d.model import llama as model_lib
+  from jax3d.model import dims as dims_lib, layers
   from jax3d.parallel import remat
 
   @dataclasses.dataclass(frozen=True)
-  class ShardDims(model_lib.Dims):  # one tp shard: n/tp heads of the full head size
+  class ShardDims(dims_lib.Dims):  # one tp shard: n/tp heads of the full head size
     local_head_dim: int = 0
 
     @property
@@ -111,7 +111,7 @@ def _traced_residuals(
     local_head_dim=head_dim,
   )
   x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)
-  block = model_lib.Block(dims)
+  block = layers.Block(dims)
   params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
   fn = remat.wrap_layer(lambda h, p: (block.apply({'params': p}, h), None), policy)
   res = _saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x, policy != 'none')
@@ -139,9 +139,9 @@ def _saved_residuals(f, p, h, drop_weights: bool) -> list:
 # Bytes per device
 # ---------------------------------------------------------------------------------------------
 def model_dims(cfg: ml_collections.ConfigDict, plan: RunPlan | None = None) -> Dims:
-  from jax3d.model import llama as model_lib  # imported when needed: flax and jax are heavy
+  from jax3d.model import dims as dims_lib  # imported when needed: jax is heavy
 
-  return model_lib.Dims.from_config(cfg, plan)
+  return dims_lib.Dims.from_config(cfg, plan)
 
 
 def local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:

@@ -8,13 +8,14 @@ step); `python -m jax3d.plan` prints the ladder when no layout fits.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import ml_collections
 
 from jax3d.config import ConfigError, RunPlan, validate
-from jax3d.planning.costmodel import GB, Hardware, estimate
-from jax3d.planning.planner import apply, search
+from jax3d.planning.costmodel import GB, Estimate, Hardware, estimate
+from jax3d.planning.planner import search, with_overrides
 
 if TYPE_CHECKING:
   import jax
@@ -30,54 +31,17 @@ def oom_ladder(
     gpus_per_node=min(plan.n_devices, 8),
     memory_gb=device_memory_bytes / GB,
   )
-  base = estimate(cfg, plan, device_memory_bytes, hw)
-  gb = lambda e: f'{e.total_bytes / GB:.1f} GB'
-  lines = [f"Out of memory: {base.reason} ({base.describe()}). In the tutorial's order:"]
-
-  def rung(label, overrides, what=''):
-    try:
-      c = apply(cfg, overrides)
-      e = estimate(c, validate(c, plan.n_devices), device_memory_bytes, hw)
-    except ConfigError as err:
-      return f'{label}: not possible here ({err})'
-    flags_ = ' '.join(f'--config.{k}={v}' for k, v in overrides.items())
-    return f'{label} ({flags_}): {gb(base)} -> {gb(e)} per GPU{what(e) if what else ""}{"  FITS" if e.fits else ""}'
-
-  acts = lambda e: (
-    f' (activations {base.breakdown["activations"] / GB:.1f} -> '
-    f'{e.breakdown["activations"] / GB:.1f} GB, saves '
-    f'{1 - e.breakdown["activations"] / base.breakdown["activations"]:.0%})'
-  )
-  if cfg.train.remat not in ('full', 'stage'):
-    lines.append(rung('1. recompute activations', {'train.remat': 'full'}, acts))
-  elif cfg.train.remat == 'full' and plan.pp > 1:
-    lines.append(rung('1. recomputation of whole pipeline iterations', {'train.remat': 'stage'}, acts))
-  else:
-    lines.append(
-      f'1. recomputation is already on (train.remat={cfg.train.remat}): activations '
-      f'{base.breakdown["activations"] / GB:.1f} GB'
-    )
+  ladder = _Ladder(cfg, plan, device_memory_bytes, hw, estimate(cfg, plan, device_memory_bytes, hw))
+  lines = [f"Out of memory: {ladder.base.reason} ({ladder.base.describe()}). In the tutorial's order:"]
+  lines.append(_recompute_rung(ladder))
   lines.append('2. drop needless copies: the step keeps none (state donated, logs read scalars only)')
-  lines.append(rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, acts))
-  deeper = [
-    c
-    for c in search(cfg, hw, policies=(cfg.train.remat,), zero1=(cfg.train.shard_optimizer,))
-    if c.plan.pp * c.plan.tp > plan.pp * plan.tp
-  ]
-  if deeper:
-    c = min(deeper, key=lambda c: (not c.est.fits, c.est.step_time_s if c.est.fits else c.est.total_bytes))
-    over = {k: v for k, v in c.overrides.items() if k != 'train.remat'}
-    lines.append(
-      rung('4. more pp or tp', over, acts) + _sequence_parallel(cfg, over, plan, device_memory_bytes, hw)
-    )
-  else:
-    lines.append(
-      f'4. more pp or tp: pp*tp = {plan.pp}*{plan.tp} is already the most these '
-      f'{plan.n_devices} GPUs and this model allow'
-    )
+  lines.append(
+    ladder.rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, ladder.acts)
+  )
+  lines.append(_more_pp_or_tp_rung(ladder))
   if cfg.train.param_dtype != 'bfloat16':
     lines.append(
-      rung(
+      ladder.rung(
         '5. bf16 weights and optimizer state',
         {'train.param_dtype': 'bfloat16', 'train.compute_dtype': 'bfloat16'},
       )
@@ -85,9 +49,76 @@ def oom_ladder(
   else:
     lines.append('5. bf16: weights, gradients and Adam state are already bf16')
   if plan.dp > 1 and not cfg.train.shard_optimizer:
-    lines.append(rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
+    lines.append(ladder.rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
   lines.append(smallest_cluster(cfg, hw))
   return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ladder:
+  """What every rung is priced against: the config, its layout, the device and the base estimate."""
+
+  cfg: ml_collections.ConfigDict
+  plan: RunPlan
+  device_memory_bytes: float
+  hw: Hardware
+  base: Estimate
+
+  def rung(self, label: str, overrides: dict, what: Callable[[Estimate], str] | None = None) -> str:
+    """One rung: the config with `overrides`, its bytes per GPU against the base's (and `what` of
+    its estimate), or why it is not possible here."""
+    try:
+      c = with_overrides(self.cfg, overrides)
+      e = estimate(c, validate(c, self.plan.n_devices), self.device_memory_bytes, self.hw)
+    except ConfigError as err:
+      return f'{label}: not possible here ({err})'
+    flags_ = ' '.join(f'--config.{k}={v}' for k, v in overrides.items())
+    return (
+      f'{label} ({flags_}): {_gb(self.base)} -> {_gb(e)} per GPU{what(e) if what else ""}'
+      f'{"  FITS" if e.fits else ""}'
+    )
+
+  def acts(self, e: Estimate) -> str:
+    """The activations of estimate `e` against the base's."""
+    before, after = self.base.breakdown['activations'], e.breakdown['activations']
+    return f' (activations {before / GB:.1f} -> {after / GB:.1f} GB, saves {1 - after / before:.0%})'
+
+
+def _gb(e: Estimate) -> str:
+  return f'{e.total_bytes / GB:.1f} GB'
+
+
+def _recompute_rung(ladder: _Ladder) -> str:
+  """Rung 1: recompute activations (whole pipeline iterations when layers already are)."""
+  remat = ladder.cfg.train.remat
+  if remat not in ('full', 'stage'):
+    return ladder.rung('1. recompute activations', {'train.remat': 'full'}, ladder.acts)
+  if remat == 'full' and ladder.plan.pp > 1:
+    return ladder.rung('1. recomputation of whole pipeline iterations', {'train.remat': 'stage'}, ladder.acts)
+  return (
+    f'1. recomputation is already on (train.remat={remat}): activations '
+    f'{ladder.base.breakdown["activations"] / GB:.1f} GB'
+  )
+
+
+def _more_pp_or_tp_rung(ladder: _Ladder) -> str:
+  """Rung 4: the best layout with more pp*tp (its activations with sequence parallelism too)."""
+  cfg, plan = ladder.cfg, ladder.plan
+  deeper = [
+    c
+    for c in search(cfg, ladder.hw, policies=(cfg.train.remat,), zero1=(cfg.train.shard_optimizer,))
+    if c.plan.pp * c.plan.tp > plan.pp * plan.tp
+  ]
+  if not deeper:
+    return (
+      f'4. more pp or tp: pp*tp = {plan.pp}*{plan.tp} is already the most these '
+      f'{plan.n_devices} GPUs and this model allow'
+    )
+  c = min(deeper, key=lambda c: (not c.est.fits, c.est.step_time_s if c.est.fits else c.est.total_bytes))
+  over = {k: v for k, v in c.overrides.items() if k != 'train.remat'}
+  return ladder.rung('4. more pp or tp', over, ladder.acts) + _sequence_parallel(
+    cfg, over, plan, ladder.device_memory_bytes, ladder.hw
+  )
 
 
 def _sequence_parallel(
@@ -98,7 +129,7 @@ def _sequence_parallel(
   out = []
   for sp in ('false', 'true'):
     try:
-      c = apply(cfg, over | {'train.sequence_parallel': sp})
+      c = with_overrides(cfg, over | {'train.sequence_parallel': sp})
       p = validate(c, plan.n_devices)
     except ConfigError:
       return ''

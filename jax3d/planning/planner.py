@@ -141,7 +141,7 @@ def search(cfg: ml_collections.ConfigDict, hw: Hardware, **kw: Any) -> list[Cand
   return out
 
 
-def apply(cfg: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+def with_overrides(cfg: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
   """A copy of cfg with `overrides` ({dotted key: value}) set (cfg itself is left as it is)."""
   cfg = copy.deepcopy(cfg)
   for k, v in overrides.items():

@@ -1,0 +1,112 @@
+"""What the host does with a step's metrics once they are read back (jax3d/trainer/loop.py).
+
+  check_finite  a non-finite step (skipped inside the step) is counted, warned about and recorded;
+                train.max_bad_steps in a row stop the run with TrainingError
+  record        every log.every steps: the metric record (metrics.jsonl, TensorBoard), the leak
+                check on the devices' memory and the console line
+  evaluation    a held-out loss: its record and its console line
+
+(Named `steplog`, not `logging`, so that it is never mistaken for the standard library's module.)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+from jax3d.analysis import memory as memory_lib
+from jax3d.errors import TrainingError
+from jax3d.model import formulas as flops_lib
+from jax3d.record import Setup
+from jax3d.trainer import metrics as metrics_lib
+
+
+class StepLog:
+  """The records and console lines of one Trainer's steps. `bad` counts the non-finite steps in
+  a row (the loop resets it at the start of each `train`); the leak detector's window and the MFU
+  meter live as long as the Trainer."""
+
+  def __init__(
+    self,
+    setup: Setup,
+    devices: Sequence[jax.Device],
+    writer: metrics_lib.MetricsWriter,
+    console: metrics_lib.Console,
+    tb: metrics_lib.TensorBoard,
+    log: Callable[[str], None],
+  ) -> None:
+    cfg = self.cfg = setup.cfg
+    self.plan, self.devices = setup.plan, list(devices)
+    self.writer, self.console, self.tb, self.log = writer, console, tb, log
+    self.mfu_meter = flops_lib.MFUMeter(
+      setup.dims, cfg.train.seq_len, self.devices[0], self.plan.n_devices, cfg.hardware.peak_tflops
+    )
+    self.leak = memory_lib.LeakDetector(
+      window=cfg.log.leak_window, threshold_mb_per_step=cfg.log.leak_mb_per_step
+    )
+    self.bad = 0
+
+  def check_finite(self, step: int, m: dict) -> None:
+    """A non-finite step was skipped inside the step; train.max_bad_steps in a row stop the run."""
+    if m['finite']:
+      self.bad = 0
+      return
+    self.bad += 1
+    limit = self.cfg.train.max_bad_steps
+    loss, grad_norm = float(m['loss']), float(m['grad_norm'])
+    self.console.warn(
+      f'step {step}: non-finite loss {loss} / grad norm {grad_norm}; '
+      f'update skipped ({self.bad} in a row, limit train.max_bad_steps={limit})'
+    )
+    self.writer.write(
+      {'step': step, 'event': 'nonfinite', 'loss': loss, 'grad_norm': grad_norm, 'consecutive': self.bad}
+    )
+    if self.bad >= limit:
+      raise TrainingError(
+        f'stopping at step {step}: {self.bad} consecutive non-finite steps '
+        f'(loss {loss}, grad norm {grad_norm}); the last '
+        f'checkpoint holds finite values only'
+      )
+
+  def record(self, step: int, stop: int, m: dict, clock: metrics_lib.Clock) -> None:
+    """A metrics record, TensorBoard scalars, the leak check and a console line; restarts `clock`."""
+    now = time.time()
+    dt = (now - clock.t_last) / max(clock.steps, 1)
+    tok_s = self.plan.tokens_per_step / dt if clock.steps else 0.0
+    # memory_stats() exists only for this process's devices; metrics come from process 0.
+    mem = memory_lib.sample(self.devices)
+    mfu = self.mfu_meter(tok_s) if clock.steps else None
+    record = {
+      'step': step,
+      'loss': float(m['loss']),
+      'lr': float(m['lr']),
+      'grad_norm': float(m['grad_norm']),
+      'tokens_per_sec': tok_s,
+      'step_time_s': dt,
+      'tokens': step * self.plan.tokens_per_step,
+      'mfu': mfu,
+      'memory': mem,
+    }
+    self.writer.write(record)
+    self.tb.scalars(step, record)
+    leak = self.leak.update(step, mem['bytes_in_use'])
+    if leak:
+      self.writer.write(leak)
+      self.console.warn(leak['message'])
+    mfu_txt = f'  MFU {mfu:.1%}' if mfu is not None else ''
+    self.log(
+      f'step {step:>6}/{stop}  loss {float(m["loss"]):.4f}  lr {float(m["lr"]):.2e}  '
+      f'|g| {float(m["grad_norm"]):.3f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step{mfu_txt}  '
+      f'mem {memory_lib.fmt_bytes(max(mem["bytes_in_use"]))}/dev  '
+      f'ETA {memory_lib.fmt_duration((stop - step) * dt)}'
+    )
+    clock.t_last, clock.steps = now, 0
+
+  def evaluation(self, step: int, loss: float) -> None:
+    """The held-out loss at `step`: its record, TensorBoard scalar and console line."""
+    self.writer.write({'step': step, 'eval_loss': loss})
+    self.tb.scalars(step, {'eval_loss': loss})
+    self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits)')
