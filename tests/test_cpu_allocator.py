@@ -17,7 +17,7 @@ from jax3d.parallel import cpu
 PROBE = """
 import ctypes, resource, sys
 import jax
-from jax3d.training import cpu
+from jax3d.parallel import cpu
 applied = cpu.retain_freed_memory(jax.devices()) if sys.argv[1] == 'tuned' else False
 libc, n = ctypes.CDLL('libc.so.6'), 64 * 2**20
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]

@@ -40,7 +40,8 @@ def localize(script: str, tmp_dir: str) -> tuple[str, list[str]]:
   """The script with every /tmp/NAME path moved to tmp_dir/NAME, and the workdirs of its
   `jax3d.train` commands (after the move)."""
   script = re.sub(r'/tmp/([\w.-]+)', lambda m: os.path.join(tmp_dir, m.group(1)), script)
-  return script, re.findall(r'jax3d\.train\b[^\n]*?--workdir=(\S+)', script)
+  one_line = re.sub(r'\\\n', ' ', script)  # a command continued over lines with a backslash
+  return script, re.findall(r'jax3d\.train\b[^\n]*?--workdir=(\S+)', one_line)
 
 
 def _blocks():
@@ -63,6 +64,8 @@ def test_localize_moves_tmp_paths(tmp_path):
   script, workdirs = localize('python -m jax3d.train --workdir=/tmp/a_b --x=1\nls /tmp/a_b/report\n', '/T')
   assert script == 'python -m jax3d.train --workdir=/T/a_b --x=1\nls /T/a_b/report\n'
   assert workdirs == ['/T/a_b']
+  continued = 'python -m jax3d.train --config=finetune \\\n  --x=1 --workdir=/tmp/ft \\\n  --y=2\nls\n'
+  assert localize(continued, '/T')[1] == ['/T/ft']
   for _, block in _blocks():  # the README's own blocks write nothing outside the fresh folder
     moved, _ = localize(block, str(tmp_path))
     assert '/tmp/' not in moved.replace(str(tmp_path), '')
@@ -71,6 +74,14 @@ def test_localize_moves_tmp_paths(tmp_path):
 def test_readme_has_runnable_blocks():
   assert os.path.exists(README), 'README.md is missing'
   assert _blocks(), f'README.md has no ```bash block preceded by {MARKER}'
+
+
+def test_every_training_block_has_its_workdir_checked():
+  """Each runnable block's `jax3d.train` commands (continued lines included) name a --workdir that
+  test_readme_block_runs then checks for training steps."""
+  for line, block in _blocks():
+    n_train = len(re.findall(r'jax3d\.train\b', block))
+    assert len(localize(block, '/T')[1]) == n_train, f'README.md:{line}: a jax3d.train without --workdir'
 
 
 @pytest.mark.slow
@@ -108,18 +119,33 @@ def test_readme_block_runs(line, script, tmp_path):
     assert losses, f'README.md:{line}: {workdir} has no training steps in metrics.jsonl'
 
 
+# Tests in tests/test_bad_input.py that check something else than a bad input being refused.
+NOT_BAD_INPUTS = (
+  'test_compile_log_shows_a_compile',  # the sentinel the bad-input tests rely on
+  'test_every_command_prints_its_docstring_for_help',
+  'test_flag_spellings_and_types',
+  'test_train_declares_every_distributed_flag',
+  'test_sequence_parallel_setting_resolves',
+)
+
+
 def test_reliability_counts_are_the_suites():
   """The README's "N bad inputs, M fault drills, nothing lost" are the test suite's own counts
-  (collected, slow tests and parametrizations included), not figures written from memory."""
+  (collected, slow tests and parametrizations included; in tests/test_bad_input.py the tests named
+  in NOT_BAD_INPUTS are not bad inputs), not figures written from memory."""
   out = subprocess.run(
-    [sys.executable, '-m', 'pytest', '--collect-only', '-q', '-m', 'slow or not slow']
+    [sys.executable, '-m', 'pytest', '-o', 'addopts=', '--collect-only', '-q', '-m', 'slow or not slow']
     + ['tests/test_bad_input.py', 'tests/test_faults.py'],
     cwd=ROOT,
     capture_output=True,
     text=True,
     timeout=300,
   ).stdout
-  counts = {k: int(v) for k, v in re.findall(r'tests/(test_\w+)\.py: (\d+)', out)}
+  ids = re.findall(r'^tests/(test_\w+)\.py::(\w+)', out, re.M)
+  names = {name for _, name in ids}
+  assert set(NOT_BAD_INPUTS) <= names, set(NOT_BAD_INPUTS) - names  # renamed: update the list
+  bad_inputs = sum(f == 'test_bad_input' and name not in NOT_BAD_INPUTS for f, name in ids)
+  drills = sum(f == 'test_faults' for f, _ in ids)
   m = re.search(r'(\d+) bad inputs, (\d+) fault drills, nothing lost', open(README).read())
   assert m, 'README.md lost its "N bad inputs, M fault drills, nothing lost" line'
-  assert (int(m[1]), int(m[2])) == (counts['test_bad_input'], counts['test_faults']), out
+  assert (int(m[1]), int(m[2])) == (bad_inputs, drills), out

@@ -60,6 +60,14 @@ def rope(x_btnh: jax.Array, theta: float, positions_t: jax.Array | None = None) 
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
 
 
+def attention_implementation(choice: str) -> str | None:
+  """`jax.nn.dot_product_attention`'s implementation for train.attention: 'xla' and 'cudnn' as
+  named; 'auto' is None, JAX's own pick (cuDNN's fused kernel on a GPU that has it, else XLA's).
+  The GPU-only branch is 'cudnn' (and 'auto' on a GPU): JAX looks for cuDNN when the step is
+  traced, so tests/test_gpu_lowering.py lowers the CUDA program with 'xla'."""
+  return None if choice == 'auto' else choice
+
+
 def write_cache(cache: KVCache, k_btkh: jax.Array, v_btkh: jax.Array, positions_t: jax.Array) -> KVCache:
   """The KV cache with the new keys and values written at `positions_t` (consecutive)."""
   return tuple(
@@ -171,7 +179,7 @@ class Block(nn.Module):
 
     q_btnh, k_btkh, v_btkh = self._qkv(x_rd, b, t, positions_t)
     if cache is None:
-      impl = None if self.dims.attention == 'auto' else self.dims.attention
+      impl = attention_implementation(self.dims.attention)
       o_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True, implementation=impl)
     else:
       positions_t = jnp.arange(t) if positions_t is None else positions_t

@@ -17,7 +17,9 @@ is permuted on the devices, never through one host.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,12 +37,34 @@ TRASH = '.deleted'  # old steps are renamed here (atomic), then removed
 PyTree = Any  # nested dicts / lists of arrays (or of jax.ShapeDtypeStruct for an abstract state)
 
 
-def _write_error(step: int, directory: str, e: OSError) -> CheckpointError:
-  what = 'the disk is full' if e.errno == errno.ENOSPC else 'the write failed'
+def _os_error_code(e: BaseException) -> int | None:
+  """The errno of an OSError, or of one that Orbax's storage layer (tensorstore) reports as a
+  ValueError ('RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']'); else None."""
+  if isinstance(e, OSError):
+    return e.errno
+  found = re.search(r"os_error_code='?(\d+)", str(e)) if isinstance(e, ValueError) else None
+  return int(found.group(1)) if found else None
+
+
+def _write_error(step: int, directory: str, e: BaseException) -> CheckpointError:
+  what = 'the disk is full' if _os_error_code(e) == errno.ENOSPC else 'the write failed'
   return CheckpointError(
     f'could not write checkpoint step {step} to {directory}: {what} ({e}); the previous checkpoints '
     'are untouched, free space and run the same command again to resume'
   )
+
+
+class _QuietWriteErrors(logging.Filter):
+  """Orbax logs a failed background save with its traceback from its own thread; the same error
+  reaches `Checkpointer.wait` (or the next `save`), which reports it as one line. This drops that
+  log record for write errors only (anything else Orbax logs stays)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return exc is None or _os_error_code(exc) is None
+
+
+_QUIET = _QuietWriteErrors()
 
 
 def _path_str(path: Sequence[Any]) -> str:
@@ -86,6 +110,7 @@ class Checkpointer:
       todelete_subdir=TRASH,
     )
     self.manager = ocp.CheckpointManager(self.directory, item_names=('state', 'meta'), options=opts)
+    logging.getLogger('absl').addFilter(_QUIET)  # once: a Filter is added to a logger at most once
     self._empty_trash()
 
   def _empty_trash(self) -> None:  # with no save in flight; never read, so safe to interrupt
@@ -106,6 +131,7 @@ class Checkpointer:
     if not ok:
       raise CheckpointError(f'refusing to save step {step}: the state holds non-finite values')
     meta = dict(meta, arrays=array_signature(state))
+    self.wait()  # the previous save's write error, if any, is reported with that save's step
     self._step = step
     try:
       return self.manager.save(
@@ -113,14 +139,18 @@ class Checkpointer:
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
         force=force,
       )
-    except OSError as e:  # e.g. ENOSPC: Orbax never renamed the temporary folder into a step
+    except (OSError, ValueError) as e:  # e.g. ENOSPC: Orbax never renamed the temporary folder
+      if _os_error_code(e) is None:
+        raise
       raise _write_error(step, self.directory, e) from e
 
   def wait(self) -> None:
     """Waits for an asynchronous save to finish; CheckpointError if its write failed."""
     try:
       self.manager.wait_until_finished()
-    except OSError as e:
+    except (OSError, ValueError) as e:
+      if _os_error_code(e) is None:
+        raise
       raise _write_error(getattr(self, '_step', -1), self.directory, e) from e
     self._empty_trash()
 

@@ -3,7 +3,7 @@
   1. the newest checkpoint in WORKDIR/checkpoints that restores cleanly (a damaged one is passed
      over with a warning; one that does not match the config is CheckpointError), re-laid out if it
      was saved under another layout;
-  2. a Hugging Face import (model.init=hf:PATH): the parameters read from the folder;
+  2. a Hugging Face import (checkpoint.init_from=hf:PATH): the parameters read from the folder;
   3. a warm start (checkpoint.init_from=DIR): the parameters of that run's newest good checkpoint;
   4. a jitted, sharded init from train.seed.
 

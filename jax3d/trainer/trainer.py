@@ -42,7 +42,7 @@ from jax3d.trainer import (
 )
 from jax3d.training import step as step_lib
 
-__all__ = ['Trainer', 'TrainingError']  # TrainingError: where it was before jax3d/errors.py
+__all__ = ['Trainer', 'TrainingError']  # TrainingError (jax3d/errors.py) is importable from here too
 
 
 class Trainer:
