@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from jax3d import cli
 from jax3d.config import ConfigError, validate
@@ -24,6 +25,7 @@ from jax3d.planning.planner import (
   Candidate,
   explain,
   search,
+  shortlist,
   table,
   verify,
   verify_memory,
@@ -59,41 +61,11 @@ def run(args: cli.Args) -> int:
 
   # The model the trainer would train: an hf: import's config.json, a tokenizer's vocabulary.
   f, cfg = args.flags, assemble.resolve(args.cfg)
-  hw = Hardware(
-    nodes=f['nodes'],
-    gpus_per_node=f['gpus_per_node'],
-    memory_gb=f['gpu_memory_gb'],
-    peak_tflops=f['peak_tflops'],
-    efficiency=f['efficiency'],
-    intra_gbps=f['intra_node_gbps'],
-    inter_gbps=f['inter_node_gbps'],
-    overlap=f['overlap'],
-  )
+  hw = _hardware(f)
   if f['verify']:  # before jax starts a backend: n fake CPU devices (unless XLA_FLAGS is set)
     cli.prepare_devices(hw.n_devices)
-  if f['fixed']:
-    plan = validate(cfg, hw.n_devices)
-    ranked = [
-      Candidate(
-        {k: cfg[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS},
-        estimate(cfg, plan, hw.memory_gb * GB, hw),
-      )
-    ]
-  else:
-    ranked = search(cfg, hw)
-  fit, shown = [], set()
-  for c in ranked:  # one row per layout; ZeRO-1 on/off ties are shown once (the less memory)
-    key = tuple(v for k, v in c.overrides.items() if k != 'train.shard_optimizer')
-    if c.est.fits and key not in shown and len(fit) < f['top']:
-      shown.add(key)
-      fit.append(c)
-  # For the meshes where nothing fits: the variant that needs least memory, and by how much.
-  seen, misfits = {(c.plan.dp, c.plan.pp, c.plan.tp) for c in ranked if c.est.fits}, []
-  for c in sorted(ranked, key=lambda c: c.est.total_bytes):
-    key = (c.plan.dp, c.plan.pp, c.plan.tp)
-    if not c.est.fits and key not in seen:
-      seen.add(key)
-      misfits.append(c)
+  ranked = _fixed(cfg, hw) if f['fixed'] else search(cfg, hw)
+  fit, misfits = shortlist(ranked, f['top']), _misfits(ranked)
   name = args.config_name
   if f['json']:  # stdout is exactly one JSON document; --verify adds XLA's figures to rank 1
     rows = [dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] + [dict(c.row(), rank=None) for c in misfits]
@@ -103,24 +75,7 @@ def run(args: cli.Args) -> int:
   elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
   else:
-    n_params = costmodel.param_count(cfg)
-    print(f'{name}: {n_params / 1e9:.2f}B' if n_params >= 1e9 else f'{name}: {n_params / 1e6:.1f}M', end='')
-    print(
-      f' parameters, batch '
-      f'{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens, on {hw.nodes} x '
-      f'{hw.gpus_per_node} GPUs of {hw.memory_gb:g} GB ({hw.peak_tflops:g} TFLOP/s at '
-      f'{hw.efficiency:.0%}, {hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across)'
-    )
-    if fit:
-      print(f'\nLayouts that fit ({sum(c.est.fits for c in ranked)} of {len(ranked)}), best first:')
-      print('\n'.join(table(fit)))
-      print('\n' + '\n'.join(explain(cfg, fit[0], ranked, hw)))
-      print(f'  Estimate: {fit[0].est.describe()}')
-    if misfits:
-      print('\nLayouts that do not fit (least memory of each dp/pp/tp):')
-      for c in misfits[:12]:
-        p = c.plan
-        print(f'  dp={p.dp} pp={p.pp} tp={p.tp} (m={p.microbatches}, remat={c.est.remat}): {c.est.reason}')
+    _print_plan(name, cfg, hw, ranked, fit, misfits)
   if not fit:
     worst = min(ranked, key=lambda c: c.est.total_bytes)
     if not f['json']:
@@ -135,6 +90,61 @@ def run(args: cli.Args) -> int:
     best = fit[0]
     print('\n' + '\n'.join(verify(with_overrides(cfg, best.overrides), best.plan)))
   return 0
+
+
+def _hardware(f: dict) -> Hardware:
+  return Hardware(
+    nodes=f['nodes'],
+    gpus_per_node=f['gpus_per_node'],
+    memory_gb=f['gpu_memory_gb'],
+    peak_tflops=f['peak_tflops'],
+    efficiency=f['efficiency'],
+    intra_gbps=f['intra_node_gbps'],
+    inter_gbps=f['inter_node_gbps'],
+    overlap=f['overlap'],
+  )
+
+
+def _fixed(cfg: Any, hw: Hardware) -> list[Candidate]:
+  """--fixed: only the layout the config sets, priced."""
+  plan = validate(cfg, hw.n_devices)
+  layout = {k: cfg[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS}
+  return [Candidate(layout, estimate(cfg, plan, hw.memory_gb * GB, hw))]
+
+
+def _misfits(ranked: list[Candidate]) -> list[Candidate]:
+  """For each mesh where nothing fits: the variant that needs least memory (least first)."""
+  seen, misfits = {(c.plan.dp, c.plan.pp, c.plan.tp) for c in ranked if c.est.fits}, []
+  for c in sorted(ranked, key=lambda c: c.est.total_bytes):
+    key = (c.plan.dp, c.plan.pp, c.plan.tp)
+    if not c.est.fits and key not in seen:
+      seen.add(key)
+      misfits.append(c)
+  return misfits
+
+
+def _print_plan(
+  name: str, cfg: Any, hw: Hardware, ranked: list[Candidate], fit: list[Candidate], misfits: list[Candidate]
+) -> None:
+  """The planner's text output: the model and machine, the layouts that fit, why the best, the rest."""
+  n_params = costmodel.param_count(cfg)
+  print(f'{name}: {n_params / 1e9:.2f}B' if n_params >= 1e9 else f'{name}: {n_params / 1e6:.1f}M', end='')
+  print(
+    f' parameters, batch '
+    f'{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens, on {hw.nodes} x '
+    f'{hw.gpus_per_node} GPUs of {hw.memory_gb:g} GB ({hw.peak_tflops:g} TFLOP/s at '
+    f'{hw.efficiency:.0%}, {hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s across)'
+  )
+  if fit:
+    print(f'\nLayouts that fit ({sum(c.est.fits for c in ranked)} of {len(ranked)}), best first:')
+    print('\n'.join(table(fit)))
+    print('\n' + '\n'.join(explain(cfg, fit[0], ranked, hw)))
+    print(f'  Estimate: {fit[0].est.describe()}')
+  if misfits:
+    print('\nLayouts that do not fit (least memory of each dp/pp/tp):')
+    for c in misfits[:12]:
+      p = c.plan
+      print(f'  dp={p.dp} pp={p.pp} tp={p.tp} (m={p.microbatches}, remat={c.est.remat}): {c.est.reason}')
 
 
 def main(argv: list[str] | None = None) -> int:

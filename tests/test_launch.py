@@ -32,7 +32,7 @@ import time
 
 import pytest
 import yaml
-from test_multihost import Run, _env, _free_port, hard_timeout, losses
+from test_multihost import SMALL, Run, _env, _free_port, hard_timeout, losses
 
 from jax3d.errors import DistributedError
 from jax3d.trainer import cluster, distributed, join
@@ -40,18 +40,9 @@ from jax3d.trainer import cluster, distributed, join
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, 'scripts', 'slurm', 'train.sbatch')
 K8S_JOB = os.path.join(ROOT, 'scripts', 'k8s', 'jax3d-job.yaml')
-TINY = [
-  '--config.model.d_model=64',
-  '--config.model.d_ff=128',
-  '--config.train.seq_len=32',
-  '--config.train.global_batch_size=16',
-  '--config.eval.batches=1',
-  '--config.eval.every=0',
-  '--config.log.every=1',
-  '--config.log.progress=False',
-  '--config.sample.tokens=1',
-  '--config.checkpoint.every=1000',
-  '--config.checkpoint.async_save=False',
+# test_multihost's small model, with no periodic checkpoint (a run saves at its end or on SIGTERM).
+TINY = [a for a in SMALL if not a.startswith('--config.checkpoint.every=')] + [
+  '--config.checkpoint.every=1000'
 ]
 
 
