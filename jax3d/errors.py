@@ -68,10 +68,8 @@ def exit_status(e: BaseException) -> int:
   return BAD_INPUT if isinstance(e, ValueError) else RUN_FAILED
 
 
-def report(e: BaseException | str, status: int | None = None) -> int:
-  """Prints `error: e` as one line on stderr; returns the exit status (`status`, else
-  exit_status(e); a plain message is bad input)."""
+def report(e: BaseException | str) -> int:
+  """Prints `error: e` as one line on stderr; returns its exit status (exit_status(e); a plain
+  message is bad input)."""
   print(f'error: {e}', file=sys.stderr, flush=True)
-  if status is not None:
-    return status
   return exit_status(e) if isinstance(e, BaseException) else BAD_INPUT

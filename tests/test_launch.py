@@ -32,7 +32,7 @@ import time
 
 import pytest
 import yaml
-from test_multihost import SMALL, Run, _env, _free_port, hard_timeout, losses
+from test_multihost import SMALL, Run, _env, _free_port, hard_timeout, losses, train_cmd
 
 from jax3d.errors import DistributedError
 from jax3d.trainer import cluster, distributed, join
@@ -289,15 +289,8 @@ def as_host(name: str, hosts_file: str, cmd: list[str]) -> list[str]:
 
 
 def train(workdir, *args, steps=6):
-  return [
-    sys.executable,
-    '-m',
-    'jax3d.train',
-    f'--workdir={workdir}',
-    *TINY,
-    f'--config.train.steps={steps}',
-    *args,
-  ]
+  """test_multihost's command, with no periodic checkpoint."""
+  return train_cmd(workdir, '--config.checkpoint.every=1000', *args, steps=steps)
 
 
 def four_devices(**extra):

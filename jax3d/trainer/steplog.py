@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-
-import jax
+from collections.abc import Callable
 
 from jax3d.analysis import memory as memory_lib
 from jax3d.errors import TrainingError
@@ -32,14 +30,13 @@ class StepLog:
   def __init__(
     self,
     setup: Setup,
-    devices: Sequence[jax.Device],
     writer: metrics_lib.MetricsWriter,
     console: metrics_lib.Console,
     tb: metrics_lib.TensorBoard,
     log: Callable[[str], None],
   ) -> None:
     cfg = self.cfg = setup.cfg
-    self.plan, self.devices = setup.plan, list(devices)
+    self.plan, self.devices = setup.plan, setup.devices
     self.writer, self.console, self.tb, self.log = writer, console, tb, log
     self.mfu_meter = flops_lib.MFUMeter(
       setup.dims, cfg.train.seq_len, self.devices[0], self.plan.n_devices, cfg.hardware.peak_tflops

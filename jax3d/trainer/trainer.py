@@ -84,9 +84,9 @@ class Trainer:
     self.compiled: assemble.CompiledStep | None = None
     self._eval_step = None
     self._stop = loop_lib.StopFlag()
-    self.devices = list(self.mesh.devices.flat)
+    self.devices = self.setup.devices
     self.tb = metrics_lib.TensorBoard(workdir if cfg.log.tensorboard else None)
-    self.steplog = steplog_lib.StepLog(self.setup, self.devices, self.writer, self.console, self.tb, self.log)
+    self.steplog = steplog_lib.StepLog(self.setup, self.writer, self.console, self.tb, self.log)
 
   # ------------------------------------------------------------------ set-up
   @property

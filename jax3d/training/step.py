@@ -126,14 +126,10 @@ def state_from_params(params: Any, s: Setup) -> State:
   return state
 
 
-def _fault_drill(
-  step: jax.Array, loss: jax.Array, grads: Any, steps: tuple[int, ...], nan_loss: bool = True
-) -> tuple:
-  """train.inject_nan_at: these steps see NaN gradients and a NaN loss, or with `nan_loss=False` a
-  finite loss beside them (an overflow in the backward pass only: the gradient check alone must
-  skip the step). Tests the skip path."""
+def _fault_drill(step: jax.Array, loss: jax.Array, grads: Any, steps: tuple[int, ...]) -> tuple:
+  """train.inject_nan_at: these steps see a NaN loss and NaN gradients (tests the skip path)."""
   nan = jnp.where(jnp.isin(step, jnp.asarray(steps)), jnp.nan, 1.0)
-  return (loss * nan if nan_loss else loss), jax.tree.map(lambda g: g * nan, grads)
+  return loss * nan, jax.tree.map(lambda g: g * nan, grads)
 
 
 def check_batch(batch: Batch, rows: int, seq_len: int, what: str) -> None:
@@ -149,9 +145,7 @@ def check_batch(batch: Batch, rows: int, seq_len: int, what: str) -> None:
   chex.assert_type(arrays, int, custom_message=msg)
 
 
-def train_step(state: State, batch: Batch, s: Setup, drill_nan_loss: bool = True) -> tuple[State, dict]:
-  """One optimizer step. `drill_nan_loss=False`: the fault drill (train.inject_nan_at) leaves the
-  loss finite and makes only the gradients NaN."""
+def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
   check_batch(
     batch, s.plan.global_batch, s.plan.seq_len, 'train step (train.global_batch_size x train.seq_len)'
   )
@@ -164,7 +158,7 @@ def train_step(state: State, batch: Batch, s: Setup, drill_nan_loss: bool = True
     grads = jax.lax.with_sharding_constraint(grads, s.zero_shardings)
     params = jax.lax.with_sharding_constraint(params, s.zero_shardings)
   if s.plan.nan_steps:
-    loss, grads = _fault_drill(state['step'] + 1, loss, grads, s.plan.nan_steps, drill_nan_loss)
+    loss, grads = _fault_drill(state['step'] + 1, loss, grads, s.plan.nan_steps)
   grad_norm = optax.tree.norm(grads)
   # A step whose loss or gradients are not finite leaves the state as it was (the norm is
   # non-finite iff some gradient is; a non-finite loss with finite gradients is possible in
@@ -241,9 +235,9 @@ def make_init_from_params(s: Setup) -> MeshJit:
   )
 
 
-def make_train_step(s: Setup, drill_nan_loss: bool = True) -> MeshJit:
+def make_train_step(s: Setup) -> MeshJit:
   return MeshJit(
-    lambda st, b: train_step(st, b, s, drill_nan_loss),
+    lambda st, b: train_step(st, b, s),
     s.mesh,
     in_shardings=(s.state_shardings, s.batch_shardings),
     out_shardings=(s.state_shardings, NamedSharding(s.mesh, P())),
