@@ -43,8 +43,55 @@ def make_hf_model(path: str, tied: bool, seed: int = 0, dtype: str = 'float32', 
   return model.float()
 
 
-def tokens(seed: int = 0, vocab: int = TINY['vocab_size']) -> np.ndarray:
-  return np.random.default_rng(seed).integers(0, vocab, (BATCH, SEQ)).astype(np.int32)
+# One tiny random model per family, as transformers writes it (config.json in its own layout).
+# Llama 3.2 style: tied, llama3 rope scaling at rope_theta 500000 whose original context (16) the
+# test sequences pass, with the high (wavelength 6.3), medium (32) and low (167+) bands all present
+# (head size 16); Qwen2.5 style: q/k/v biases, tied, GQA; Qwen3 style: q/k norms, head_dim 16 !=
+# hidden/heads, untied.
+FAMILIES = {
+  'llama3.2': dict(
+    cls='Llama',
+    hidden_size=128,
+    tie_word_embeddings=True,
+    rope_scaling=dict(
+      rope_type='llama3',
+      factor=8.0,
+      low_freq_factor=0.4,
+      high_freq_factor=2.0,
+      original_max_position_embeddings=16,
+      rope_theta=500000.0,
+    ),
+    rope_theta=500000.0,
+  ),
+  'qwen2.5': dict(cls='Qwen2', tie_word_embeddings=True, rope_theta=1000000.0),
+  'qwen3': dict(cls='Qwen3', head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0),
+}
+FAMILY_SEQ = 32  # past the llama3.2 model's original context
+
+
+def make_family_model(path: str, family: str, seed: int = 0) -> object:
+  """A random model of `family` (FAMILIES) saved to `path`; returns the torch model (eval mode).
+  Norm scales and biases are randomised too (transformers initialises them to 1 and 0)."""
+  import torch
+  import transformers
+
+  spec = dict(FAMILIES[family])
+  name = spec.pop('cls')
+  conf = getattr(transformers, f'{name}Config')(**{**TINY, 'max_position_embeddings': 128, **spec})
+  torch.manual_seed(seed)
+  model = getattr(transformers, f'{name}ForCausalLM')(conf).eval()
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      if pname.endswith('norm.weight'):
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+      elif pname.endswith('bias'):
+        p.copy_(0.5 * torch.randn_like(p))
+  model.save_pretrained(path)
+  return model
+
+
+def tokens(seed: int = 0, vocab: int = TINY['vocab_size'], seq: int = SEQ) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, (BATCH, seq)).astype(np.int32)
 
 
 def hf_logits(model: object, toks: np.ndarray) -> np.ndarray:

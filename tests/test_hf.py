@@ -162,7 +162,7 @@ def _bad_cases(models, tmp_path):
         f'hf:{_edit_config(path, str(tmp_path / "qwen"), model_type="qwen2", architectures=["Qwen2ForCausalLM"])}'
       ],
       [],
-      ['Qwen2ForCausalLM', 'only Llama-architecture'],
+      ['model.layers.0.self_attn.q_proj.bias', 'missing'],
     ),
     (
       [f'hf:{wrong}'],

@@ -36,6 +36,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.max_seq_len = 2048  # longest train.seq_len allowed
   c.model.rope_theta = 10000.0  # rotary embedding base
   c.model.norm_eps = 1e-5  # RMSNorm epsilon
+  c.model.head_dim = 0  # size of one attention head; 0 = d_model / n_heads (Qwen3 sets its own)
+  c.model.qkv_bias = False  # biases on the query, key and value projections (Qwen2/2.5)
+  c.model.qk_norm = False  # per-head RMSNorm of queries and keys before the rotation (Qwen3)
+  c.model.tie_embeddings = False  # one array is the input embedding and the output head
+  c.model.rope_scaling = 'none'  # none | linear | llama3 (Llama 3.1+): rotary frequencies scaled
+  c.model.rope_factor = 1.0  # linear and llama3: the context extension factor
+  c.model.rope_low_freq_factor = 1.0  # llama3: wavelengths above original/low are divided by factor
+  c.model.rope_high_freq_factor = 4.0  # llama3: wavelengths below original/high are kept
+  c.model.rope_original_max_seq_len = 8192  # llama3: the context the model was first trained on
+  # the Hugging Face architecture an export writes: '' = the one the features need (qwen3 with
+  # qk_norm, qwen2 with qkv_bias, else llama); an import sets the one it read
+  c.model.hf_model_type = ''
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000  # optimizer steps of the whole run (the schedule decays over them)
   c.train.global_batch_size = 32  # sequences per optimizer step (all devices, all accumulation chunks)

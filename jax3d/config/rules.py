@@ -19,7 +19,16 @@ REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 SCHEDULES = ('gpipe', 'circular')
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
-SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
+SWITCH = ('true', 'false', 'auto')
+ROPE_SCALINGS = ('none', 'linear', 'llama3')  # jax3d/model/rope.py
+# model.hf_model_type: the architectures export writes, and the features each can hold
+HF_MODEL_TYPES = {
+  '': 'the one the features need',
+  'llama': 'no qkv_bias, no qk_norm',
+  'mistral': 'no qkv_bias, no qk_norm',
+  'qwen2': 'qkv_bias, no qk_norm',
+  'qwen3': 'qk_norm, no qkv_bias',
+}  # the values of train.sequence_parallel, pipeline.skip_bubbles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +82,14 @@ SETTINGS: tuple[tuple[str, Rule], ...] = (
   ('pipeline.schedule', one_of(SCHEDULES)),
   ('train.grad_reduce_dtype', one_of(GRAD_REDUCE_DTYPES)),
   ('train.attention', one_of(ATTENTION_IMPLS)),
+  ('model.rope_scaling', one_of(ROPE_SCALINGS)),
+  ('model.hf_model_type', one_of(tuple(HF_MODEL_TYPES))),
+  ('model.head_dim', int_at_least(0, 'an integer >= 0 (0 = d_model / n_heads)')),
+  ('model.rope_factor', Rule(lambda v: isinstance(v, int | float) and v >= 1, 'a number >= 1')),
+  (
+    'model.rope_original_max_seq_len',
+    POSITIVE,
+  ),
   *((f'model.{k}', POSITIVE) for k in MODEL_SIZES),
   *((f'train.{k}', POSITIVE) for k in TRAIN_SIZES),
   ('train.steps', int_at_least(0, 'an integer >= 0')),
@@ -104,19 +121,48 @@ Failure = tuple[str, Any, str] | None
 
 def _heads_divide_d_model(cfg: ml_collections.ConfigDict) -> Failure:
   m = cfg.model
-  if m.d_model % m.n_heads:
-    return 'model.d_model', m.d_model, f'a multiple of model.n_heads={m.n_heads}'
+  if not m.head_dim and m.d_model % m.n_heads:
+    return 'model.d_model', m.d_model, f'a multiple of model.n_heads={m.n_heads} (or set model.head_dim)'
   return None
 
 
 def _head_size_even(cfg: ml_collections.ConfigDict) -> Failure:
   m = cfg.model
-  if (m.d_model // m.n_heads) % 2:
+  if m.head_dim % 2:
+    return 'model.head_dim', m.head_dim, 'an even number (rotary embeddings rotate pairs)'
+  if (m.d_model // m.n_heads) % 2 and not m.head_dim:
     return (
       'model.d_model',
       m.d_model,
       f'd_model/n_heads must be even for rotary embeddings (it is {m.d_model // m.n_heads})',
     )
+  return None
+
+
+def _llama3_frequencies(cfg: ml_collections.ConfigDict) -> Failure:
+  m = cfg.model
+  if m.rope_scaling == 'llama3' and not m.rope_high_freq_factor > m.rope_low_freq_factor > 0:
+    return (
+      'model.rope_high_freq_factor',
+      m.rope_high_freq_factor,
+      f'greater than model.rope_low_freq_factor={m.rope_low_freq_factor} > 0 (llama3 rope scaling)',
+    )
+  return None
+
+
+def _hf_model_type_holds_features(cfg: ml_collections.ConfigDict) -> Failure:
+  m = cfg.model
+  need = {'': (m.qkv_bias, m.qk_norm), 'qwen2': (True, False), 'qwen3': (False, True)}
+  want = need.get(m.hf_model_type, (False, False))
+  if m.hf_model_type and (m.qkv_bias, m.qk_norm) != want:
+    return (
+      'model.hf_model_type',
+      m.hf_model_type,
+      f'an architecture that holds qkv_bias={m.qkv_bias}, qk_norm={m.qk_norm} '
+      f'({"; ".join(f"{k or chr(39) * 2}: {v}" for k, v in HF_MODEL_TYPES.items())})',
+    )
+  if m.qkv_bias and m.qk_norm:
+    return 'model.qk_norm', m.qk_norm, 'false with model.qkv_bias=true (no exported architecture has both)'
   return None
 
 
@@ -138,6 +184,8 @@ MODEL_CHECKS: tuple[Callable[[ml_collections.ConfigDict], Failure], ...] = (
   _head_size_even,
   _kv_heads_divide_heads,
   _seq_len_fits,
+  _llama3_frequencies,
+  _hf_model_type_holds_features,
 )
 
 

@@ -1,13 +1,11 @@
-"""A Hugging Face Llama checkpoint folder: its config.json read into jax3d's model keys, its
+"""A Hugging Face checkpoint folder: its config.json read into jax3d's model keys, its
 safetensors files found and their tensor headers checked, all before anything compiles.
 
-  hf = hf_config.read('path/to/llama')        # ConfigError (exit 2) on a folder that cannot work
+  hf = hf_config.read('path/to/model')        # ConfigError (exit 2) on a folder that cannot work
   cfg = hf_config.with_model(cfg, hf)         # model.* from config.json
 
-Llama-like means: a decoder of RMSNorm, rotary attention without biases (grouped-query allowed)
-and a SwiGLU MLP without biases, no experts, no rope scaling; this covers Llama 2/3, Mistral
-(sliding window off or longer than model.max_seq_len) and TinyLlama. Tied embeddings are
-read (the input embedding is also the head) and untied in jax3d.
+The families that load, and the allow-list of config.json keys: jax3d/hf/families.py. Tied
+embeddings stay tied (model.tie_embeddings): one parameter, exported tied.
 """
 
 from __future__ import annotations
@@ -21,9 +19,9 @@ from typing import Any
 import ml_collections
 
 from jax3d.config import ConfigError, set_key
+from jax3d.hf import families
 
 PREFIX = 'hf:'
-ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM')
 
 
 @dataclasses.dataclass
@@ -36,7 +34,17 @@ class HFModel:
 
   @property
   def tied(self) -> bool:
-    return bool(self.config.get('tie_word_embeddings', False)) and 'lm_head.weight' not in self.tensors
+    """Whether the head is the embedding table (transformers then ignores any lm_head.weight)."""
+    return bool(self.config.get('tie_word_embeddings', False))
+
+  @property
+  def model_type(self) -> str:
+    return str(self.config.get('model_type'))
+
+  @property
+  def head_dim(self) -> int:
+    c = self.config
+    return int(c.get('head_dim') or c['hidden_size'] // c['num_attention_heads'])
 
 
 def is_hf(init_from: str) -> bool:
@@ -54,29 +62,33 @@ def rope_theta(c: dict) -> float:
   return float(c.get('rope_theta', params.get('rope_theta', 10000.0)))
 
 
-def _check_llama(path: str, c: dict) -> None:
+def _check_family(path: str, c: dict) -> None:
+  """The architecture is a family jax3d loads and every key of config.json is one it computes
+  exactly (jax3d/hf/families.py); else ConfigError naming the file, the key and the value."""
   cfg_file = os.path.join(path, 'config.json')
-  arch = (c.get('architectures') or ['?'])[0]
-  if c.get('model_type') not in ('llama', 'mistral') or arch not in ARCHITECTURES:
+  arch, model_type = (c.get('architectures') or ['?'])[0], c.get('model_type')
+  fam = families.FAMILIES.get(model_type)
+  if fam is None or arch != fam.architecture:
+    known = ', '.join(f.architecture for f in families.FAMILIES.values())
     raise _bad(
-      path,
-      f'{cfg_file} describes {arch} (model_type {c.get("model_type")!r}); only Llama-architecture '
-      f'models load ({", ".join(ARCHITECTURES)})',
+      path, f'{cfg_file} describes {arch} (model_type {model_type!r}); the families that load: {known}'
     )
   for key in ('num_local_experts', 'num_experts', 'n_routed_experts'):
     if c.get(key):
-      raise _bad(path, f'{cfg_file} has {key}={c[key]} (mixture of experts); only dense Llama models load')
-  for key in ('attention_bias', 'mlp_bias'):
-    if c.get(key):
-      raise _bad(path, f'{cfg_file} has {key}=true; jax3d layers have no biases')
-  if c.get('hidden_act', 'silu') != 'silu':
-    raise _bad(path, f'{cfg_file} has hidden_act={c["hidden_act"]!r}; jax3d uses SwiGLU (silu)')
-  scaling = c.get('rope_scaling') or c.get('rope_parameters') or {}
-  if (scaling.get('rope_type') or scaling.get('type') or 'default') != 'default':
-    raise _bad(path, f'{cfg_file} has rope scaling {scaling}; jax3d supports plain rotary embeddings only')
-  heads, d = c.get('num_attention_heads'), c.get('hidden_size')
-  if c.get('head_dim') not in (None, (d // heads) if heads else None):
-    raise _bad(path, f'{cfg_file} has head_dim={c["head_dim"]}, not hidden_size/num_attention_heads')
+      raise _bad(path, f'{cfg_file} has {key}={c[key]} (mixture of experts); only dense models load')
+  problem = families.check(c, model_type) or families.rope_problem(c)
+  if problem:
+    key, value, valid = problem
+    raise _bad(path, f'{cfg_file} has {key}={json.dumps(value)}; jax3d loads it only with {valid}')
+  heads, d, head_dim = c['num_attention_heads'], c['hidden_size'], c.get('head_dim')
+  if head_dim is None and d % heads:
+    raise _bad(
+      path, f'{cfg_file} has hidden_size={d} not divisible by num_attention_heads={heads} and no head_dim'
+    )
+  if (head_dim or d // heads) % 2:
+    raise _bad(
+      path, f'{cfg_file} has head_dim={head_dim or d // heads}; rotary embeddings need an even head size'
+    )
 
 
 def _tensor_index(path: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
@@ -126,33 +138,47 @@ def read(path: str) -> HFModel:
   ]
   if missing:
     raise _bad(path, f'{cfg_file} lacks {", ".join(missing)}')
-  _check_llama(path, c)
+  _check_family(path, c)
   return HFModel(os.path.abspath(path), c, _tensor_index(path))
 
 
 def model_keys(hf: HFModel) -> dict[str, Any]:
   """The jax3d model.* settings of the checkpoint."""
-  c = hf.config
-  return {
+  c, fam = hf.config, families.FAMILIES[hf.model_type]
+  kind, spec, _ = families.rope_spec(c)
+  keys = {
     'model.n_layers': c['num_hidden_layers'],
     'model.d_model': c['hidden_size'],
     'model.n_heads': c['num_attention_heads'],
     'model.n_kv_heads': c.get('num_key_value_heads') or c['num_attention_heads'],
     'model.d_ff': c['intermediate_size'],
     'model.vocab_size': c['vocab_size'],
+    'model.head_dim': int(c.get('head_dim') or 0),
+    'model.qkv_bias': fam.qkv_bias,
+    'model.qk_norm': fam.qk_norm,
+    'model.tie_embeddings': hf.tied,
+    'model.hf_model_type': hf.model_type,
     'model.rope_theta': rope_theta(c),
+    'model.rope_scaling': 'none' if kind == 'default' else kind,
     'model.norm_eps': float(c.get('rms_norm_eps', 1e-6)),
     'model.max_seq_len': int(c.get('max_position_embeddings', 2048)),
   }
+  if kind != 'default':
+    keys['model.rope_factor'] = float(spec['factor'])
+  if kind == 'llama3':
+    keys['model.rope_low_freq_factor'] = float(spec['low_freq_factor'])
+    keys['model.rope_high_freq_factor'] = float(spec['high_freq_factor'])
+    keys['model.rope_original_max_seq_len'] = int(spec['original_max_position_embeddings'])
+  return keys
 
 
 def with_model(cfg: ml_collections.ConfigDict, hf: HFModel) -> ml_collections.ConfigDict:
-  """A copy of cfg with the model settings of the checkpoint. A Mistral sliding window shorter than
-  model.max_seq_len is refused (jax3d attends over the whole sequence)."""
+  """A copy of cfg with the model settings of the checkpoint. A sliding window shorter than
+  train.seq_len is refused (jax3d attends over the whole sequence)."""
   cfg = copy.deepcopy(cfg)
   for key, value in model_keys(hf).items():
     set_key(cfg, key, value)
-  window = hf.config.get('sliding_window')
+  window = families.sliding_window(hf.config, hf.model_type)
   if window and window < cfg.train.seq_len:
     raise _bad(
       hf.path,
@@ -163,10 +189,9 @@ def with_model(cfg: ml_collections.ConfigDict, hf: HFModel) -> ml_collections.Co
 
 
 def expected_shapes(hf: HFModel) -> dict[str, tuple[int, ...]]:
-  """The tensors a Llama checkpoint of this config.json holds, with their shapes."""
-  m = model_keys(hf)
+  """The tensors a checkpoint of this config.json holds, with their shapes."""
+  m, h, fam = model_keys(hf), hf.head_dim, families.FAMILIES[hf.model_type]
   d, n, k, f, v = (m[f'model.{x}'] for x in ('d_model', 'n_heads', 'n_kv_heads', 'd_ff', 'vocab_size'))
-  h = d // n
   out = {'model.embed_tokens.weight': (v, d), 'model.norm.weight': (d,)}
   if not hf.tied:
     out['lm_head.weight'] = (v, d)
@@ -183,6 +208,11 @@ def expected_shapes(hf: HFModel) -> dict[str, tuple[int, ...]]:
       p + 'mlp.up_proj.weight': (f, d),
       p + 'mlp.down_proj.weight': (d, f),
     }
+    if fam.qkv_bias:
+      out |= {p + 'self_attn.q_proj.bias': (n * h,), p + 'self_attn.k_proj.bias': (k * h,)}
+      out |= {p + 'self_attn.v_proj.bias': (k * h,)}
+    if fam.qk_norm:
+      out |= {p + 'self_attn.q_norm.weight': (h,), p + 'self_attn.k_norm.weight': (h,)}
   return out
 
 
@@ -196,10 +226,14 @@ def check_tensors(hf: HFModel) -> None:
     file, got, _ = hf.tensors[name]
     if got != shape:
       raise _bad(hf.path, f'{file}: tensor {name} has shape {list(got)}, config.json implies {list(shape)}')
-  extra = [n for n in hf.tensors if n not in want and not n.endswith('rotary_emb.inv_freq')]
+  # A tied model's lm_head.weight (older files hold both) is ignored, as transformers does.
+  ignored = ('lm_head.weight',) if hf.tied else ()
+  extra = [
+    n for n in hf.tensors if n not in want and n not in ignored and not n.endswith('rotary_emb.inv_freq')
+  ]
   if extra:
     raise _bad(
       hf.path,
-      f'{hf.tensors[extra[0]][0]}: tensor {extra[0]} is not part of a Llama model '
-      f'({len(extra)} unexpected tensor(s); biases and experts are not supported)',
+      f'{hf.tensors[extra[0]][0]}: tensor {extra[0]} is not part of a {hf.model_type} model '
+      f'as config.json describes it ({len(extra)} unexpected tensor(s))',
     )

@@ -1,12 +1,13 @@
 """Export a jax3d model to a Hugging Face folder that `transformers.AutoModelForCausalLM
-.from_pretrained` and `tokenizers` load: config.json (LlamaForCausalLM), generation_config.json,
+.from_pretrained` and `tokenizers` load: config.json (the family's architecture: the one imported,
+or the one the features need, jax3d/hf/families.py), generation_config.json,
 model.safetensors (or model-0000i-of-0000n.safetensors with model.safetensors.index.json past
 `max_shard_bytes`) and the run's tokenizer files.
 
 Tensors are written one at a time (jax3d/hf/safetensors_io.write): each is gathered from its
 devices, converted to the Hugging Face layout (jax3d/hf/weights.hf_tensors) and written, so the
-host holds one tensor at a time. The head is exported untied (`tie_word_embeddings: false`), also
-for a model imported with tied embeddings: jax3d trains the two separately.
+host holds one tensor at a time. A tied model (model.tie_embeddings) is exported tied: no
+lm_head.weight, `tie_word_embeddings: true`.
 """
 
 from __future__ import annotations
@@ -19,19 +20,33 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jax3d.data import tokenizer as tok_lib
-from jax3d.hf import safetensors_io, weights
+from jax3d.hf import families, safetensors_io, weights
+from jax3d.model import rope
 
 if TYPE_CHECKING:
   from jax3d.record import Setup
 
 
+def rope_scaling(scaling: rope.RopeScaling) -> dict | None:
+  """config.json's rope_scaling of model.rope_scaling (None when plain), as the hub writes it."""
+  if scaling.kind == 'none':
+    return None
+  out = {'rope_type': scaling.kind, 'factor': scaling.factor}
+  if scaling.kind == 'llama3':
+    out |= {'low_freq_factor': scaling.low_freq_factor, 'high_freq_factor': scaling.high_freq_factor}
+    out['original_max_position_embeddings'] = scaling.original_max_seq_len
+  return out
+
+
 def config_json(setup: Setup, tok: tok_lib.Tokenizer) -> dict:
-  """The transformers LlamaConfig of the model (the real vocabulary, not the padded one)."""
+  """The transformers config of the model (the real vocabulary, not the padded one), in the hub's
+  layout (rope_scaling beside rope_theta), which transformers 4 and 5 both read."""
   dm, m = setup.dims, setup.cfg.model
   dtype = str(np.dtype(dm.param_dtype))
+  model_type = families.family_of(dm.qkv_bias, dm.qk_norm, m.hf_model_type)
   return {
-    'architectures': ['LlamaForCausalLM'],
-    'model_type': 'llama',
+    'architectures': [families.FAMILIES[model_type].architecture],
+    'model_type': model_type,
     'hidden_size': dm.d_model,
     'intermediate_size': dm.d_ff,
     'num_hidden_layers': dm.n_layers,
@@ -41,11 +56,12 @@ def config_json(setup: Setup, tok: tok_lib.Tokenizer) -> dict:
     'vocab_size': dm.vocab_size,
     'max_position_embeddings': m.max_seq_len,
     'rope_theta': dm.rope_theta,
+    'rope_scaling': rope_scaling(dm.rope_scaling),
     'rms_norm_eps': dm.norm_eps,
     'hidden_act': 'silu',
     'attention_bias': False,
     'mlp_bias': False,
-    'tie_word_embeddings': False,
+    'tie_word_embeddings': dm.tie_embeddings,
     'bos_token_id': tok.bos_id,
     'eos_token_id': tok.eos_id,
     'torch_dtype': dtype,

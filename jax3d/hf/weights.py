@@ -61,6 +61,16 @@ class _Blocks:
     g = n // k
     if leaf == 'attn_norm/scale':
       return self.read(p + 'input_layernorm.weight', idx[0])
+    if leaf in ('q_norm/scale', 'k_norm/scale'):
+      return self.read(p + f'self_attn.{leaf[0]}_norm.weight', idx[0])
+    if leaf == 'qkv/bias':
+      sk, sc, sh = idx
+      k0, k1 = _bounds(sk, k)
+      q = self.read(p + 'self_attn.q_proj.bias', slice(k0 * g * h, k1 * g * h)).reshape(k1 - k0, g, h)
+      kv = [
+        self.read(p + f'self_attn.{x}_proj.bias', slice(k0 * h, k1 * h)).reshape(k1 - k0, 1, h) for x in 'kv'
+      ]
+      return np.concatenate([q] + kv, 1)[:, sc, sh]
     if leaf == 'mlp_norm/scale':
       return self.read(p + 'post_attention_layernorm.weight', idx[0])
     if leaf == 'qkv/kernel':
@@ -97,10 +107,9 @@ class _Blocks:
       return self.vocab_rows('model.embed_tokens.weight', *idx)
     if path == ('head', 'norm', 'scale'):
       return self.read('model.norm.weight', idx[0])
-    if path == ('head', 'out', 'kernel'):
-      src = 'model.embed_tokens.weight' if self.hf.tied else 'lm_head.weight'
+    if path == ('head', 'out', 'kernel'):  # untied only: a tied head is the embedding
       sd, sv = idx
-      return self.vocab_rows(src, sv, sd).T
+      return self.vocab_rows('lm_head.weight', sv, sd).T
     raise KeyError(f'no Hugging Face tensor for {"/".join(path)}')
 
 
@@ -139,14 +148,16 @@ Fetch = Callable[[], np.ndarray]
 
 
 def hf_tensors(params: Any, setup: Setup) -> Iterator[tuple[str, tuple[int, ...], np.dtype, Fetch]]:
-  """(name, shape, dtype, fetch) of every Hugging Face tensor of the model (untied head), where
-  fetch() gathers one layer's slice of one parameter to the host (single-process runs)."""
+  """(name, shape, dtype, fetch) of every Hugging Face tensor of the model (no lm_head when tied),
+  where fetch() gathers one layer's slice of one parameter to the host (single-process runs)."""
   dm = setup.dims
   d, h, k, n, v = dm.d_model, dm.head_dim, dm.n_kv_heads, dm.n_heads, dm.vocab_size
   g, dtype = n // k, np.dtype(dm.param_dtype)
   position = np.argsort(setup.layer_order)  # canonical layer i is stored at position[i]
   get = lambda a: np.asarray(jax.device_get(a), np.float32)
-  lay = lambda leaf, i: get(params['layers'][leaf]['kernel' if 'norm' not in leaf else 'scale'][position[i]])
+  lay = lambda leaf, i, kind=None: get(
+    params['layers'][leaf][kind or ('kernel' if 'norm' not in leaf else 'scale')][position[i]]
+  )
   yield 'model.embed_tokens.weight', (v, d), dtype, lambda: get(params['embed']['embedding'][:v])
   for i in range(dm.n_layers):
     p = f'model.layers.{i}.'
@@ -155,10 +166,19 @@ def hf_tensors(params: Any, setup: Setup) -> Iterator[tuple[str, tuple[int, ...]
     yield p + 'self_attn.q_proj.weight', (n * h, d), dtype, lambda q=qkv: q()[:, :, :g].reshape(d, n * h).T
     yield p + 'self_attn.k_proj.weight', (k * h, d), dtype, lambda q=qkv: q()[:, :, g].reshape(d, k * h).T
     yield p + 'self_attn.v_proj.weight', (k * h, d), dtype, lambda q=qkv: q()[:, :, g + 1].reshape(d, k * h).T
+    if dm.qkv_bias:
+      bias = lambda i=i: lay('qkv', i, 'bias')  # [k, g+2, h]
+      yield p + 'self_attn.q_proj.bias', (n * h,), dtype, lambda b=bias: b()[:, :g].reshape(n * h)
+      yield p + 'self_attn.k_proj.bias', (k * h,), dtype, lambda b=bias: b()[:, g].reshape(k * h)
+      yield p + 'self_attn.v_proj.bias', (k * h,), dtype, lambda b=bias: b()[:, g + 1].reshape(k * h)
+    if dm.qk_norm:
+      yield p + 'self_attn.q_norm.weight', (h,), dtype, lambda i=i: lay('q_norm', i)
+      yield p + 'self_attn.k_norm.weight', (h,), dtype, lambda i=i: lay('k_norm', i)
     yield p + 'self_attn.o_proj.weight', (d, n * h), dtype, lambda i=i: lay('o', i).reshape(n * h, d).T
     yield p + 'post_attention_layernorm.weight', (d,), dtype, lambda i=i: lay('mlp_norm', i)
     yield p + 'mlp.gate_proj.weight', (dm.d_ff, d), dtype, lambda i=i: lay('gate_up', i)[:, 0].T
     yield p + 'mlp.up_proj.weight', (dm.d_ff, d), dtype, lambda i=i: lay('gate_up', i)[:, 1].T
     yield p + 'mlp.down_proj.weight', (d, dm.d_ff), dtype, lambda i=i: lay('down', i).T
   yield 'model.norm.weight', (d,), dtype, lambda: get(params['head']['norm']['scale'])
-  yield 'lm_head.weight', (v, d), dtype, lambda: get(params['head']['out']['kernel'][:, :v]).T
+  if not dm.tie_embeddings:
+    yield 'lm_head.weight', (v, d), dtype, lambda: get(params['head']['out']['kernel'][:, :v]).T

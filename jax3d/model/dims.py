@@ -10,6 +10,7 @@ import ml_collections
 
 from jax3d import config as config_lib
 from jax3d.model import formulas
+from jax3d.model.rope import RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +27,15 @@ class Dims:
   dtype: Any = jnp.float32  # compute
   param_dtype: Any = jnp.float32
   attention: str = 'auto'
+  head_size: int = 0  # model.head_dim; 0 = d_model // n_heads
+  qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+  qk_norm: bool = False  # per-head RMSNorm of queries and keys before the rotation (Qwen3)
+  tie_embeddings: bool = False  # the head is the embedding table (one parameter)
+  rope_scaling: RopeScaling = RopeScaling()
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+    return self.head_size or self.d_model // self.n_heads
 
   @staticmethod
   def from_config(cfg: ml_collections.ConfigDict, plan: config_lib.RunPlan | None = None) -> Dims:
@@ -49,6 +55,17 @@ class Dims:
       dtype=jnp.dtype(cfg.train.compute_dtype),
       param_dtype=jnp.dtype(cfg.train.param_dtype),
       attention=cfg.train.attention,
+      head_size=m.head_dim,
+      qkv_bias=m.qkv_bias,
+      qk_norm=m.qk_norm,
+      tie_embeddings=m.tie_embeddings,
+      rope_scaling=RopeScaling(
+        m.rope_scaling,
+        m.rope_factor,
+        m.rope_low_freq_factor,
+        m.rope_high_freq_factor,
+        m.rope_original_max_seq_len,
+      ),
     )
 
   def param_count(self) -> int:

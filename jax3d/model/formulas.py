@@ -3,7 +3,8 @@
 Parameters (`dims` is a jax3d.model.dims.Dims, or anything with its fields and `head_dim`):
 
   per layer        2*d (two RMSNorm scales) + d*hd*(2*n + 2*k) (q, o; k, v) + 3*d*f (gate, up, down)
-  embedding/head   2*V*d (input table, output projection) + d (final norm)
+                   + hd*(n + 2*k) with q/k/v biases (qkv_bias) + 2*hd with q/k norms (qk_norm)
+  embedding/head   2*V*d (input table, output projection) + d (final norm); V*d + d when tied
   total            L * per layer + embedding/head, with the real vocabulary V (padded rows excluded)
 
 Model FLOPs and MFU: the standard numerator (PaLM appendix B) over the hardware's peak.
@@ -13,7 +14,7 @@ Model FLOPs and MFU: the standard numerator (PaLM appendix B) over the hardware'
 
 P is the parameter count of the real model *minus the input embedding table*: the embedding is a
 lookup (a gather) and does no multiply-adds, while the output head is a real [h, V] matmul and is
-counted. (PaLM's N is the parameter count; nanoGPT drops the position table for the same reason.)
+counted. A tied table is the head's matmul too, so it stays in P. (PaLM's N is the parameter count; nanoGPT drops the position table for the same reason.)
 The 12*L*h*s term is attention's scores and weighted sum (2 matmuls of 2*s*h FLOPs per token per
 layer, times 3 for forward + backward), counted over the full s as PaLM does (no causal halving).
 Recomputation (remat) and the SPMD pipeline's bubble iterations are *not* counted: MFU measures
@@ -44,6 +45,9 @@ class Dims(Protocol):
   d_ff: int
   vocab_size: int
   vocab_padded: int
+  qkv_bias: bool
+  qk_norm: bool
+  tie_embeddings: bool
 
   @property
   def head_dim(self) -> int: ...
@@ -73,16 +77,18 @@ PEAK_TFLOPS = (
 
 def layer_params(dims: Dims, tp: int = 1) -> int:
   """Parameters of one decoder layer on one of `tp` shards: the matrices split, the norms whole."""
-  d, hd = dims.d_model, dims.head_dim
-  matrices = d * hd * (2 * dims.n_heads + 2 * dims.n_kv_heads) + 3 * d * dims.d_ff
-  return matrices // tp + 2 * d
+  d, hd, n, k = dims.d_model, dims.head_dim, dims.n_heads, dims.n_kv_heads
+  matrices = d * hd * (2 * n + 2 * k) + 3 * d * dims.d_ff
+  biases = hd * (n + 2 * k) if dims.qkv_bias else 0  # split with their heads
+  return (matrices + biases) // tp + 2 * d + (2 * hd if dims.qk_norm else 0)
 
 
 def embed_head_params(dims: Dims, tp: int = 1, padded: bool = False) -> int:
   """Embedding table, output projection (vocabulary rows split over `tp`) and the final norm; with
   `padded` the padded vocabulary (what is stored), else the real one."""
   vocab = dims.vocab_padded if padded else dims.vocab_size
-  return 2 * vocab * dims.d_model // tp + dims.d_model
+  tables = 1 if dims.tie_embeddings else 2
+  return tables * vocab * dims.d_model // tp + dims.d_model
 
 
 def param_count(dims: Dims) -> int:
@@ -91,8 +97,9 @@ def param_count(dims: Dims) -> int:
 
 
 def model_params(dims: Dims) -> int:
-  """P of the MFU numerator: every parameter except the input embedding table (a lookup)."""
-  return param_count(dims) - dims.vocab_size * dims.d_model
+  """P of the MFU numerator: every parameter except the input embedding table (a lookup; a tied
+  table is also the head's matmul, and stays)."""
+  return param_count(dims) - (0 if dims.tie_embeddings else dims.vocab_size * dims.d_model)
 
 
 def attention_flops_per_token(dims: Dims, seq_len: int) -> float:

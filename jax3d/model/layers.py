@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jax3d.model import rope as rope_lib
 from jax3d.model.dims import Dims
 from jax3d.parallel import tensor
 from jax3d.parallel.sharding import constrain
@@ -33,31 +34,22 @@ def normal_init(names: tuple[str, ...], stddev: float) -> Any:
 
 
 class RMSNorm(nn.Module):
+  """RMSNorm over the last axis (the model's, or one head's with axis name 'head_dim')."""
+
   dims: Dims
+  axis_name: str = 'norm'
 
   @nn.compact
   def __call__(self, x):
     scale = self.param(
       'scale',
-      nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
+      nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
       (x.shape[-1],),
       self.dims.param_dtype,
     )
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.dims.norm_eps)
     return (y * scale.astype(jnp.float32)).astype(self.dims.dtype)
-
-
-def rope(x_btnh: jax.Array, theta: float, positions_t: jax.Array | None = None) -> jax.Array:
-  """Rotary position embedding (half-split form), computed in fp32. `positions_t` (int, [t]) are
-  the tokens' positions; None means 0..t-1 (then the angles are constants of the trace)."""
-  t, h = x_btnh.shape[1], x_btnh.shape[-1]
-  inv_freq = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float32) / h))  # (h/2,)
-  pos_t = np.arange(t, dtype=np.float32) if positions_t is None else positions_t.astype(jnp.float32)
-  ang_th = pos_t[:, None] * inv_freq[None, :]  # (t, h/2)
-  cos, sin = jnp.cos(ang_th)[None, :, None, :], jnp.sin(ang_th)[None, :, None, :]
-  x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
 
 
 def attention_implementation(choice: str) -> str | None:
@@ -137,6 +129,7 @@ class SequenceParallelDense(nn.Module):
   names: tuple[str, ...]
   dtype: Any
   param_dtype: Any
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x):
@@ -145,7 +138,11 @@ class SequenceParallelDense(nn.Module):
     kernel = self.param(
       'kernel', nn.initializers.zeros_init(), tuple(x.shape[a] for a in axes) + feat, self.param_dtype
     )
-    return tensor.sequence_parallel_dense(x, kernel, axes, self.names, self.dtype)
+    y = tensor.sequence_parallel_dense(x, kernel, axes, self.names, self.dtype)
+    if not self.use_bias:
+      return y
+    bias = self.param('bias', nn.initializers.zeros_init(), feat, self.param_dtype)
+    return y + bias.astype(self.dtype)
 
 
 class Block(nn.Module):
@@ -200,34 +197,45 @@ class Block(nn.Module):
     """The residual stream's annotation under sequence parallelism (rows split over tp)."""
     return constrain(a_rd, (self._rows, 'embed')) if self.seq_len is not None else a_rd
 
-  def _dense(self, feat: Any, axis: Any, names: tuple[str, ...], stddev: float, name: str) -> nn.Module:
-    """The projection `name`: nn.DenseGeneral, or its sequence-parallel form (the same kernel)."""
+  def _dense(
+    self, feat: Any, axis: Any, names: tuple[str, ...], stddev: float, name: str, bias: bool = False
+  ) -> nn.Module:
+    """The projection `name`: nn.DenseGeneral, or its sequence-parallel form (the same kernel and
+    bias); a bias carries the output features' logical axes."""
     dm = self.dims
     if self.seq_len is not None:
-      return SequenceParallelDense(feat, axis, names, dm.dtype, dm.param_dtype, name=name)
+      return SequenceParallelDense(feat, axis, names, dm.dtype, dm.param_dtype, bias, name=name)
+    n_out = len(feat) if isinstance(feat, tuple) else 1
     return nn.DenseGeneral(
       feat,
       axis=axis,
-      use_bias=False,
+      use_bias=bias,
       dtype=dm.dtype,
       param_dtype=dm.param_dtype,
       kernel_init=normal_init(names, stddev),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[-n_out:]),
       name=name,
     )
 
   def _qkv(self, x_rd: jax.Array, b: int, t: int, positions_t: jax.Array | None) -> tuple[jax.Array, ...]:
-    """Attention's column-parallel QKV projection (KV heads on tp), rotated: q, k, v."""
+    """Attention's column-parallel QKV projection (KV heads on tp; with model.qkv_bias its bias
+    too), the per-head q/k norms of model.qk_norm (head size whole on every shard), rotated."""
     dm = self.dims
     n, k, h = dm.n_heads, dm.n_kv_heads, dm.head_dim
     g = n // k
     a_rd = self._stream(RMSNorm(dm, name='attn_norm')(x_rd))
-    qkv_rkch = self._dense((k, g + 2, h), -1, ('embed', 'kv_heads', 'qkv', 'head_dim'), 0.02, 'qkv')(a_rd)
+    names = ('embed', 'kv_heads', 'qkv', 'head_dim')
+    qkv_rkch = self._dense((k, g + 2, h), -1, names, 0.02, 'qkv', bias=dm.qkv_bias)(a_rd)
     qkv_rkch = constrain(qkv_rkch, ('batch', 'kv_heads', 'qkv', 'head_dim'))
     q_btnh = qkv_rkch[:, :, :g].reshape(b, t, n, h)  # query head i belongs to KV head i // g
     k_btkh = qkv_rkch[:, :, g].reshape(b, t, k, h)
     v_btkh = qkv_rkch[:, :, g + 1].reshape(b, t, k, h)
-    q_btnh = constrain(rope(q_btnh, dm.rope_theta, positions_t), ('batch', 'seq', 'heads', 'head_dim'))
-    k_btkh = constrain(rope(k_btkh, dm.rope_theta, positions_t), ('batch', 'seq', 'kv_heads', 'head_dim'))
+    if dm.qk_norm:
+      q_btnh = RMSNorm(dm, 'head_dim', name='q_norm')(q_btnh)
+      k_btkh = RMSNorm(dm, 'head_dim', name='k_norm')(k_btkh)
+    freq = rope_lib.inv_freq(h, dm.rope_theta, dm.rope_scaling)
+    q_btnh = constrain(rope_lib.rope(q_btnh, freq, positions_t), ('batch', 'seq', 'heads', 'head_dim'))
+    k_btkh = constrain(rope_lib.rope(k_btkh, freq, positions_t), ('batch', 'seq', 'kv_heads', 'head_dim'))
     return q_btnh, k_btkh, constrain(v_btkh, ('batch', 'seq', 'kv_heads', 'head_dim'))
 
   def _attention_out(self, o_btnh: jax.Array, r: int, d: int) -> jax.Array:

@@ -27,39 +27,46 @@ PyTree = Any  # nested dicts of arrays (or of their abstract shapes)
 
 
 class Embed(nn.Module):
-  """Vocabulary-parallel token embedding (vocab rows on tp)."""
+  """Vocabulary-parallel token embedding (vocab rows on tp). Tied to the head (model.tie_embeddings)
+  it starts at the head's scale, 1/sqrt(d): the head's logits would be sqrt(d) times too large."""
 
   dims: Dims
 
   @nn.compact
   def __call__(self, tokens_bt):
+    dm = self.dims
     table_vd = self.param(
       'embedding',
-      normal_init(('vocab', 'embed'), 1.0),
-      (self.dims.vocab_padded, self.dims.d_model),
-      self.dims.param_dtype,
+      normal_init(('vocab', 'embed'), 1.0 / np.sqrt(dm.d_model) if dm.tie_embeddings else 1.0),
+      (dm.vocab_padded, dm.d_model),
+      dm.param_dtype,
     )
     x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(self.dims.dtype)
     return constrain(x_btd, ('batch_all', 'seq', 'embed'))
 
 
 class Head(nn.Module):
-  """Final norm and vocabulary-parallel output projection; logits in fp32, vocab on tp."""
+  """Final norm and vocabulary-parallel output projection; logits in fp32, vocab on tp. Tied
+  (model.tie_embeddings), the projection is the embedding table `table_vd` (one parameter: its
+  gradient is the sum of both uses) and the head has no `out` kernel of its own."""
 
   dims: Dims
 
   @nn.compact
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, table_vd=None):
     dm = self.dims
     x_btd = RMSNorm(dm, name='norm')(constrain(x_btd, ('batch_all', 'seq', 'embed')))
-    logits_btv = nn.DenseGeneral(
-      dm.vocab_padded,
-      use_bias=False,
-      dtype=dm.dtype,
-      param_dtype=dm.param_dtype,
-      kernel_init=normal_init(('embed', 'vocab'), 1.0 / np.sqrt(dm.d_model)),
-      name='out',
-    )(x_btd)
+    if dm.tie_embeddings:
+      logits_btv = jnp.einsum('btd,vd->btv', x_btd.astype(dm.dtype), table_vd.astype(dm.dtype))
+    else:
+      logits_btv = nn.DenseGeneral(
+        dm.vocab_padded,
+        use_bias=False,
+        dtype=dm.dtype,
+        param_dtype=dm.param_dtype,
+        kernel_init=normal_init(('embed', 'vocab'), 1.0 / np.sqrt(dm.d_model)),
+        name='out',
+      )(x_btd)
     logits_btv = logits_btv.astype(jnp.float32)
     if dm.vocab_padded > dm.vocab_size:  # padded entries can never be predicted
       pad_v = jnp.arange(dm.vocab_padded) >= dm.vocab_size
@@ -90,10 +97,11 @@ def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   tok = jnp.zeros((1, 1), jnp.int32)
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
   layer_keys = jax.random.split(k_layers, dims.n_layers)[jnp.asarray(layer_order)]
+  embed = _unboxed_init(Embed(dims), k_embed, tok)
   return {
-    'embed': _unboxed_init(Embed(dims), k_embed, tok),
+    'embed': embed,
     'layers': jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys),
-    'head': _unboxed_init(Head(dims), k_head, x),
+    'head': _unboxed_init(Head(dims), k_head, x, embed['embedding']),
   }
 
 
@@ -101,6 +109,7 @@ def param_logical_axes(dims: Dims) -> PyTree:
   """The same tree as `init_params`, with each leaf's logical axis names (a tuple)."""
   tok = jax.ShapeDtypeStruct((1, 1), jnp.int32)  # shapes only: nothing runs or compiles
   x = jax.ShapeDtypeStruct((1, 1, dims.d_model), dims.dtype)
+  table = jax.ShapeDtypeStruct((dims.vocab_padded, dims.d_model), dims.param_dtype)
 
   def names(module, *args):
     boxed = jax.eval_shape(lambda *a: module.init(jax.random.key(0), *a)['params'], *args)
@@ -109,7 +118,7 @@ def param_logical_axes(dims: Dims) -> PyTree:
   layer = jax.tree.map(
     lambda n: ('layers',) + n, names(Block(dims), x), is_leaf=lambda n: isinstance(n, tuple)
   )
-  return {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x)}
+  return {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x, table)}
 
 
 def block_apply(
@@ -131,5 +140,7 @@ def embed_apply(dims: Dims, params: PyTree, tokens_bt: jax.Array) -> jax.Array:
 
 
 def head_apply(dims: Dims, params: PyTree, x_btd: jax.Array) -> jax.Array:
-  """fp32 logits [b, t, v_padded] of `x_btd` (the `head` part of the full parameter tree)."""
-  return Head(dims).apply({'params': params['head']}, x_btd)
+  """fp32 logits [b, t, v_padded] of `x_btd` (the `head` part of the full parameter tree, and the
+  embedding table when tied)."""
+  table_vd = params['embed']['embedding'] if dims.tie_embeddings else None
+  return Head(dims).apply({'params': params['head']}, x_btd, table_vd)
