@@ -1,8 +1,10 @@
 """`python -m jax3d.sample --workdir=DIR [--prompt="def "] [--tokens=200] [--temperature=0.8]
 [--top_k=40] [--seed=0] [--greedy] [--config=PATH] [--config.KEY=VALUE ...]`
+`python -m jax3d.sample --config.checkpoint.init_from=hf:PATH --prompt=... [--config.mesh.tp=8 ...]`
 
-Text from the newest good checkpoint of a training run, on this machine's devices, in any
-layout: the run's config is read from the checkpoint (unless --config is given) and
+Text from a Hugging Face folder (its weights and its tokenizer, imported onto this machine's
+devices in the layout --config.mesh.* sets; no training run, no Orbax), or from the newest good
+checkpoint of a training run, on this machine's devices, in any layout: the run's config is read from the checkpoint (unless --config is given) and
 --config.mesh.* picks the layout to generate under (for example --config.mesh.dp=1
 --config.mesh.pp=1 --config.mesh.tp=8). Only the parameters are read, straight into the new
 layout's shardings, with the layer axis permuted from the saved pipeline order.
@@ -12,8 +14,8 @@ the prompt, then one token per step. Greedy with --greedy (or --temperature=0), 
 with top-k. On a machine without an accelerator 8 fake CPU devices are used (unless XLA_FLAGS
 is set).
 
-Exit status: 0 printed the text; 2 bad flags, a bad config or no checkpoint in the workdir
-(one line on stderr); 3 a checkpoint that does not match the config.
+Exit status: 0 printed the text; 2 bad flags, a bad config, a folder that does not load or no
+checkpoint in the workdir (one line on stderr); 3 a checkpoint that does not match the config.
 
 In Python, `jax3d.sample(trainer_or_workdir, prompt, ...)` does the same: this module is callable
 (it forwards to `jax3d.trainer.workdir.sample`, see `_CallableModule`).
@@ -24,11 +26,13 @@ from __future__ import annotations
 import sys
 import types
 
-from jax3d import cli
-from jax3d.trainer.workdir import sample_workdir
+from jax3d import cli, errors
+from jax3d.trainer.workdir import sample_hf, sample_workdir
 
 FLAGS = {
-  'workdir': cli.Flag(str, None, "a training run's workdir, holding checkpoints/", required=True),
+  'workdir': cli.Flag(
+    str, None, "a training run's workdir, holding checkpoints/ (or --config.checkpoint.init_from=hf:PATH)"
+  ),
   'prompt': cli.Flag(str, None, "the text to continue (default: the config's sample.prompt)"),
   'tokens': cli.Flag(int, None, 'bytes to generate (default: sample.tokens)', cli.NON_NEGATIVE),
   'temperature': cli.Flag(float, None, 'sampling temperature, 0 = greedy (default: sample.temperature)'),
@@ -49,15 +53,23 @@ def main(argv: list[str] | None = None) -> int:
 def _sample(args: cli.Args) -> int:
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   f = args.flags
-  text = sample_workdir(
-    f['workdir'],
+  init_from = args.overrides.get('checkpoint.init_from', '')
+  if not f['workdir'] and not init_from.startswith('hf:'):
+    raise errors.UsageError('give --workdir=DIR (a training run) or --config.checkpoint.init_from=hf:PATH')
+  if f['workdir'] and init_from:
+    raise errors.UsageError('give --workdir or --config.checkpoint.init_from, not both')
+  source = f['workdir'] or init_from
+  overrides = {k: v for k, v in args.overrides.items() if k != 'checkpoint.init_from'}
+  sampler = sample_workdir if f['workdir'] else sample_hf
+  text = sampler(
+    source,
     f['prompt'],
     f['tokens'],
     0.0 if f['greedy'] else f['temperature'],
     f['top_k'],
     f['seed'],
     config=args.config_path,
-    overrides=args.overrides,
+    overrides=overrides,
   )
   print(text)
   return 0

@@ -150,7 +150,8 @@ def run_unit(job: tuple) -> dict:
   """Tokenizes one unit into its train and val shards; returns its record."""
   i, unit, out, field, fraction, dtype, fingerprint = job
   tok = _TOK['tok']
-  bos = [tok.bos_id] if tok.bos_id is not None else []
+  # A document gets the special tokens the tokenizer itself adds (its post-processor: Llama 3's
+  # BOS, none for GPT-2 style), then EOS as the end-of-document marker unless it already ends so.
   eos = [tok.eos_id] if tok.eos_id is not None else []
   split = {'train': [], 'val': []}
   for p in unit:
@@ -158,8 +159,8 @@ def run_unit(job: tuple) -> dict:
       split['val' if documents.held_out(name, fraction) else 'train'].append(text)
   rec = {'unit': i, 'fingerprint': fingerprint, 'bytes': sum(p.end - p.start for p in unit)}
   for key, texts in split.items():
-    ids = tok.encode_batch(texts) if texts else []
-    arr = np.fromiter((t for doc in ids for t in bos + doc + eos), dtype=dtype)
+    ids = tok.encode_batch(texts, add_special_tokens=True) if texts else []
+    arr = np.fromiter((t for doc in ids for t in doc + (eos if doc[-1:] != eos else [])), dtype=dtype)
     _write(os.path.join(out, f'{key}-{i:05d}.bin'), arr)
     rec[key] = {'file': f'{key}-{i:05d}.bin', 'tokens': int(arr.size), 'documents': len(texts)}
   with open(os.path.join(out, f'unit-{i:05d}.json'), 'w') as f:

@@ -8,7 +8,10 @@
 
 `data.tokenizer` names one of these. The model's vocabulary is the tokenizer's (`vocab_size`,
 padded as always); `bos_id`/`eos_id` are None where the tokenizer has none. Documents are separated
-by EOS in token shards (jax3d.prepare), and a sampling prompt starts with BOS where there is one.
+by EOS in token shards (jax3d.prepare). A document and a sampling prompt get the special tokens
+the tokenizer itself adds (`add_special_tokens=True`: a tokenizer.json's post-processor; for
+SentencePiece, tokenizer_config.json's add_bos_token / add_eos_token, BOS by default), as
+transformers encodes them: never a rule of jax3d's.
 Nothing here imports jax; `tokenizers` and `sentencepiece` are imported only when used.
 """
 
@@ -36,13 +39,13 @@ class Tokenizer:
   bos_id: int | None = None
   eos_id: int | None = None
 
-  def encode(self, text: str) -> list[int]:
-    """Token ids of `text` (no BOS/EOS added)."""
+  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`; with `add_special_tokens` the ones the tokenizer adds (none here)."""
     return list(text.encode('utf-8'))
 
-  def encode_batch(self, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text (no BOS/EOS added)."""
-    return [self.encode(t) for t in texts]
+  def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+    """Token ids of each text (see `encode`)."""
+    return [self.encode(t, add_special_tokens) for t in texts]
 
   def decode(self, ids: list[int]) -> str:
     """The text of `ids` (special tokens and ids past the byte range dropped, bad UTF-8 replaced)."""
@@ -72,11 +75,11 @@ class HFTokenizer(Tokenizer):
     self.bos_id = bos[0] if bos else None
     self.eos_id = eos[0] if eos else None
 
-  def encode(self, text: str) -> list[int]:
-    return self.tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-  def encode_batch(self, texts: list[str]) -> list[list[int]]:
-    return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+  def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+    return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
   def decode(self, ids: list[int]) -> str:
     return self.tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
@@ -95,19 +98,26 @@ class SentencePieceTokenizer(Tokenizer):
     self.vocab_size = self.sp.get_piece_size()
     self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
     self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+    adds = _config(os.path.dirname(self.path))  # transformers' LlamaTokenizer defaults
+    self.adds = (adds.get('add_bos_token', True), adds.get('add_eos_token', False))
 
-  def encode(self, text: str) -> list[int]:
-    return self.sp.encode(text)
+  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    return self.encode_batch([text], add_special_tokens)[0]
 
-  def encode_batch(self, texts: list[str]) -> list[list[int]]:
-    return self.sp.encode(texts)
+  def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+    ids = self.sp.encode(texts)
+    if not add_special_tokens:
+      return ids
+    bos = [self.bos_id] if self.adds[0] and self.bos_id is not None else []
+    eos = [self.eos_id] if self.adds[1] and self.eos_id is not None else []
+    return [bos + x + eos for x in ids]
 
   def decode(self, ids: list[int]) -> str:
     return self.sp.decode([i for i in ids if 0 <= i < self.vocab_size])
 
 
-def _special_tokens_from_config(folder: str) -> dict[str, str]:
-  """bos/eos token strings from a tokenizer_config.json beside the tokenizer, where there is one."""
+def _config(folder: str) -> dict:
+  """The tokenizer_config.json beside the tokenizer ({} when there is none or it does not parse)."""
   path = os.path.join(folder, 'tokenizer_config.json')
   if not os.path.exists(path):
     return {}
@@ -116,10 +126,27 @@ def _special_tokens_from_config(folder: str) -> dict[str, str]:
       cfg = json.load(f)
   except (OSError, ValueError):
     return {}
+  return cfg if isinstance(cfg, dict) else {}
+
+
+def _special_tokens_from_config(folder: str) -> dict[str, str]:
+  """bos/eos token strings from a tokenizer_config.json beside the tokenizer, where there is one."""
+  cfg = _config(folder)
   text = lambda v: v.get('content') if isinstance(v, dict) else v
   return {
     k: text(cfg.get(f'{k}_token')) for k in ('bos', 'eos') if isinstance(text(cfg.get(f'{k}_token')), str)
   }
+
+
+def bos_note(tok: Tokenizer) -> str | None:
+  """One line when the tokenizer defines a BOS token that its own encoding does not add (a model
+  trained with BOS before every document would then see prompts without it), else None."""
+  if tok.bos_id is None or tok.encode('a', add_special_tokens=True)[:1] == [tok.bos_id]:
+    return None
+  return (
+    f'{tok.path} defines BOS (id {tok.bos_id}) but does not add it when encoding; prompts and '
+    'documents are encoded without it, as transformers does (put it in the text if the model needs it)'
+  )
 
 
 def find(spec: str) -> str:

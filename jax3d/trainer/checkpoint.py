@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 
 from jax3d.errors import CheckpointError
 from jax3d.parallel import pipeline
+from jax3d.trainer import readonly
 
 SOFT = 'grad_residual'  # train-state entry restored when it matches, else restarted at zero
 TRASH = '.deleted'  # old steps are renamed here (atomic), then removed
@@ -224,9 +225,7 @@ def _zeros(abstract: PyTree) -> PyTree:
 def _partial_restore(directory: str, step: int, item: PyTree) -> PyTree:
   """The entries of `item` from a step that may hold more (through a manager of its own: this
   one's 'state' item stays bound to the standard handler it saves with)."""
-  mgr = ocp.CheckpointManager(
-    directory, item_names=('state', 'meta'), options=ocp.CheckpointManagerOptions(read_only=True)
-  )
+  mgr = readonly.manager(directory)
   try:
     return mgr.restore(
       step,
@@ -299,9 +298,7 @@ def load_params(
   directory = path if is_ckpt_dir else os.path.join(path, 'checkpoints')
   if not os.path.isdir(directory):
     raise CheckpointError(f'checkpoint.init_from={path!r}: no checkpoints folder at {directory}')
-  mgr = ocp.CheckpointManager(
-    directory, item_names=('state', 'meta'), options=ocp.CheckpointManagerOptions(read_only=True)
-  )
+  mgr = readonly.manager(directory)
   try:
     for step in sorted(mgr.all_steps(), reverse=True):
       meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']

@@ -1,0 +1,66 @@
+"""Parity of an export: the exported folder loaded in transformers gives jax3d's logits.
+
+`python -m jax3d.export --verify` runs it after writing: the run's first held-out batch through
+jax3d (the checkpoint's parameters, on this machine's layout) and through
+`AutoModelForCausalLM.from_pretrained(out)` in float32 on the CPU; the largest difference relative
+to the logits' scale must stay under TOLERANCE, else the export is reported wrong (exit 3).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jax3d.errors import CheckpointError
+
+if TYPE_CHECKING:
+  from jax3d.record import Setup
+
+TOLERANCE = 1e-4
+
+
+def jax3d_logits(setup: Setup, params: Any, tokens_bt: np.ndarray) -> np.ndarray:
+  """fp32 logits [b, t, vocab] (the real vocabulary) of `tokens_bt`, computed as training computes
+  them (the run's mesh, logical rules and shardings); b is one accumulation chunk's rows."""
+  import jax
+
+  from jax3d.parallel import sharding
+  from jax3d.training import step as step_lib
+
+  def fn(params, tokens_bt):
+    with sharding.use_rules(setup.rules):
+      return step_lib.logits(params, tokens_bt, setup)
+
+  jitted = step_lib.MeshJit(fn, setup.mesh, in_shardings=(setup.param_shardings, setup.batch_sharding))
+  out = jitted(params, jax.device_put(np.asarray(tokens_bt, np.int32), setup.batch_sharding))
+  return np.asarray(jax.device_get(out))[..., : setup.dims.vocab_size]
+
+
+def transformers_logits(folder: str, tokens_bt: np.ndarray) -> np.ndarray:
+  """fp32 logits of `tokens_bt` from the Hugging Face folder, loaded by transformers on the CPU."""
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    raise CheckpointError(f'--verify needs transformers and torch ({e}); pip install jax3d[test]') from None
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  with torch.no_grad():
+    return model(torch.as_tensor(np.asarray(tokens_bt), dtype=torch.long)).logits.float().numpy()
+
+
+def relative_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
+  """max |ours - theirs| / max |theirs|: the difference relative to the logits' scale."""
+  return float(np.max(np.abs(ours - theirs)) / max(float(np.max(np.abs(theirs))), 1e-30))
+
+
+def verify(setup: Setup, params: Any, folder: str, tokens_bt: np.ndarray) -> float:
+  """The relative difference of the export at `folder` from jax3d on `tokens_bt`;
+  CheckpointError (exit 3) above TOLERANCE."""
+  diff = relative_difference(jax3d_logits(setup, params, tokens_bt), transformers_logits(folder, tokens_bt))
+  if not diff <= TOLERANCE:
+    raise CheckpointError(
+      f"--verify: the export at {folder} gives logits {diff:.3g} off jax3d's (relative, largest), "
+      f'above {TOLERANCE:g}: transformers does not compute the model jax3d trained'
+    )
+  return diff
