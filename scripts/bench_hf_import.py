@@ -1,13 +1,14 @@
-"""Import time and peak host memory of a ~1B-parameter Hugging Face Llama (issue 15's benchmark).
+"""Import time and peak host memory of a ~1.2B-parameter Hugging Face Llama 3.2 (issues 15 and 30).
 
-  python scripts/bench_hf_import.py [--dir=/tmp/jax3d_hf_1b] [--layout=2x2x2] [--shape=1b]
-                                    [--param_dtype=float32] [--json=bench_hf_import.json]
+  python scripts/bench_hf_import.py [--dir=/tmp/jax3d_hf_llama32] [--layout=2x2x2]
+                                    [--shape=llama3.2-1b] [--param_dtype=float32] [--json=...]
 
 Builds once (cached in --dir; rebuilt when its config.json is another shape) a random
-`LlamaForCausalLM` with transformers: hidden 2048, 20 layers, 16 heads over 8 KV heads (GQA),
-intermediate 5632, vocabulary 32000, untied head (1.07B parameters), in bfloat16 (as published
-Llama checkpoints are, and what jax3d reads through its memory map; 2.1 GB on disk instead of 4.3),
-norm scales randomised, saved with `save_pretrained(safe_serialization=True)` in 1 GB shards with
+`LlamaForCausalLM` with transformers shaped as Llama-3.2-1B: hidden 2048, 16 layers, 32 heads over
+8 KV heads (GQA), intermediate 8192, vocabulary 128256, tied embeddings, llama3 rope scaling
+(factor 32, original context 8192, rope_theta 500000): 1.24B parameters, in bfloat16 (as published
+checkpoints are, and what jax3d reads through its memory map; 2.5 GB on disk). `--shape=1b` is
+issue 15's untied Llama-2-style 1.07B model. Norm scales randomised, saved with `save_pretrained(safe_serialization=True)` in 1 GB shards with
 an index. Then, in a fresh process (only the importer's memory in its RSS; the parent imports
 neither jax nor torch, since a child's ru_maxrss starts from its parent's at exec), imports it on
 8 fake CPU devices onto --layout (DPxPPxTP, microbatches 4 when pipelined) through the trainer's own
@@ -38,7 +39,21 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+LLAMA3_ROPE = dict(
+  rope_type='llama3', factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 SHAPES = {
+  'llama3.2-1b': dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=8192,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rope_scaling=LLAMA3_ROPE,
+  ),
   '1b': dict(
     hidden_size=2048,
     num_hidden_layers=20,
@@ -46,6 +61,8 @@ SHAPES = {
     num_key_value_heads=8,
     intermediate_size=5632,
     vocab_size=32000,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
   ),
   'small': dict(
     hidden_size=256,
@@ -54,9 +71,15 @@ SHAPES = {
     num_key_value_heads=2,
     intermediate_size=688,
     vocab_size=1000,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings=64),
   ),
 }
-COMMON = dict(max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+COMMON = dict(max_position_embeddings=2048, rms_norm_eps=1e-5)
+# config.json keys the cache check compares (transformers 5 folds rope_scaling into rope_parameters)
+CACHE_KEYS = ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads')
+CACHE_KEYS += ('intermediate_size', 'vocab_size', 'tie_word_embeddings')
 MB = 2**20
 
 
@@ -76,7 +99,8 @@ def _cached(folder: str, shape: dict) -> bool:
       c = json.load(f)
   except (OSError, ValueError):
     return False
-  return all(c.get(k) == v for k, v in shape.items()) and c.get('dtype', c.get('torch_dtype')) == 'bfloat16'
+  same = all(c.get(k) == shape[k] for k in CACHE_KEYS)
+  return same and c.get('dtype', c.get('torch_dtype')) == 'bfloat16'
 
 
 def build(folder: str, shape_name: str, max_shard_size: str) -> None:
@@ -198,10 +222,11 @@ def check(params, s, hf) -> dict:
   k, f, v = c['num_key_value_heads'], c['intermediate_size'], c['vocab_size']
   h, g, vp = d // n, n // k, s.dims.vocab_padded
   assert vp >= v and vp % s.cfg.model.vocab_multiple == 0, (vp, v)
+  tied = bool(c.get('tie_word_embeddings'))
   want = {
     "['embed']['embedding']": (vp, d),
     "['head']['norm']['scale']": (d,),
-    "['head']['out']['kernel']": (d, vp),
+    **({} if tied else {"['head']['out']['kernel']": (d, vp)}),
     "['layers']['attn_norm']['scale']": (L, d),
     "['layers']['mlp_norm']['scale']": (L, d),
     "['layers']['qkv']['kernel']": (L, d, k, g + 2, h),
@@ -251,12 +276,10 @@ def check(params, s, hf) -> dict:
       (p + 'input_layernorm.weight', lay('attn_norm', 'scale')),
       (p + 'post_attention_layernorm.weight', lay('mlp_norm', 'scale')),
     ]
-  embed, out = get(params['embed']['embedding']), get(params['head']['out']['kernel'])
-  pairs += [
-    ('model.embed_tokens.weight', embed[:v]),
-    ('lm_head.weight', out[:, :v].T),
-    ('model.norm.weight', get(params['head']['norm']['scale'])),
-  ]
+  embed = get(params['embed']['embedding'])
+  out = embed.T if tied else get(params['head']['out']['kernel'])  # a tied head is the embedding
+  pairs += [('model.embed_tokens.weight', embed[:v]), ('model.norm.weight', get(params['head']['norm']['scale']))]
+  pairs += [] if tied else [('lm_head.weight', out[:, :v].T)]
   if vp > v and (np.any(embed[v:]) or np.any(out[:, v:])):
     bad.append('padded vocabulary rows are not zero')
   for name, mine in pairs:
@@ -274,9 +297,9 @@ def check(params, s, hf) -> dict:
 
 def main() -> None:
   ap = argparse.ArgumentParser()
-  ap.add_argument('--dir', default='/tmp/jax3d_hf_1b', help='where the model is built once and cached')
+  ap.add_argument('--dir', default='/tmp/jax3d_hf_llama32', help='where the model is built once and cached')
   ap.add_argument('--layout', type=parse_layout, default=(2, 2, 2), help='DPxPPxTP on 8 fake CPU devices')
-  ap.add_argument('--shape', choices=sorted(SHAPES), default='1b')
+  ap.add_argument('--shape', choices=sorted(SHAPES), default='llama3.2-1b')
   ap.add_argument('--param_dtype', choices=('float32', 'bfloat16'), default='float32')
   ap.add_argument('--max_shard_size', default='1GB', help="save_pretrained's shard size")
   ap.add_argument('--json', default='bench_hf_import.json')
