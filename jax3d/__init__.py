@@ -12,6 +12,7 @@ The public API (jax3d/api.py), loaded on first use:
   compiled_memory(cfg)      XLA's bytes per device for the real train step
   plan_layouts(cfg, ...)    the planner: layouts of a model on a GPU cluster, ranked
   sample(t_or_workdir, ...) text from a trainer or a run's checkpoint (also python -m jax3d.sample)
+  batch(cfg, step)          the global batch step `step` trains on, as numpy (also python -m jax3d.batch)
 
 Why lazy: `import jax3d` must not start jax's backend (fake CPU devices are fixed when it starts)
 and must not import the command modules (`python -m jax3d.plan` would then run a second copy of
@@ -40,13 +41,14 @@ _API = (
   'losses',
   'export_hf',
 )
-__all__ = list(_API) + ['sample']
+__all__ = list(_API) + ['sample', 'batch']
 
 
 def __getattr__(name: str) -> _typing.Any:
   if name in _API:
     return getattr(importlib.import_module('jax3d.api'), name)
-  # `sample` is the module behind `python -m jax3d.sample`, callable as the API function.
+  # `sample` and `batch` are the modules behind `python -m jax3d.sample` / `jax3d.batch`, callable
+  # as the API functions.
   if not name.startswith('_'):
     try:
       return importlib.import_module(f'jax3d.{name}')

@@ -29,6 +29,7 @@ from jax3d.trainer.workdir import sample  # the API function `sample` (light: no
 if TYPE_CHECKING:  # at run time `Trainer` is imported on first use (module __getattr__ below)
   import jax
   import ml_collections
+  import numpy as np
 
   from jax3d.planning.costmodel import Hardware
   from jax3d.trainer.trainer import Trainer
@@ -48,6 +49,7 @@ __all__ = [
   'sample',
   'losses',
   'export_hf',
+  'batch',
 ]
 
 
@@ -162,6 +164,19 @@ def export_hf(source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30) -
   if isinstance(source, str | os.PathLike):
     return workdir.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes)
   return export.export(source.state['params'], source.setup, out, max_shard_bytes)
+
+
+def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:
+  """The global batch the trainer feeds step `step` (0-based: logged as step `step + 1`), as numpy
+  [train.global_batch_size, train.seq_len] arrays inputs, targets, segment_ids, positions (int32)
+  and weights (float32): rows of `data.packing` in the epoch order of train.seed (docs/data.md).
+  Reads the data only: nothing is compiled and no device is used."""
+  from jax3d import assemble
+  from jax3d.data import corpus as data_lib, tokenizer as tok_lib
+
+  cfg = assemble.resolve(cfg)  # the tokenizer of token shards or an import, as a run takes it
+  corpus = data_lib.for_config(cfg, tok_lib.load(cfg.data.tokenizer))
+  return data_lib.batch_at(corpus, cfg.train.seed, step, cfg.train.global_batch_size, cfg.train.seq_len)
 
 
 def placement(trainer: Trainer) -> list[str]:

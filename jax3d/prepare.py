@@ -1,5 +1,5 @@
 """`python -m jax3d.prepare --out=DIR [--input=PATH] [--train_tokenizer=VOCAB | --tokenizer=PATH]
-[--field=text] [--workers=N] [--eval_fraction=0.05] [--shard_mb=64]`
+[--format=text|chat] [--field=text] [--workers=N] [--eval_fraction=0.05] [--shard_mb=64]`
 
 Turns text into the token shards jax3d trains on (`--config.data.path=DIR`):
 
@@ -10,13 +10,22 @@ Turns text into the token shards jax3d trains on (`--config.data.path=DIR`):
                 documents (`tokenizers`), saved as DIR/tokenizer.json (reused when it exists)
   --tokenizer   or use this one: a tokenizer.json, a SentencePiece .model, a folder with one, or
                 'bytes' (default: DIR/tokenizer.json when it exists)
+  --format=chat each .jsonl line is a conversation {"messages": [{"role", "content"}, ...]},
+                rendered with the --tokenizer folder's own chat template (tokenizer.json with
+                chat_template.jinja or tokenizer_config.json's chat_template): the ids of
+                transformers' apply_chat_template, and a loss weight per token, 1 on the
+                assistant turns (answer and end of turn), 0 elsewhere (jax3d/data/chat.py)
 
 Writes DIR/train-NNNNN.bin and DIR/val-NNNNN.bin (uint16, or uint32 for vocabularies over 65536;
-documents separated by EOS; a document is wholly in one split) and DIR/index.json, on --workers
-processes (default: every core) with a progress bar, then prints the throughput. Rerunning skips
-the shards already done for the same inputs and tokenizer (jax3d/data/prepare.py).
+documents separated by EOS; a document is wholly in one split), each with its document starts
+(.starts.bin) and, for chat, its weights (.weights.bin), and DIR/index.json, on --workers
+processes (default: every core) with a progress bar, then prints the throughput (and, for chat,
+the supervised fraction). Rerunning skips the shards already done for the same inputs, tokenizer
+and template (jax3d/data/prepare.py).
 
-Exit status: 0 done; 2 bad flags or input (one line on stderr).
+Exit status: 0 done; 2 bad flags or input (one line on stderr: for chat data also a line without
+"messages", an unknown role, a template that fails or does not render prefixes consistently, a
+conversation with no supervised token, a tokenizer folder without a chat template).
 """
 
 from __future__ import annotations
@@ -26,12 +35,19 @@ import sys
 
 from jax3d import cli
 
+FORMATS = ('text', 'chat')
 FLAGS = {
   'out': cli.Flag(str, None, 'the folder of the token shards (and a trained tokenizer)', required=True),
   'input': cli.Flag(str, '', "text file, folder or .jsonl (default: the standard library's source)"),
   'tokenizer': cli.Flag(str, '', "tokenizer.json, SentencePiece .model, folder or 'bytes'"),
   'train_tokenizer': cli.Flag(
     int, 0, 'train a byte-level BPE tokenizer of this many tokens first', cli.NON_NEGATIVE
+  ),
+  'format': cli.Flag(
+    str,
+    'text',
+    'text, or chat: .jsonl conversations ({"messages": [...]})',
+    cli.Check(lambda v: v in FORMATS, 'text or chat'),
   ),
   'field': cli.Flag(str, 'text', 'the text field of .jsonl records'),
   'workers': cli.Flag(int, 0, 'worker processes (0 = every core)', cli.NON_NEGATIVE),
@@ -51,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args: cli.Args) -> int:
-  from jax3d.data import prepare, tokenizer as tok_lib
+  from jax3d.data import bpe, prepare, tokenizer as tok_lib
 
   f = args.flags
   if f['input'] and not os.path.exists(f['input']):
@@ -66,10 +82,12 @@ def _prepare(args: cli.Args) -> int:
     if f['train_tokenizer'] and not os.path.exists(own):
       os.makedirs(f['out'], exist_ok=True)
       texts = prepare.training_texts(f['input'], f['field'], f['eval_fraction'], shard_bytes)
-      prepare.train_tokenizer(texts, f['train_tokenizer'], own)
+      bpe.train_tokenizer(texts, f['train_tokenizer'], own)
       print(f'trained a BPE tokenizer: {tok_lib.load(own).describe()}')
     spec = f['tokenizer'] or (own if os.path.exists(own) else tok_lib.BYTES)
     tok = tok_lib.load(spec)
+    if f['format'] == 'chat':
+      _check_chat(f, tok)
   except ValueError as e:  # a ConfigError too: named by this command's flag
     return cli.fail(str(e).replace('data.tokenizer=', '--tokenizer='))
   r = prepare.tokenize(
@@ -81,14 +99,37 @@ def _prepare(args: cli.Args) -> int:
     shard_bytes,
     f['workers'],
     f['progress'],
+    f['format'],
   )
-  n = lambda split: sum(s['tokens'] for s in r[split])
+  n = lambda split, key='tokens': sum(s.get(key, 0) for s in r[split])
   print(
     f'{f["out"]}: {n("train"):,} train tokens, {n("val"):,} held out ({r["dtype"]}, vocab {r["vocab_size"]}); '
     f'{r["units_done"]} shard(s) tokenized, {r["units_skipped"]} already done; '
     f'{r["bytes"] / 1e6:.1f} MB in {r["seconds"]:.1f} s = {r["mb_per_s"]:.2f} MB/s on {r["workers"]} worker(s)'
   )
+  if f['format'] == 'chat':
+    docs, sup = (
+      n('train', 'documents') + n('val', 'documents'),
+      n('train', 'supervised') + n('val', 'supervised'),
+    )
+    total = max(n('train') + n('val'), 1)
+    print(f'{docs:,} conversations; supervised (assistant) tokens: {sup:,} of {total:,} = {sup / total:.1%}')
   return 0
+
+
+def _check_chat(f: dict, tok: object) -> None:
+  """ValueError unless chat data can be made: a Hugging Face tokenizer.json whose folder has a
+  chat template, and JSONL input."""
+  from jax3d.data import chat, tokenizer as tok_lib
+
+  if not isinstance(tok, tok_lib.HFTokenizer):
+    raise ValueError(
+      f'--tokenizer={f["tokenizer"] or tok.name}: --format=chat needs a Hugging Face tokenizer folder '
+      '(tokenizer.json and its chat template)'
+    )
+  chat.load_template(os.path.dirname(tok.path))
+  if f['input'] and not os.path.isdir(f['input']) and not f['input'].endswith('.jsonl'):
+    raise ValueError(f'--input={f["input"]}: --format=chat reads .jsonl files (one conversation a line)')
 
 
 if __name__ == '__main__':

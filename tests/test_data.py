@@ -1,4 +1,5 @@
-"""The batch of step i depends only on (seed, i): never on the layout or the process split."""
+"""The batch of step i depends only on (seed, i): never on the layout or the process split.
+(The epoch order and the packings themselves: tests/test_epoch.py, tests/test_packing.py.)"""
 
 import re
 import threading
@@ -9,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import assemble, config as config_lib
-from jax3d.data import corpus as data_lib
+from jax3d.data import corpus as data_lib, packing, prefetch
 
 
 @pytest.fixture(scope='module')
@@ -33,41 +34,42 @@ def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
   s = assemble.build(cfg, jax.devices()[:n])
   sh = s.batch_sharding
   rows = data_lib.process_rows(sh, batch)
-  local = data_lib.batch_rows(corpus.train, 0, step, batch, seq, rows)
+  local = data_lib.batch_at(corpus, 0, step, batch, seq, rows)
   return jax.device_get(data_lib.to_global(local, sh, batch))
 
 
 @pytest.mark.parametrize('layout', [(8, 1, 1), (2, 2, 2), (1, 2, 4), (4, 2, 1), (1, 8, 1)])
 def test_layout_never_changes_the_batch(corpus, layout):
+  """Every key of the batch (inputs, targets, weights, segment ids, positions), through the
+  process's rows and the global array, equals the one-device batch."""
   ref = global_batch(corpus, 1, 1, 1, step=7, n=1)
   got = global_batch(corpus, *layout, step=7)
-  np.testing.assert_array_equal(got['inputs'], ref['inputs'])
-  np.testing.assert_array_equal(got['targets'], ref['targets'])
-  assert (got['inputs'][:, 1:] == got['targets'][:, :-1]).all()  # targets are the next tokens
+  assert set(got) == set(packing.KEYS)
+  for k in packing.KEYS:
+    np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+  same_doc = got['segment_ids'][:, 1:] == got['segment_ids'][:, :-1]
+  assert (got['inputs'][:, 1:] == got['targets'][:, :-1])[same_doc].all()  # targets are the next tokens
 
 
 def test_steps_and_seeds_differ_and_repeat(corpus):
-  a = data_lib.batch_rows(corpus.train, 0, 3, 8, 32)
-  assert (a['inputs'] == data_lib.batch_rows(corpus.train, 0, 3, 8, 32)['inputs']).all()
-  assert (a['inputs'] != data_lib.batch_rows(corpus.train, 0, 4, 8, 32)['inputs']).any()
-  assert (a['inputs'] != data_lib.batch_rows(corpus.train, 1, 3, 8, 32)['inputs']).any()
+  a = data_lib.batch_at(corpus, 0, 3, 8, 32)
+  assert (a['inputs'] == data_lib.batch_at(corpus, 0, 3, 8, 32)['inputs']).all()
+  assert (a['inputs'] != data_lib.batch_at(corpus, 0, 4, 8, 32)['inputs']).any()
+  assert (a['inputs'] != data_lib.batch_at(corpus, 1, 3, 8, 32)['inputs']).any()
   rows = np.array([1, 2, 5, 6])  # a process holding two non-adjacent blocks of rows
-  part = data_lib.batch_rows(corpus.train, 0, 3, 8, 32, rows)
-  np.testing.assert_array_equal(part['inputs'], a['inputs'][rows])
+  part = data_lib.batch_at(corpus, 0, 3, 8, 32, rows)
+  for k in packing.KEYS:
+    np.testing.assert_array_equal(part[k], a[k][rows])
 
 
-def test_every_window_start_is_drawn():
-  """Windows start anywhere from 0 to size - seq_len - 1: a stream of exactly seq_len + 1 tokens
-  (the smallest the validation accepts) gives its one window, and the last start is drawn too (it
-  never was: the draw stopped one short, and seq_len + 1 tokens crashed the first batch)."""
-  tokens = np.arange(33, dtype=np.uint16)
-  b = data_lib.batch_rows(tokens, 0, 0, 4, 32)
+def test_a_stream_of_one_sequence_gives_its_one_row():
+  """A stream of exactly seq_len + 1 tokens (the smallest the validation accepts) is one row, in
+  every batch row: inputs 0..31, targets 1..32."""
+  c = data_lib.Corpus(np.arange(33, dtype=np.uint16), np.arange(33, dtype=np.uint16), 33, 'x')
+  b = data_lib.batch_at(c, 0, 0, 4, 32)
   np.testing.assert_array_equal(b['inputs'], np.tile(np.arange(32), (4, 1)))
   np.testing.assert_array_equal(b['targets'], np.tile(np.arange(1, 33), (4, 1)))
-  starts = {
-    int(data_lib.batch_rows(np.arange(36), 0, s, 8, 32)['inputs'][r, 0]) for s in range(20) for r in range(8)
-  }
-  assert starts == {0, 1, 2, 3}
+  assert (b['weights'] == 1).all() and (b['segment_ids'] == 1).all()
 
 
 class _OneProcess:
@@ -177,10 +179,10 @@ def test_prefetch_error_reaches_the_caller(monkeypatch):
   def broken(*args, **kwargs):
     raise ValueError('disk on fire')
 
-  monkeypatch.setattr(data_lib, 'batch_rows', broken)
+  monkeypatch.setattr(data_lib, 'batch_at', broken)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ('dp', 'pp', 'tp'))
   corpus = data_lib.Corpus(np.zeros(1000, np.uint16), np.zeros(1000, np.uint16), 1, 'zeros')
-  pf = data_lib.Prefetcher(corpus, 0, 0, 5, 4, 8, NamedSharding(mesh, P('dp')))
+  pf = prefetch.Prefetcher(corpus, 0, 0, 5, 4, 8, NamedSharding(mesh, P('dp')))
   out = {}
 
   def call():
@@ -208,7 +210,7 @@ def test_train_cli_exits_3_when_the_prefetch_thread_fails(tmp_path, monkeypatch,
   def broken(*args, **kwargs):
     raise ValueError('disk on fire')
 
-  monkeypatch.setattr(data_lib, 'batch_rows', broken)
+  monkeypatch.setattr(data_lib, 'batch_at', broken)
   argv = [
     '--config=configs/tiny.py',
     f'--workdir={tmp_path}',

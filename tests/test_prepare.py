@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jax3d import assemble, config as config_lib
-from jax3d.data import corpus as data_lib, documents, prepare, shards, tokenizer as tok_lib
+from jax3d.data import bpe as bpe_lib, corpus as data_lib, documents, prefetch, shards, tokenizer as tok_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB = sysconfig.get_paths()['stdlib']
@@ -72,15 +72,22 @@ def test_shards_equal_a_direct_encode(bpe):
   index = shards.read_index(out)
   assert index['dtype'] == 'uint16' and index['vocab_size'] == 1000 and len(index['train']) > 3
   direct = Tokenizer.from_file(os.path.join(out, 'tokenizer.json'))
-  want = {'train': [], 'val': []}
+  want, lens = {'train': [], 'val': []}, {'train': [], 'val': []}
   for path in documents.iter_files(corpus, documents.TEXT_SUFFIXES + ('.jsonl',)):
     rel = os.path.relpath(path, corpus)
     ids = direct.encode(open(path, encoding='utf-8', errors='replace').read(), add_special_tokens=False).ids
     want['val' if documents.held_out(rel, 0.2) else 'train'] += ids + [0]
+    lens['val' if documents.held_out(rel, 0.2) else 'train'].append(len(ids) + 1)
   train, val = shards.streams(index)
   assert want['val'] and want['train']
   np.testing.assert_array_equal(train[0 : train.size], want['train'])
   np.testing.assert_array_equal(val[0 : val.size], want['val'])
+  # The index records each document's start (no EOS scan): one document per file here.
+  assert all(s['starts'] for s in index['train'])
+  for split, name in (('train', 'train'), ('val', 'val')):
+    starts, weights = shards.documents(index, name)
+    np.testing.assert_array_equal(starts, np.cumsum([0] + lens[split]))
+    assert weights is None  # plain text: weight 1 everywhere
 
 
 def test_rerun_redoes_nothing_and_a_changed_file_redoes_its_shard(bpe, tmp_path):
@@ -147,18 +154,24 @@ def test_uint32_shards_for_a_large_vocabulary(tmp_path):
 
 def test_token_stream_batches_equal_the_concatenated_stream(bpe):
   """The memory-mapped view over many shards gives the batches of the one concatenated array
-  (windows that cross shard boundaries included), for any rows."""
-  train, _ = shards.streams(shards.read_index(bpe[1]))
+  (rows that cross shard boundaries included), for any rows, in both packings."""
+  index = shards.read_index(bpe[1])
+  train, _ = shards.streams(index)
+  starts, _ = shards.documents(index, 'train')
   flat = train[0 : train.size].copy()
   assert len(train.maps) > 3
-  for step in range(5):
-    a = data_lib.batch_rows(train, 7, step, 16, 64)
-    b = data_lib.batch_rows(flat, 7, step, 16, 64)
-    np.testing.assert_array_equal(a['inputs'], b['inputs'])
-    rows = np.array([3, 9])
-    np.testing.assert_array_equal(
-      data_lib.batch_rows(train, 7, step, 16, 64, rows)['targets'], b['targets'][rows]
-    )
+  for how in ('concat', 'pack'):
+    mapped = data_lib.Corpus(train, train, 1000, 'shards', starts, starts, packing=how)
+    copied = data_lib.Corpus(flat, flat, 1000, 'array', starts, starts, packing=how)
+    for step in range(5):
+      a = data_lib.batch_at(mapped, 7, step, 16, 64)
+      b = data_lib.batch_at(copied, 7, step, 16, 64)
+      for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+      rows = np.array([3, 9])
+      np.testing.assert_array_equal(
+        data_lib.batch_at(mapped, 7, step, 16, 64, rows)['targets'], b['targets'][rows]
+      )
 
 
 def test_a_run_on_shards_takes_their_tokenizer_and_vocabulary(bpe):
@@ -194,7 +207,7 @@ def test_prepare_bad_input_exits_2(tmp_path):
   assert r.returncode == 2 and r.stderr.strip() == 'error: --input=/nonexistent: no such file or folder'
   r = _prepare(f'--out={tmp_path}', '--train_tokenizer=100')
   assert r.returncode == 2 and '--train_tokenizer=100' in r.stderr and 'at least 257' in r.stderr
-  assert prepare.EOS_TOKEN == '<|endoftext|>'
+  assert bpe_lib.EOS_TOKEN == '<|endoftext|>'
 
 
 def test_a_truncated_shard_is_a_data_error(bpe, tmp_path):
@@ -209,7 +222,7 @@ def test_a_truncated_shard_is_a_data_error(bpe, tmp_path):
   shutil.copytree(bpe[1], out)
   corpus = data_lib.load_corpus(str(out), 0.05, 65)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ('dp', 'pp', 'tp'))
-  pf = data_lib.Prefetcher(corpus, 0, 0, 100, 4, 64, NamedSharding(mesh, P('dp')), depth=1)
+  pf = prefetch.Prefetcher(corpus, 0, 0, 100, 4, 64, NamedSharding(mesh, P('dp')), depth=1)
   try:
     pf.next(0)
     with open(out / 'train-00002.bin', 'r+b') as f:

@@ -1,35 +1,51 @@
-"""Corpora, tokenisation and deterministic batches.
+"""Corpora, their documents, and the batch of step i.
 
 The default corpus needs no download and was written by no one here: the Python standard
 library's own source files, read from the running interpreter's installation, as bytes
 (vocabulary 256). A user's text file or folder (`data.path`) is read the same way; a nanoGPT-style
 token file (`.bin`, uint16) or a folder with `train.bin` and `val.bin` is used as is.
 
-The held-out split is by file where there are files (a file is held out when a hash of its
-relative path says so), otherwise the tail of the stream. The batch of step i depends only on
-(seed, i): its rows are windows at offsets drawn from `default_rng([seed, i])`, so no layout,
-process count or resume point can change what a step sees. Each process builds only the rows of
-its own data-parallel shard; a background thread prepares the next batches while a step runs.
+Documents: a file of a text folder (or of the standard library) is one document (its joining
+newline, or its EOS, at its end); a text file or a `.bin` token file is one document (nothing
+marks its documents); token shards record theirs (jax3d/data/shards.py). The held-out split is by
+file where there are files (a file is held out when a hash of its relative path says so),
+otherwise the tail of the stream (the document it cuts becomes two).
+
+The batch of step i (`batch_at`) is rows of documents (`data.packing`, jax3d/data/packing.py) in
+the epoch order (jax3d/data/epochs.py): it depends only on (seed, i), so no layout, process count
+or resume point can change what a step sees. Each process builds only the rows of its own devices
+(`process_rows`); jax3d/data/prefetch.py prepares the next batches on a thread while a step runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import sysconfig
-import threading
+from typing import Any
 
 import jax
 import numpy as np
 
 from jax3d.config import ConfigError
-from jax3d.data import shards, tokenizer
+from jax3d.data import epochs, packing as packing_lib, shards, tokenizer
 from jax3d.data.documents import TEXT_SUFFIXES, held_out, iter_files
 from jax3d.data.tokenizer import Tokenizer
 from jax3d.errors import DataError
 
+__all__ = ['Corpus', 'DataError', 'STEP_KEYS', 'batch_at', 'epoch_at', 'load_corpus', 'step_batch']
 MAX_CORPUS_BYTES = 64 << 20
+
+# The keys of a batch that the compiled train and eval steps take today (assemble's abstract
+# batch). `batch_at` gives all of packing.KEYS (inputs, targets, weights, segment_ids, positions);
+# this is the one place that narrows them for the steps (the prefetcher's and the held-out
+# batches). The model side (segment masks, the weighted loss) adds its keys here.
+STEP_KEYS = ('inputs', 'targets')
+
+
+def step_batch(batch: dict[str, Any]) -> dict[str, Any]:
+  """The entries of `batch` that the steps take (STEP_KEYS)."""
+  return {k: batch[k] for k in STEP_KEYS}
 
 
 @dataclasses.dataclass
@@ -41,6 +57,42 @@ class Corpus:
   held_out: np.ndarray
   vocab_size: int
   source: str
+  # Document starts of each stream (int64 [documents + 1]); None: the stream is one document.
+  train_starts: np.ndarray | None = None
+  held_starts: np.ndarray | None = None
+  # Per-token loss weights (uint8 streams, chat data); None: weight 1 everywhere.
+  train_weights: Any = None
+  held_weights: Any = None
+  packing: str = 'auto'  # data.packing; load_corpus resolves 'auto' (packing.resolve)
+  _layouts: dict = dataclasses.field(default_factory=dict, repr=False)
+  _orders: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def documents(self, split: str = 'train') -> packing_lib.Documents:
+    """The documents of 'train' or 'held_out'."""
+    tokens = self.train if split == 'train' else self.held_out
+    starts = self.train_starts if split == 'train' else self.held_starts
+    weights = self.train_weights if split == 'train' else self.held_weights
+    if starts is None:
+      return packing_lib.Documents.whole(tokens, weights)
+    return packing_lib.Documents(tokens, starts, weights)
+
+  def layout(self, seq_len: int, split: str = 'train') -> packing_lib.Layout:
+    """The rows of a split under the corpus's packing (built once per split and seq_len)."""
+    key = (split, seq_len)
+    if key not in self._layouts:
+      how = packing_lib.resolve(self.packing, self.train_weights is not None)
+      lay = packing_lib.layout(self.documents(split), seq_len, how)
+      if not lay.n_rows:
+        raise ConfigError(f'{self.source}: the {split} split has no document of two tokens or more')
+      self._layouts[key] = lay
+    return self._layouts[key]
+
+  def order(self, seed: int, seq_len: int, split: str = 'train') -> epochs.Order:
+    """The epoch order of a split's rows under `seed`."""
+    key = (seed, seq_len, split)
+    if key not in self._orders:
+      self._orders[key] = epochs.Order(self.layout(seq_len, split).n_rows, seed)
+    return self._orders[key]
 
   def describe(self) -> str:
     """One line: the source, the token counts of both streams and the vocabulary size."""
@@ -70,14 +122,32 @@ def _read_files(
   return train, held
 
 
-def _tokens(parts: list[bytes], tok: Tokenizer | None) -> np.ndarray:
-  """Documents as one stream: bytes joined by a newline, or a subword tokenizer's ids with EOS
-  after each document."""
+def _tokens(parts: list[bytes], tok: Tokenizer | None) -> tuple[np.ndarray, np.ndarray]:
+  """(stream, document starts) of documents as one stream: bytes joined by a newline (each
+  document's newline at its end), or a subword tokenizer's ids with EOS after each document."""
   if tok is None or tok.name == tokenizer.BYTES:
-    return np.frombuffer(b'\n'.join(parts), dtype=np.uint8)
-  eos = [tok.eos_id] if tok.eos_id is not None else []
-  ids = tok.encode_batch([p.decode('utf-8', errors='replace') for p in parts])
-  return np.asarray([t for doc in ids for t in doc + eos], dtype=shards.dtype_for(tok.vocab_size))
+    lens = [len(p) + 1 for p in parts]
+    if lens:
+      lens[-1] -= 1  # no newline after the last
+    stream = np.frombuffer(b'\n'.join(parts), dtype=np.uint8)
+  else:
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    ids = tok.encode_batch([p.decode('utf-8', errors='replace') for p in parts])
+    lens = [len(doc) + len(eos) for doc in ids]
+    stream = np.asarray([t for doc in ids for t in doc + eos], dtype=shards.dtype_for(tok.vocab_size))
+  return stream, np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int64)
+
+
+def _tail_split(stream: np.ndarray, starts: np.ndarray | None, fraction: float) -> tuple:
+  """(train, train starts, held out, held-out starts): the tail of the stream held out (the
+  document the cut falls in becomes two)."""
+  n = len(stream)
+  cut = int(n * (1 - fraction))
+  if starts is None:
+    return stream[:cut], None, stream[cut:], None
+  head = np.concatenate([[0], starts[(starts > 0) & (starts < cut)], [cut]])
+  tail = np.concatenate([[0], starts[(starts > cut) & (starts < n)] - cut, [n - cut]])
+  return stream[:cut], head.astype(np.int64), stream[cut:], tail.astype(np.int64)
 
 
 def _shard_corpus(path: str, tok: Tokenizer | None) -> Corpus:
@@ -90,18 +160,48 @@ def _shard_corpus(path: str, tok: Tokenizer | None) -> Corpus:
       f'data.tokenizer={tok.path or tok.name!r} (the shards record its sha256)'
     )
   train, held = shards.streams(index)
-  return Corpus(train, held, index['vocab_size'], f'token shards {index["folder"]}')
+  (train_starts, train_w), (held_starts, held_w) = (
+    shards.documents(index, 'train'),
+    shards.documents(index, 'val'),
+  )
+  return Corpus(
+    train,
+    held,
+    index['vocab_size'],
+    f'token shards {index["folder"]}',
+    train_starts,
+    held_starts,
+    train_w,
+    held_w,
+  )
 
 
-def load_corpus(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | None = None) -> Corpus:
+def for_config(cfg: Any, tok: Tokenizer | None = None) -> Corpus:
+  """The corpus a run of `cfg` trains on: data.path, data.eval_fraction, data.packing, rows of
+  train.seq_len + 1 tokens (what the trainer, `jax3d.batch` and `export --verify` read)."""
+  d = cfg.data
+  return load_corpus(d.path, d.eval_fraction, cfg.train.seq_len + 1, tok, d.packing)
+
+
+def load_corpus(
+  path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | None = None, packing: str = 'auto'
+) -> Corpus:
   """Reads the corpus named by `data.path` ('' = the standard library), text tokenized with `tok`
-  (default bytes). Raises ConfigError when the path does not exist or holds too little usable
-  data for one sequence."""
+  (default bytes), its rows made by `packing` (data.packing). Raises ConfigError when the path does
+  not exist or holds too little usable data for one sequence."""
+  if packing not in packing_lib.PACKINGS:
+    raise ConfigError(f'data.packing={packing!r} is invalid: one of {", ".join(packing_lib.PACKINGS)}')
+  corpus = _load(path, eval_fraction, min_tokens, tok)
+  corpus.packing = packing_lib.resolve(packing, corpus.train_weights is not None)
+  return corpus
+
+
+def _load(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | None) -> Corpus:
   text_vocab = tok.vocab_size if tok is not None else 256
   if not path:
     root = sysconfig.get_paths()['stdlib']
-    train, held = (_tokens(p, tok) for p in _read_files(root, eval_fraction, ('.py',)))
-    corpus = Corpus(train, held, text_vocab, f'Python standard library source ({root})')
+    (train, ts), (held, hs) = (_tokens(p, tok) for p in _read_files(root, eval_fraction, ('.py',)))
+    corpus = Corpus(train, held, text_vocab, f'Python standard library source ({root})', ts, hs)
   elif shards.is_shards(path):
     corpus = _shard_corpus(path, tok)
   elif not os.path.exists(path):
@@ -115,25 +215,23 @@ def load_corpus(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer
     if os.path.exists(val_path):
       held = np.memmap(val_path, dtype=np.uint16, mode='r')
     else:  # no val.bin: the tail is held out and so no longer trained on
-      cut = int(len(train) * (1 - eval_fraction))
-      train, held = train[:cut], train[cut:]
+      train, _, held, _ = _tail_split(train, None, eval_fraction)
     corpus = Corpus(train, held, int(max(train.max(initial=0), held.max(initial=0))) + 1, f'tokens {path}')
   elif path.endswith('.bin'):
     tokens = np.memmap(path, dtype=np.uint16, mode='r')
-    cut = int(len(tokens) * (1 - eval_fraction))
-    corpus = Corpus(tokens[:cut], tokens[cut:], int(tokens.max(initial=0)) + 1, f'tokens {path}')
+    train, _, held, _ = _tail_split(tokens, None, eval_fraction)
+    corpus = Corpus(train, held, int(tokens.max(initial=0)) + 1, f'tokens {path}')
   elif os.path.isdir(path):
-    train, held = (_tokens(p, tok) for p in _read_files(path, eval_fraction))
+    (train, ts), (held, hs) = (_tokens(p, tok) for p in _read_files(path, eval_fraction))
     if held.size < min_tokens:  # too few files to split by file: hold out the tail instead
       stream = np.concatenate([train, held])
-      cut = int(len(stream) * (1 - eval_fraction))
-      train, held = stream[:cut], stream[cut:]
-    corpus = Corpus(train, held, text_vocab, f'text files under {path}')
+      train, ts, held, hs = _tail_split(stream, np.concatenate([ts[:-1], hs + ts[-1]]), eval_fraction)
+    corpus = Corpus(train, held, text_vocab, f'text files under {path}', ts, hs)
   else:
     with open(path, 'rb') as f:
-      stream = _tokens([f.read()], tok)
-    cut = int(len(stream) * (1 - eval_fraction))
-    corpus = Corpus(stream[:cut], stream[cut:], text_vocab, f'text file {path}')
+      stream, starts = _tokens([f.read()], tok)
+    train, ts, held, hs = _tail_split(stream, starts, eval_fraction)
+    corpus = Corpus(train, held, text_vocab, f'text file {path}', ts, hs)
   for name, arr in (('training', corpus.train), ('held-out', corpus.held_out)):
     if arr.size < min_tokens:
       raise ConfigError(
@@ -151,20 +249,33 @@ def check_vocab(corpus: Corpus, vocab_size: int) -> None:
     )
 
 
-def batch_rows(
-  tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int, rows: slice | np.ndarray = slice(None)
+def batch_at(
+  corpus: Corpus,
+  seed: int,
+  step: int,
+  batch: int,
+  seq_len: int,
+  rows: slice | np.ndarray = slice(None),
+  split: str = 'train',
 ) -> dict[str, np.ndarray]:
-  """Rows `rows` of the batch of step `step`: windows of seq_len+1 tokens at (seed, step) offsets,
-  as {'inputs', 'targets'} int32 arrays of [rows, seq_len] (targets shifted by one token)."""
-  # Every window start 0 .. size - seq_len - 1 (a stream of exactly seq_len + 1 tokens has one).
-  offsets = np.random.default_rng([seed, step]).integers(0, tokens.size - seq_len, size=batch)
-  windows = np.stack([np.asarray(tokens[o : o + seq_len + 1]) for o in offsets[rows]]).astype(np.int32)
-  return {'inputs': windows[:, :-1], 'targets': windows[:, 1:]}
+  """Rows `rows` (default all `batch`) of the batch of step `step` (0-based: the batch the model's
+  step counter `step` trains on, logged as step `step + 1`): rows of the corpus's packing in the
+  epoch order of `seed`, as [rows, seq_len] arrays inputs, targets, segment_ids, positions (int32)
+  and weights (float32) (jax3d/data/packing.py)."""
+  return corpus.layout(seq_len, split).rows(corpus.order(seed, seq_len, split).rows(step, batch, rows))
+
+
+def epoch_at(corpus: Corpus, seed: int, step: int, batch: int, seq_len: int) -> int:
+  """The epoch (0-based) of the training batch of step `step` (of its first row)."""
+  return corpus.order(seed, seq_len).epoch(step, batch)
 
 
 def eval_batches(corpus: Corpus, seed: int, n: int, batch: int, seq_len: int) -> list[dict[str, np.ndarray]]:
-  """The fixed held-out batches (the same for every eval of a run and every layout)."""
-  return [batch_rows(corpus.held_out, seed + 1_000_003, j, batch, seq_len) for j in range(n)]
+  """The fixed held-out batches (the same for every eval of a run and every layout): the first n
+  batches of the held-out rows' epoch order, with the keys the eval step takes (STEP_KEYS)."""
+  return [
+    step_batch(batch_at(corpus, seed + 1_000_003, j, batch, seq_len, split='held_out')) for j in range(n)
+  ]
 
 
 def process_rows(sharding: jax.sharding.Sharding, batch: int) -> np.ndarray:
@@ -182,97 +293,3 @@ def to_global(
   return {
     k: jax.make_array_from_process_local_data(sharding, v, (batch,) + v.shape[1:]) for k, v in local.items()
   }
-
-
-class Prefetcher:
-  """Builds the batches of steps start, start+1, ... on a thread, `depth` ahead of the step. An
-  exception on the thread is handed to the caller: `next` raises DataError from it.
-
-  A memory-mapped token file is checked (fstat of the mapped inode) before each batch: reading a
-  mapped page past a truncated file's end would kill the process with SIGBUS, so a file shorter
-  than at the start is a DataError. A deleted file is not an error: the mapping keeps its data
-  readable until the run ends."""
-
-  def __init__(
-    self,
-    corpus: Corpus,
-    seed: int,
-    start: int,
-    stop: int,
-    batch: int,
-    seq_len: int,
-    sharding: jax.sharding.Sharding,
-    depth: int = 2,
-  ):
-    self.rows = process_rows(sharding, batch)
-    self.args = (corpus.train, seed, batch, seq_len)
-    self.sharding, self.batch = sharding, batch
-    self.q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-    self._stop = threading.Event()
-    # The mapped files (one .bin, or every token shard), each with its size at the start.
-    files = getattr(corpus.train, 'filenames', None) or [getattr(corpus.train, 'filename', None)]
-    self._watch: list[tuple[str, int, int]] = []
-    for file in filter(None, files):
-      try:  # a file deleted since it was mapped cannot be truncated: nothing to watch
-        fd = os.open(file, os.O_RDONLY)
-      except FileNotFoundError:
-        continue
-      self._watch.append((file, fd, os.fstat(fd).st_size))
-    self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
-    self.thread.start()
-
-  def _put(self, item: tuple) -> bool:
-    """Puts item on the queue unless stopped first; False when stopped."""
-    while not self._stop.is_set():
-      try:
-        self.q.put(item, timeout=0.1)
-        return True
-      except queue.Full:
-        continue
-    return False
-
-  def _run(self, start: int, stop: int) -> None:
-    tokens, seed, batch, seq_len = self.args
-    i = start
-    try:
-      for i in range(start, stop):
-        if self._stop.is_set():
-          return
-        for file, fd, start_size in self._watch:
-          if (size := os.fstat(fd).st_size) < start_size:
-            raise DataError(
-              f'data file {file} was truncated while the run reads it ({start_size} bytes at the '
-              f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
-            )
-        local = batch_rows(tokens, seed, i, batch, seq_len, self.rows)
-        if not self._put((i, to_global(local, self.sharding, self.batch))):
-          return
-    except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting caller
-      self._put((i, e))
-
-  def next(self, expected_step: int) -> dict[str, jax.Array]:
-    """The batch of step `expected_step` (waits for it). Raises DataError when the thread failed
-    (or ended without it), RuntimeError if another step's batch came."""
-    while True:
-      try:
-        i, b = self.q.get(timeout=1.0)
-        break
-      except queue.Empty:
-        if not self.thread.is_alive() and self.q.empty():
-          raise DataError(f'data pipeline ended before the batch of step {expected_step}') from None
-    if isinstance(b, DataError):
-      raise b
-    if isinstance(b, BaseException):
-      raise DataError(f'data pipeline failed building the batch of step {i}: {type(b).__name__}: {b}') from b
-    if i != expected_step:
-      raise RuntimeError(f'data pipeline out of order: got step {i}, expected {expected_step}')
-    return b
-
-  def close(self) -> None:
-    """Stops the thread and waits for it: a daemon thread still inside jax when the interpreter
-    exits can abort the process ('FATAL: exception not rethrown')."""
-    self._stop.set()
-    self.thread.join(timeout=30)
-    for _, fd, _ in self._watch:
-      os.close(fd)
-    self._watch = []

@@ -4,7 +4,10 @@ jax3d/data/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
 
 Documents: a text file is one document (a file over `shard_bytes` is cut at line ends into
 several), a JSONL line is one document (its `field`). Each document ends with EOS (and starts with
-BOS when the tokenizer has one). A document is held out when a hash of its name (relative path,
+BOS when the tokenizer has one). With `fmt='chat'` a JSONL line is a conversation ({"messages":
+[...]}) rendered with the tokenizer folder's chat template, with no BOS/EOS added (the template
+writes its own), and a loss weight per token (jax3d/data/chat.py). Each shard's document starts
+and (chat) weights are written beside it (jax3d/data/shards.py). A document is held out when a hash of its name (relative path,
 plus the byte offset for JSONL lines and cut files) says so (jax3d/data/documents.py): a
 document is wholly in train or wholly in val, so the splits never share a document.
 
@@ -25,13 +28,13 @@ import os
 import sysconfig
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
-from jax3d.data import documents, shards, tokenizer as tok_lib
+from jax3d.data import chat, documents, shards, tokenizer as tok_lib
 
-VERSION = 1
-EOS_TOKEN = '<|endoftext|>'
+VERSION = 2  # 2: document starts (and chat weights) beside each shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +92,8 @@ def units(ps: list[Piece], shard_bytes: int) -> list[list[Piece]]:
   return [u for u in out if u]
 
 
-def read_documents(p: Piece, field: str) -> Iterator[tuple[str, str]]:
-  """(name, text) of the documents of a piece."""
+def read_documents(p: Piece, field: str, fmt: str = 'text') -> Iterator[tuple[str, Any]]:
+  """(name, text) of the documents of a piece; with fmt='chat', (name, messages)."""
   with open(p.file, 'rb') as f:
     f.seek(p.start)
     raw = f.read(p.end - p.start)
@@ -100,7 +103,9 @@ def read_documents(p: Piece, field: str) -> Iterator[tuple[str, str]]:
     return
   offset = p.start
   for line in raw.splitlines(keepends=True):
-    if line.strip():
+    if line.strip() and fmt == 'chat':
+      yield f'{p.rel}:{offset}', chat.parse(line, f'{p.rel}:{offset}')
+    elif line.strip():
       try:
         text = json.loads(line)[field]
       except (ValueError, KeyError, TypeError) as e:
@@ -109,35 +114,15 @@ def read_documents(p: Piece, field: str) -> Iterator[tuple[str, str]]:
     offset += len(line)
 
 
-def train_tokenizer(texts: Iterator[str], vocab_size: int, out_file: str) -> None:
-  """A byte-level BPE tokenizer (lossless: decode(encode(text)) == text) with one special token,
-  EOS '<|endoftext|>', trained on `texts` and saved as `out_file` (tokenizer.json), with a
-  tokenizer_config.json beside it for transformers."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-    vocab_size=vocab_size,
-    special_tokens=[EOS_TOKEN],
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    show_progress=False,
-  )
-  tok.train_from_iterator(texts, trainer)
-  tok.save(out_file)
-  cfg = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': EOS_TOKEN, 'bos_token': None}
-  with open(os.path.join(os.path.dirname(out_file), 'tokenizer_config.json'), 'w') as f:
-    json.dump(cfg | {'clean_up_tokenization_spaces': False}, f, indent=2)
-
-
 # --- the work units, in worker processes ---------------------------------------------------------
 _TOK: dict = {}
 
 
-def _init_worker(tok_path: str) -> None:
-  os.environ['RAYON_NUM_THREADS'] = '1'  # one core per worker process (tokenizers' own threads)
+def _init_worker(tok_path: str, fmt: str = 'text', pool: bool = True) -> None:
+  if pool:
+    os.environ['RAYON_NUM_THREADS'] = '1'  # one core per worker process (tokenizers' own threads)
   _TOK['tok'] = tok_lib.load(tok_path)
+  _TOK['chat'] = chat.load_template(os.path.dirname(_TOK['tok'].path)) if fmt == 'chat' else None
 
 
 def _write(file: str, arr: np.ndarray) -> None:
@@ -147,25 +132,53 @@ def _write(file: str, arr: np.ndarray) -> None:
 
 
 def run_unit(job: tuple) -> dict:
-  """Tokenizes one unit into its train and val shards; returns its record."""
-  i, unit, out, field, fraction, dtype, fingerprint = job
-  tok = _TOK['tok']
-  # A document gets the special tokens the tokenizer itself adds (its post-processor: Llama 3's
-  # BOS, none for GPT-2 style), then EOS as the end-of-document marker unless it already ends so.
-  eos = [tok.eos_id] if tok.eos_id is not None else []
+  """Tokenizes one unit into its train and val shards (with their document starts, and weights
+  for chat); returns its record."""
+  i, unit, out, settings, fingerprint = job
+  field, fraction, dtype, fmt = (settings[k] for k in ('field', 'eval_fraction', 'dtype', 'format'))
   split = {'train': [], 'val': []}
-  for p in unit:
-    for name, text in read_documents(p, field):
-      split['val' if documents.held_out(name, fraction) else 'train'].append(text)
+  try:
+    for p in unit:
+      for name, doc in read_documents(p, field, fmt):
+        split['val' if documents.held_out(name, fraction) else 'train'].append((name, doc))
+    encoded = {key: _encode(docs, fmt) for key, docs in split.items()}
+  except ValueError as e:
+    raise ValueError(
+      chat.locate(str(e), {p.rel: p.file for p in unit}) if fmt == 'chat' else str(e)
+    ) from None
   rec = {'unit': i, 'fingerprint': fingerprint, 'bytes': sum(p.end - p.start for p in unit)}
-  for key, texts in split.items():
-    ids = tok.encode_batch(texts, add_special_tokens=True) if texts else []
-    arr = np.fromiter((t for doc in ids for t in doc + (eos if doc[-1:] != eos else [])), dtype=dtype)
-    _write(os.path.join(out, f'{key}-{i:05d}.bin'), arr)
-    rec[key] = {'file': f'{key}-{i:05d}.bin', 'tokens': int(arr.size), 'documents': len(texts)}
+  for key, (ids, weights) in encoded.items():
+    arr = np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=sum(map(len, ids)))
+    name = f'{key}-{i:05d}'
+    _write(os.path.join(out, f'{name}.bin'), arr)
+    starts = np.concatenate([[0], np.cumsum([len(d) for d in ids])[:-1]]) if ids else np.zeros(0)
+    _write(os.path.join(out, f'{name}.starts.bin'), starts.astype('<i8'))
+    rec[key] = {
+      'file': f'{name}.bin',
+      'tokens': int(arr.size),
+      'documents': len(ids),
+      'starts': f'{name}.starts.bin',
+    }
+    if weights is not None:
+      w = np.concatenate(weights) if weights else np.zeros(0, np.uint8)
+      _write(os.path.join(out, f'{name}.weights.bin'), w)
+      rec[key] |= {'weights': f'{name}.weights.bin', 'supervised': int(w.sum())}
   with open(os.path.join(out, f'unit-{i:05d}.json'), 'w') as f:
     json.dump(rec, f)
   return rec
+
+
+def _encode(docs: list[tuple[str, Any]], fmt: str) -> tuple[list[list[int]], list[np.ndarray] | None]:
+  """(ids of each document, the chat weights of each or None): text with BOS/EOS around it; chat
+  rendered with the folder's template (chat.encode; `name` says where a bad one is)."""
+  tok = _TOK['tok']
+  if fmt == 'chat':
+    encoded = chat.encode(_TOK['chat'], tok, docs)
+    return [ids for ids, _ in encoded], [w for _, w in encoded]
+  bos = [tok.bos_id] if tok.bos_id is not None else []
+  eos = [tok.eos_id] if tok.eos_id is not None else []
+  texts = [text for _, text in docs]
+  return [bos + d + eos for d in (tok.encode_batch(texts) if texts else [])], None
 
 
 def _fingerprint(unit: list[Piece], settings: dict) -> str:
@@ -180,9 +193,11 @@ def _done(out: str, i: int, fingerprint: str, itemsize: int) -> dict | None:
       rec = json.load(f)
   except (OSError, ValueError):
     return None
+  size = lambda name: os.path.getsize(p) if name and os.path.exists(p := os.path.join(out, name)) else None
   files_ok = all(
-    os.path.exists(p := os.path.join(out, rec[k]['file']))
-    and os.path.getsize(p) == rec[k]['tokens'] * itemsize
+    size(rec[k]['file']) == rec[k]['tokens'] * itemsize
+    and size(rec[k].get('starts')) == rec[k]['documents'] * 8
+    and ('weights' not in rec[k] or size(rec[k]['weights']) == rec[k]['tokens'])
     for k in ('train', 'val')
   )
   return rec if rec.get('fingerprint') == fingerprint and files_ok else None
@@ -197,9 +212,11 @@ def tokenize(
   shard_bytes: int = 64 << 20,
   workers: int = 0,
   progress: bool = True,
+  fmt: str = 'text',
 ) -> dict:
-  """Tokenizes the corpus at `path` into `out` (see the module docstring); returns the index with
-  the run's figures added ('seconds', 'mb_per_s', 'workers', 'units_done', 'units_skipped')."""
+  """Tokenizes the corpus at `path` into `out` (see the module docstring; `fmt` 'text' or 'chat');
+  returns the index with the run's figures added ('seconds', 'mb_per_s', 'workers', 'units_done',
+  'units_skipped', 'bytes')."""
   os.makedirs(out, exist_ok=True)
   tok = tok_lib.load(tok_path)
   dtype = shards.dtype_for(tok.vocab_size)
@@ -208,15 +225,21 @@ def tokenize(
     'field': field,
     'eval_fraction': eval_fraction,
     'dtype': dtype,
+    'format': fmt,
   }
+  if fmt == 'chat':  # the template is part of what the shards are made with
+    source = chat.load_template(os.path.dirname(tok.path)).source
+    settings['template'] = hashlib.sha256(source.encode()).hexdigest()
   root, files = input_files(path)
+  if fmt == 'chat':
+    files = [f for f in files if f.endswith('.jsonl')]
   work = units(pieces(root, files, shard_bytes), shard_bytes)
   jobs, records = _jobs(work, out, settings)
   workers = workers or os.cpu_count() or 1
   total = sum(p.end - p.start for j in jobs for p in j[1])
   t0 = time.perf_counter()
   if jobs:
-    records |= _run_jobs(jobs, tok.path or tok_lib.BYTES, workers, total, progress)
+    records |= _run_jobs(jobs, (tok.path or tok_lib.BYTES, fmt), workers, total, progress)
   seconds = time.perf_counter() - t0
   index = {
     'format': shards.FORMAT,
@@ -228,6 +251,7 @@ def tokenize(
     'tokenizer': {'path': tok.path or tok_lib.BYTES, 'sha256': settings['tokenizer']},
     'source': os.path.abspath(path) if path else root,
     'eval_fraction': eval_fraction,
+    'data_format': fmt,
     'train': [records[i]['train'] for i in sorted(records)],
     'val': [records[i]['val'] for i in sorted(records)],
   }
@@ -245,28 +269,35 @@ def _jobs(work: list[list[Piece]], out: str, settings: dict) -> tuple[list[tuple
     fp = _fingerprint(unit, settings)
     rec = _done(out, i, fp, itemsize)
     if rec is None:
-      jobs.append((i, unit, out, settings['field'], settings['eval_fraction'], settings['dtype'], fp))
+      jobs.append((i, unit, out, settings, fp))
     else:
       records[i] = rec
   return jobs, records
 
 
-def _run_jobs(jobs: list[tuple], tok_path: str, workers: int, total: int, progress: bool) -> dict[int, dict]:
-  """Runs the jobs in a pool of `workers` processes (a progress bar over their `total` bytes);
-  returns {unit: record}."""
+def _run_jobs(jobs: list[tuple], init: tuple, workers: int, total: int, progress: bool) -> dict[int, dict]:
+  """Runs the jobs in a pool of `workers` processes (`init`: their (tokenizer path, format); a
+  progress bar over their `total` bytes); returns {unit: record}."""
   from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
   records = {}
   ctx = multiprocessing.get_context('spawn')  # tokenizers' threads do not survive a fork
   columns = (TextColumn('tokenizing'), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-  with (
-    ctx.Pool(min(workers, len(jobs)), _init_worker, (tok_path,)) as pool,
-    Progress(*columns, disable=not progress) as bar,
-  ):
+  with Progress(*columns, disable=not progress) as bar:
     task = bar.add_task('tokenize', total=total)
-    for rec in pool.imap_unordered(run_unit, jobs):
-      records[rec['unit']] = rec
-      bar.advance(task, rec['bytes'])
+    if workers == 1:  # in this process (no pool to start)
+      _init_worker(*init, pool=False)
+      done = map(run_unit, jobs)
+    else:
+      pool = ctx.Pool(min(workers, len(jobs)), _init_worker, init)
+      done = pool.imap_unordered(run_unit, jobs)
+    try:
+      for rec in done:
+        records[rec['unit']] = rec
+        bar.advance(task, rec['bytes'])
+    finally:
+      if workers != 1:
+        pool.terminate()
   return records
 
 

@@ -5,6 +5,14 @@
                            "val": [...]}
   DIR/train-00000.bin ... raw little-endian token ids (uint16, or uint32 for vocabularies > 65536)
   DIR/val-00000.bin ...   held-out documents: no document is in both
+  DIR/train-00000.starts.bin  where each document of the shard starts (int64 token offsets; the
+                          shard's entry names it as "starts", with its "documents" count)
+  DIR/train-00000.weights.bin the loss weight of each token (uint8 0/1; chat data only: the entry
+                          names it as "weights"; without one every token has weight 1)
+
+Shards written before document boundaries were recorded (no "starts") still load: their documents
+end at each EOS (what jax3d.prepare wrote after every document), or, with no EOS id (the bytes
+tokenizer), each shard is one document (`documents`).
 
 `TokenStream` is the concatenation of a split's shards as one 1-D token stream, backed by one
 `np.memmap` per shard: a window `stream[a:b]` reads only the pages it touches, so a run's memory
@@ -107,15 +115,75 @@ def read_index(path: str) -> dict:
   for split in ('train', 'val'):
     for shard in index[split]:
       file = os.path.join(folder, shard['file'])
-      size = os.path.getsize(file) if os.path.exists(file) else None
-      if size != shard['tokens'] * itemsize:
-        raise ConfigError(
-          f'data.path={path!r}: shard {file} has {size} bytes but {index_file} says '
-          f'{shard["tokens"]} {index["dtype"]} tokens ({shard["tokens"] * itemsize} bytes): '
-          'the shards and the index disagree (run jax3d.prepare again)'
+      _check_size(path, file, shard['tokens'] * itemsize, f'{shard["tokens"]} {index["dtype"]} tokens')
+      if shard.get('starts'):
+        n_docs = shard.get('documents', 0)
+        _check_size(path, os.path.join(folder, shard['starts']), n_docs * 8, f'{n_docs} document starts')
+      if shard.get('weights'):
+        _check_size(
+          path,
+          os.path.join(folder, shard['weights']),
+          shard['tokens'],
+          f"a weight for each of {file}'s tokens",
         )
   index['folder'] = folder
   return index
+
+
+def _check_size(path: str, file: str, want: int, what: str) -> None:
+  """ConfigError unless `file` has `want` bytes (what the index says it holds: `what`)."""
+  size = os.path.getsize(file) if os.path.exists(file) else None
+  if size != want:
+    raise ConfigError(
+      f'data.path={path!r}: {file} has {size} bytes but {INDEX} says {what} ({want} bytes): '
+      'the shards and the index disagree (run jax3d.prepare again)'
+    )
+
+
+def weighted(index: dict) -> bool:
+  """Whether the shards carry loss weights (chat data)."""
+  return any(s.get('weights') for split in ('train', 'val') for s in index[split])
+
+
+def documents(index: dict, split: str) -> tuple[np.ndarray, TokenStream | None]:
+  """(starts, weights) of a checked index's split: `starts` int64 [documents + 1], document d is
+  tokens starts[d]:starts[d+1] of the split's stream; `weights` the uint8 stream of per-token loss
+  weights, or None (weight 1 everywhere) when no shard has one."""
+  parts, offset = [], 0
+  dtype = np.dtype(index['dtype'])
+  for shard in index[split]:
+    n = shard['tokens']
+    if shard.get('starts'):
+      local = np.fromfile(os.path.join(index['folder'], shard['starts']), dtype='<i8')
+    elif index.get('eos_id') is not None and n:  # older shards: documents end at each EOS
+      local = _eos_starts(os.path.join(index['folder'], shard['file']), dtype, n, index['eos_id'])
+    else:  # no EOS to find them by: the shard is one document
+      local = np.zeros(1 if n else 0, np.int64)
+    parts.append(local + offset)
+    offset += n
+  starts = np.concatenate(parts + [np.array([offset], np.int64)])
+  if not weighted(index):
+    return starts, None
+  files = [os.path.join(index['folder'], s['weights']) if s.get('weights') else None for s in index[split]]
+  if None in files:
+    missing = index[split][files.index(None)]['file']
+    raise ConfigError(
+      f'data.path={index["folder"]!r}: {missing} has no loss weights but other shards do: '
+      'the weights and their shards disagree (run jax3d.prepare again)'
+    )
+  return starts, TokenStream(files, np.dtype('uint8'), [s['tokens'] for s in index[split]])
+
+
+def _eos_starts(file: str, dtype: np.dtype, n: int, eos: int, chunk: int = 1 << 24) -> np.ndarray:
+  """Document starts of a shard whose documents each end with `eos`: 0 and every token after an
+  EOS (read in chunks, each released after the scan)."""
+  m = np.memmap(file, dtype=dtype, mode='r', shape=(n,))
+  ends = []
+  for a in range(0, n, chunk):
+    ends.append(np.flatnonzero(np.asarray(m[a : a + chunk]) == eos) + a + 1)
+    _release(m, a * dtype.itemsize, min(a + chunk, n) * dtype.itemsize)
+  ends = np.concatenate(ends)
+  return np.concatenate([[0], ends[ends < n]]).astype(np.int64)
 
 
 def streams(index: dict) -> tuple[TokenStream, TokenStream]:

@@ -32,7 +32,7 @@ import ml_collections
 
 from jax3d import assemble
 from jax3d.config import RunPlan
-from jax3d.data import corpus as data_lib
+from jax3d.data import corpus as data_lib, prefetch as prefetch_lib
 from jax3d.errors import TrainingError
 from jax3d.record import Setup
 from jax3d.trainer import checkpoint as ckpt_lib, distributed, metrics as metrics_lib
@@ -102,7 +102,7 @@ class _Loop:
 
   def __init__(self, host: Host, flag: StopFlag, multi: bool) -> None:
     self.host, self.cfg, self.flag, self.multi = host, host.cfg, flag, multi
-    self.prefetch: data_lib.Prefetcher | None = None
+    self.prefetch: prefetch_lib.Prefetcher | None = None
     self.pending: tuple | None = None  # (step, its metrics on the device, its dispatch time)
     self.start = self.stop = 0
     self.clock = metrics_lib.Clock()
@@ -117,7 +117,8 @@ class _Loop:
     self.stop = cfg.train.steps if steps is None else self.start + steps
     n_first = len(host.writer.records)
     host.writer.write({'event': 'start', 'step': self.start, 'layout': host.layout, 'config': cfg.to_dict()})
-    self.prefetch = data_lib.Prefetcher(
+    # The batches of the epoch order; the step gets only the keys it takes (data_lib.STEP_KEYS).
+    self.prefetch = prefetch_lib.Prefetcher(
       host.corpus,
       cfg.train.seed,
       self.start,
@@ -127,6 +128,7 @@ class _Loop:
       host.setup.batch_sharding,
       cfg.data.prefetch,
     )
+    host.log(f'  data rows: {host.corpus.layout(host.plan.seq_len).describe()}')
     host.steplog.bad, self.clock = 0, metrics_lib.Clock()
     if self.start == 0 and cfg.eval.every and self.stop > 0:
       self._evaluate(0)  # where held-out loss starts (ln(vocab) for an untrained model)
@@ -192,7 +194,7 @@ class _Loop:
     self._profile(step, start=False)
     host.steplog.check_finite(step, m)
     if step % self.cfg.log.every == 0 or step == self.stop:
-      host.steplog.record(step, self.stop, m, self.clock)
+      host.steplog.record(step, self.stop, m, self.clock, epoch=self.prefetch.epoch(step - 1))
     dt = max(time.time() - t0, 1e-9)
     host.console.progress(step, self.start, float(m['loss']), host.plan.tokens_per_step / dt, dt)
 

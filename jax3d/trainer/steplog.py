@@ -68,8 +68,9 @@ class StepLog:
         f'checkpoint holds finite values only'
       )
 
-  def record(self, step: int, stop: int, m: dict, clock: metrics_lib.Clock) -> None:
-    """A metrics record, TensorBoard scalars, the leak check and a console line; restarts `clock`."""
+  def record(self, step: int, stop: int, m: dict, clock: metrics_lib.Clock, epoch: int | None = None) -> None:
+    """A metrics record, TensorBoard scalars, the leak check and a console line; restarts `clock`.
+    `epoch`: the data epoch (0-based) the step's batch came from."""
     now = time.time()
     dt = (now - clock.t_last) / max(clock.steps, 1)
     tok_s = self.plan.tokens_per_step / dt if clock.steps else 0.0
@@ -84,6 +85,7 @@ class StepLog:
       'tokens_per_sec': tok_s,
       'step_time_s': dt,
       'tokens': step * self.plan.tokens_per_step,
+      'epoch': epoch,
       'mfu': mfu,
       'memory': mem,
     }

@@ -65,9 +65,7 @@ class Trainer:
       else None
     )
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
-    self.corpus = data_lib.load_corpus(
-      cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1, self.tokenizer
-    )
+    self.corpus = data_lib.for_config(cfg, self.tokenizer)
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
     self.plan, self.mesh = self.setup.plan, self.setup.mesh
     self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)

@@ -311,8 +311,7 @@ def held_out_tokens(setup: Setup) -> np.ndarray:
   from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
 
   cfg, plan = setup.cfg, setup.plan
-  tok = tokenizer_lib.load(cfg.data.tokenizer)
-  corpus = data_lib.load_corpus(cfg.data.path, cfg.data.eval_fraction, cfg.train.seq_len + 1, tok)
+  corpus = data_lib.for_config(cfg, tokenizer_lib.load(cfg.data.tokenizer))
   return data_lib.eval_batches(corpus, cfg.train.seed, 1, plan.chunk_batch, plan.seq_len)[0]['inputs']
 
 
