@@ -16,6 +16,7 @@ import numpy as np
 
 from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 from jax3d.model import formulas
+from jax3d.parallel import schedule_1f1b
 
 if TYPE_CHECKING:
   from jax3d.record import Setup
@@ -25,7 +26,9 @@ def expected_comm(s: Setup) -> dict:
   """Wire bytes per device per step from the formulas, two ways where they differ:
   'formula'  the papers' count of useful work (m micro-batches through L/p layers per stage);
   'spmd'     what this SPMD pipeline executes: every stage runs and sends in all v*m+p-1
-             iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m); and
+             iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m) (under
+             1F1B the pp ring sends an activation forward and a gradient back in each of its
+             T = v*m + 2(p-1) + (v-1)p ticks: 2*T micro-batches per step); and
              the tp all-reduces the remat policy recomputes (formulas.TP_ALL_REDUCES_RECOMPUTED).
              dp is the same either way: the pipeline loop is manual over dp, so the weight
              gradients are summed over dp once per step, after the loop.
@@ -37,11 +40,15 @@ def expected_comm(s: Setup) -> dict:
   act = np.dtype(dims.dtype).itemsize
   bsh = plan.micro_batch // d * plan.seq_len * dims.d_model * act  # one micro-batch on one dp shard
   iters, layers_per_chunk = v * m + p - 1, dims.n_layers // (p * v)
+  one_f = s.cfg.pipeline.schedule == '1f1b' and p > 1  # one send each way per tick (schedule_1f1b)
+  ticks = schedule_1f1b.ticks(p, v, m) if one_f else iters
   per_layer_mb = 4 * 2 * (t - 1) / t * bsh
   dp = _dp_comm(s)
   scatter = plan.pp_batch_split is not None  # the loop's inputs gathered, outputs scattered over pp
   edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
   edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
+  if one_f:  # no outputs leave the loop (the loss does): only the input's gather (or its gradient's sum)
+    edge = edge / 2 if scatter else edge / ((t if plan.sequence_parallel else 1) + 1)
   edge += dp['shared_wire'] if d == 1 else 0.0
   tp_spmd = per_layer_mb * layers_per_chunk * iters * a  # no recomputation
   halves = formulas.tp_halves_per_layer(s.cfg.train.remat, plan.sequence_parallel)  # 8 = 4 all-reduces
@@ -59,7 +66,7 @@ def expected_comm(s: Setup) -> dict:
     'tp_edges': {'formula': sp_edges, 'spmd': sp_edges},
     'pp': {
       'formula': 2 * v * m * bsh * a / sp if p > 1 else 0.0,
-      'spmd': 2 * iters * bsh * a / sp if p > 1 else 0.0,
+      'spmd': 2 * ticks * bsh * a / sp if p > 1 else 0.0,
     },
     'pp_edges': {'formula': edge, 'spmd': edge},
     'dp': {'formula': dp['wire'], 'spmd': dp['wire']},
@@ -216,6 +223,7 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
       'tp': plan.tp,
       'microbatches': plan.microbatches,
       'repeats': plan.repeats,
+      'schedule': cfg.pipeline.schedule if plan.pp > 1 else 'none',
       'grad_accum': plan.grad_accum,
       'iterations': plan.iterations,
       'micro_batch_per_dp_shard': plan.micro_batch // plan.dp,

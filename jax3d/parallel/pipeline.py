@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax3d.config import RunPlan
-from jax3d.parallel import microbatch, remat, ring, sharding
+from jax3d.parallel import loop_1f1b, microbatch, remat, ring, schedule_1f1b, sharding
 from jax3d.parallel.sharding import DP, PP
 
 
@@ -88,14 +88,7 @@ def apply(
     with sharding.use_rules(sharding.without_dp_pp(rules)):
       return layer_fn(p, h)
 
-  if microbatch.splits_microbatches(plan):  # whole micro-batches over pp: blocks of each dp shard's rows
-    m, blocks = (plan.microbatches // plan.pp, 1) if manual else (plan.microbatches, plan.dp)
-    x_mbtd = sharding.constrain(microbatch.microbatches(x_btd, m, blocks), ('micro', 'batch', 'seq', 'embed'))
-  else:
-    blocks = None
-    x_mbtd = sharding.constrain(
-      microbatch.microbatches(x_btd, plan.microbatches), ('micro', 'batch_all', 'seq', 'embed')
-    )
+  x_mbtd, blocks = _microbatched(x_btd, plan, manual)
   shape = x_mbtd.shape
   if plan.sequence_parallel:  # [m, b, t, d] -> [m, b*t, d]: the b-major rows split as the batch does
     x_mbtd = x_mbtd.reshape(shape[0], shape[1] * shape[2], shape[3])
@@ -122,6 +115,16 @@ def apply(
   return sharding.constrain(
     microbatch.merge_microbatches(y_mbtd.reshape(shape), blocks), ('batch_all', 'seq', 'embed')
   )
+
+
+def _microbatched(x_b: jax.Array, plan: RunPlan, manual: bool) -> tuple[jax.Array, int | None]:
+  """[B, T, ...] -> [m, b, T, ...] as the loop takes it, and the `blocks` that merge it back."""
+  names = ('micro', 'batch', 'seq', 'embed')[: x_b.ndim + 1]
+  if microbatch.splits_microbatches(plan):  # whole micro-batches over pp: blocks of each dp shard's rows
+    m, blocks = (plan.microbatches // plan.pp, 1) if manual else (plan.microbatches, plan.dp)
+    return sharding.constrain(microbatch.microbatches(x_b, m, blocks), names), blocks
+  names = ('micro', 'batch_all', *names[2:])
+  return sharding.constrain(microbatch.microbatches(x_b, plan.microbatches), names), None
 
 
 def run(
@@ -186,6 +189,113 @@ def run(
   return jax.shard_map(
     stage_loop, mesh=mesh, in_specs=(P(names(PP)), rows), out_specs=rows, axis_names=axes, check_vma=True
   )(layers, x32_mbtd).astype(dtype)
+
+
+# --- 1F1B: the loss inside the loop ---------------------------------------------------------------
+def in_loop_loss(schedule: str, plan: RunPlan) -> bool:
+  """Whether the step computes its loss with `loss` (pipeline.schedule='1f1b' with stages) rather
+  than with the head after `apply`."""
+  return schedule == '1f1b' and plan.pp > 1
+
+
+def loss(
+  layer_fn: ring.LayerFn,
+  layers: Any,
+  head: Any,
+  x_btd: jax.Array,
+  side_bt: dict[str, jax.Array],
+  loss_fn: loop_1f1b.LossFn,
+  *,
+  mesh: Mesh,
+  plan: RunPlan,
+  rules: sharding.Rules,
+  policy: str,
+  manual: bool = False,
+) -> jax.Array:
+  """The loss sum of the embedded batch [B, T, D] under the 1F1B schedule: the micro-batches
+  through all layers (stacked, in storage order, as `apply`), and `loss_fn(head, y_btd, side)` of
+  each on the last stage, inside the loop (`run_loss`). `side_bt`: per-row inputs of the loss
+  ([B, T] arrays: targets, weights, ...), micro-batched as x is; `head`: the parameters `loss_fn`
+  reads. With `manual` the sum is this device's share (see `apply`)."""
+  local = lambda fn: lambda *a: _with_rules(sharding.without_dp_pp(rules), fn, *a)
+  rows_sp = None
+  if plan.sequence_parallel:  # the loop carries each micro-batch's rows [b*t, d], split over tp
+    rows_sp = local(lambda x_mrd: sharding.constrain(x_mrd, ('micro', 'rows_sp', 'embed')))
+  return run_loss(
+    local(layer_fn),
+    layers,
+    head,
+    _microbatched(x_btd, plan, manual)[0],
+    {k: _microbatched(a, plan, manual)[0] for k, a in side_bt.items()},
+    local(loss_fn),
+    mesh=mesh,
+    repeats=plan.repeats,
+    policy=policy,
+    scatter=microbatch.scatter_axis(plan),
+    manual=manual,
+    rows_sp=rows_sp,
+    skip_bubbles=skips_bubbles(plan, mesh),
+  )
+
+
+def run_loss(
+  layer_fn: ring.LayerFn,
+  layers: Any,
+  head: Any,
+  x_mbtd: jax.Array,
+  side_mbt: dict[str, jax.Array],
+  loss_fn: loop_1f1b.LossFn,
+  *,
+  mesh: Mesh,
+  repeats: int,
+  policy: str,
+  scatter: int | None = None,
+  manual: bool = False,
+  rows_sp: Callable[[jax.Array], jax.Array] | None = None,
+  skip_bubbles: bool = False,
+) -> jax.Array:
+  """The loss sum of the micro-batches x_mbtd [m, b, t, d] (side inputs [m, b, t]) under 1F1B, equal
+  to `loss_fn(head, ring.run_layers(...), side)` summed over the micro-batches; `scatter` and
+  `manual` as in `run`. `rows_sp`: sequence parallelism, the loop carries each micro-batch's rows
+  [b*t, d] (annotated by it) and `loss_fn` gets them back as [b, t, d]."""
+  p, v, dtype = mesh.shape[PP], repeats, x_mbtd.dtype
+  axes = {a for a in (PP, DP) if mesh.shape[a] > 1}
+  names = lambda *ns: tuple(n for n in ns if n in axes) or None
+  rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
+
+  def stage_loss(layers_local, head, x_mbtd, side_m):
+    layers_local = jax.tree.map(lambda a: sharding.vary(a, tuple(axes - {PP})), layers_local)
+    head = jax.tree.map(lambda a: sharding.vary(a, tuple(axes)), head)
+    if scatter is not None:
+      gather = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
+      x_mbtd, side_m = gather(x_mbtd), jax.tree.map(gather, side_m)
+    m, b, t, d = x_mbtd.shape
+    sched = schedule_1f1b.build(p, v, m)
+    fn = loss_fn
+    if rows_sp is not None:
+      x_mbtd = rows_sp(x_mbtd.reshape(m, b * t, d))
+      fn = lambda hd, y, side: loss_fn(hd, y.reshape(b, t, d), side)
+    chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
+    loop = loop_1f1b.Loop(layer_fn, fn, sched, dtype, policy, skip_bubbles)
+    out = loop.loss()(chunks, head, sharding.vary(x_mbtd, (PP,)), side_m)
+    return out if manual else jax.lax.psum(out, tuple(axes))
+
+  x32_mbtd = x_mbtd.astype(jnp.float32)
+  if manual:
+    return stage_loss(layers, head, x32_mbtd, side_mbt)
+  return jax.shard_map(
+    stage_loss,
+    mesh=mesh,
+    in_specs=(P(names(PP)), P(), rows, rows),
+    out_specs=P(),
+    axis_names=axes,
+    check_vma=True,
+  )(layers, head, x32_mbtd, side_mbt)
+
+
+def _with_rules(rules: sharding.Rules, fn: Callable, *args: Any) -> Any:
+  with sharding.use_rules(rules):
+    return fn(*args)
 
 
 # jax < 0.12 saves a cond's loop-invariant operands (here: the stage's weights) as a residual of

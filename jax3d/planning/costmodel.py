@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
+from jax3d.parallel import schedule_1f1b
 from jax3d.planning import memory_model, time_model
 from jax3d.planning.hardware import BYTES, GB, Hardware
 from jax3d.planning.memory_model import layer_residual_bytes, local_params
@@ -47,6 +48,16 @@ class Estimate:
   shard_optimizer: bool
   model_flops_per_token: float
   device_memory_bytes: float | None = None
+  schedule: str = 'gpipe'  # pipeline.schedule
+
+  @property
+  def bubble(self) -> float:
+    """Idle share of the pipeline loop: GPipe's (p-1)/(v*m+p-1), or 1F1B's 1 - v*m/T with its T
+    ticks of a forward and a backward (the idle halves computed, as on accelerators)."""
+    p = self.plan
+    if self.schedule != '1f1b' or p.pp == 1:
+      return p.bubble
+    return 1 - p.repeats * p.microbatches / schedule_1f1b.ticks(p.pp, p.repeats, p.microbatches)
 
   @property
   def total_bytes(self) -> float:
@@ -81,7 +92,7 @@ class Estimate:
     parts = ', '.join(f'{k} {v / GB:.2f}' for k, v in self.breakdown.items())
     return (
       f'estimated {self.total_bytes / GB:.2f} GB per device ({parts}); step '
-      f'{self.step_time_s:.3g} s, bubble {self.plan.bubble:.0%}, MFU {self.mfu:.0%}'
+      f'{self.step_time_s:.3g} s, bubble {self.bubble:.0%}, MFU {self.mfu:.0%}'
     )
 
 
@@ -113,6 +124,7 @@ def estimate(
     shard_optimizer=bool(cfg.train.shard_optimizer),
     model_flops_per_token=formulas.flops_per_token(memory_model.model_dims(cfg, plan), plan.seq_len),
     device_memory_bytes=gpu_memory_bytes,
+    schedule='1f1b' if memory_model.one_f_one_b(cfg, plan) else 'gpipe',
   )
 
 

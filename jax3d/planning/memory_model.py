@@ -16,7 +16,9 @@ for activations), modelling what jax3d's step really does:
     code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
     where the layer is Megatron's. With remat 'stage' it counts m+1 micro-batches per iteration (its
     input and, with pp > 1, a stage-0 queue of m): an upper bound, since the compiled loop saves the
-    iteration's input only (the queue, where v > 1, is a carry updated in place).
+    iteration's input only (the queue, where v > 1, is a carry updated in place). Under 1F1B
+    (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the stages instead
+    (`_activations_1f1b`), whatever the number of micro-batches.
   - the head: fp32 logits, their exp and the one-hot targets (vocab over tp), and the embedding's
     output, for the rows outside the pipeline's loop.
 """
@@ -26,12 +28,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
+from jax3d.parallel import schedule_1f1b
 from jax3d.planning.hardware import BYTES
 
 if TYPE_CHECKING:
@@ -181,6 +185,8 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool)
     batch=micro_rows(plan),
     sequence_parallel=plan.sequence_parallel,
   )
+  if one_f_one_b(cfg, plan):
+    return _activations_1f1b(cfg, plan, lc, res)
   if t.remat != 'stage':
     return plan.iterations * lc * res(policy=t.remat) + res(policy='none')
   # 'stage': per iteration its carry (input and, with pp > 1, the stage-0 queue of m micro-batches),
@@ -191,12 +197,32 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool)
   return plan.iterations * carry * act_mb / sp + lc * res(policy='full') + res(policy='none')
 
 
+def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+  """pipeline.schedule=1f1b with stages (jax3d/parallel/pipeline.py `in_loop_loss`)."""
+  return cfg.pipeline.schedule == '1f1b' and plan.pp > 1
+
+
+def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, res: Callable) -> float:
+  """1F1B (jax3d/parallel/schedule_1f1b.py): the stash of chunk inputs, min((v+1)p-3, v*m) slots
+  (bounded by the stages, not the micro-batches), one gradient slot, the loop's input and its
+  gradient (fp32, the m micro-batches), and the one backward in flight: its chunk's residuals
+  under the policy on one micro-batch ('stage' as 'full': the stash already holds only inputs)."""
+  sp = plan.tp if plan.sequence_parallel else 1
+  act_mb = micro_activation_bytes(cfg, plan) / sp
+  slots = schedule_1f1b.stash_slots(plan.pp, plan.repeats, plan.microbatches) + 1
+  edges = 2 * plan.microbatches * act_mb * 4 / BYTES[cfg.train.compute_dtype]
+  policy = 'full' if cfg.train.remat == 'stage' else cfg.train.remat
+  return slots * act_mb + edges + lc * res(policy=policy) + res(policy='none')
+
+
 def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
-  """fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out."""
+  """fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out.
+  Under 1F1B the head runs inside the loop on one micro-batch at a time (a dp shard's rows)."""
   dp_pp = plan.dp * plan.pp
   rows_all = plan.chunk_batch // (dp_pp if plan.chunk_batch % dp_pp == 0 else plan.dp)
   h, cb = cfg.model.d_model, BYTES[cfg.train.compute_dtype]
-  return rows_all * plan.seq_len * (3 * 4 * plan.vocab_padded // plan.tp + 2 * h * cb)
+  head_rows = micro_rows(plan) if one_f_one_b(cfg, plan) else rows_all
+  return plan.seq_len * (head_rows * 3 * 4 * plan.vocab_padded // plan.tp + rows_all * 2 * h * cb)
 
 
 def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dict:

@@ -39,6 +39,8 @@ def oom_ladder(
     ladder.rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, ladder.acts)
   )
   lines.append(_more_pp_or_tp_rung(ladder))
+  if plan.pp > 1:
+    lines.append(_schedule_rung(ladder))
   if cfg.train.param_dtype != 'bfloat16':
     lines.append(
       ladder.rung(
@@ -98,6 +100,18 @@ def _recompute_rung(ladder: _Ladder) -> str:
   return (
     f'1. recomputation is already on (train.remat={remat}): activations '
     f'{ladder.base.breakdown["activations"] / GB:.1f} GB'
+  )
+
+
+def _schedule_rung(ladder: _Ladder) -> str:
+  """Rung 4b: the 1F1B schedule, whose activations do not grow with the micro-batches; under it,
+  twice the micro-batches (smaller ones, and a smaller bubble) at no activation cost."""
+  cfg = ladder.cfg
+  if cfg.pipeline.schedule != '1f1b':
+    return ladder.rung('4b. the 1F1B schedule', {'pipeline.schedule': '1f1b'}, ladder.acts)
+  more = {'pipeline.microbatches': 2 * cfg.pipeline.microbatches}
+  return ladder.rung(
+    '4b. more micro-batches cost no activation memory under 1f1b (smaller ones: less)', more, ladder.acts
   )
 
 

@@ -54,13 +54,14 @@ class Candidate:
       'tp': p.tp,
       'microbatches': p.microbatches,
       'repeats': p.repeats,
+      'schedule': e.schedule,
       'grad_accum': p.grad_accum,
       'remat': e.remat,
       'shard_optimizer': e.shard_optimizer,
       'memory_gb': round(e.total_bytes / GB, 3),
       'memory_breakdown_gb': {k: round(v / GB, 3) for k, v in e.breakdown.items()},
       'step_time_s': float(f'{e.step_time_s:.4g}'),
-      'bubble': round(p.bubble, 4),
+      'bubble': round(e.bubble, 4),
       'tokens_per_s': round(e.tokens_per_s),
       'mfu': round(e.mfu, 4),
       'fits': e.fits,
@@ -102,13 +103,8 @@ def layouts(
         for v in reps:
           for remat in policies:
             for z in zero1 if dp > 1 else (False,):
-              o = dict(
-                zip(
-                  LAYOUT_KEYS,
-                  (dp, pp, tp, mb, v, 'circular' if v > 1 else 'gpipe', remat, z, ga),
-                  strict=True,
-                )
-              )
+              schedule = 'circular' if v > 1 else 'gpipe'
+              o = dict(zip(LAYOUT_KEYS, (dp, pp, tp, mb, v, schedule, remat, z, ga), strict=True))
               for k, val in o.items():
                 set_key(work, k, val)
               try:
@@ -117,10 +113,27 @@ def layouts(
                 continue
 
 
+def _one_f_one_b(o: dict, cfg: ml_collections.ConfigDict, hw: Hardware) -> Candidate | None:
+  """The 1F1B variant of a pipelined layout GPipe does not fit (`search`), priced; None where it is
+  not valid. Its activations do not grow with the micro-batches, so it fits where GPipe does not,
+  or with more micro-batches (a smaller bubble); where GPipe fits it is no faster (each backward
+  recomputes its chunk, and accelerators compute the idle halves of its ticks), so it is not priced."""
+  set_key(cfg, 'pipeline.schedule', '1f1b')
+  try:
+    plan = validate(cfg, hw.n_devices)
+  except ConfigError:
+    return None
+  return Candidate(o | {'pipeline.schedule': '1f1b'}, estimate(cfg, plan, hw.memory_gb * GB, hw))
+
+
 def search(cfg: ml_collections.ConfigDict, hw: Hardware, **kw: Any) -> list[Candidate]:
-  """All valid layouts, priced; fitting ones first, fastest first (ties: more tp, less pp). `kw`
+  """All valid layouts (and the 1F1B variant of each pipelined one GPipe does not fit), priced; fitting ones first, fastest first (ties: more tp, less pp). `kw`
   (policies, zero1) narrows the layouts (see `layouts`)."""
-  out = [Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)) for o, plan, c in layouts(cfg, hw, **kw)]
+  out = []
+  for o, plan, c in layouts(cfg, hw, **kw):
+    out.append(Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)))
+    if plan.pp > 1 and not out[-1].est.fits and (alt := _one_f_one_b(o, c, hw)) is not None:
+      out.append(alt)
   if not out:
     m = cfg.model
     raise ConfigError(
@@ -246,7 +259,7 @@ def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
 def table(cands: list[Candidate]) -> list[str]:
   """The candidates as a text table, one numbered line each under a header line."""
   head = (
-    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"ga":>3} {"remat":>5} {"zero1":>5} '
+    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"sched":>5} {"ga":>3} {"remat":>5} {"zero1":>5} '
     f'{"GB/GPU":>7} {"step s":>8} {"bubble":>6} {"tokens/s":>10} {"MFU":>5}'
   )
   lines = [head]
@@ -254,7 +267,7 @@ def table(cands: list[Candidate]) -> list[str]:
     r = c.row()
     lines.append(
       f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["microbatches"]:>4} '
-      f'{r["repeats"]:>2} {r["grad_accum"]:>3} {r["remat"]:>5} '
+      f'{r["repeats"]:>2} {r["schedule"]:>5} {r["grad_accum"]:>3} {r["remat"]:>5} '
       f'{"yes" if r["shard_optimizer"] else "no":>5} '
       f'{r["memory_gb"]:>7.1f} {r["step_time_s"]:>8.3g} {r["bubble"]:>6.1%} '
       f'{r["tokens_per_s"]:>10,} {r["mfu"]:>5.1%}'

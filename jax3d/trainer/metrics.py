@@ -3,7 +3,7 @@
 metrics.jsonl contract: one JSON object per line, appended (a resumed run appends again; readers
 take the last record of a step). Kinds of record:
   {"event": "start", "layout": {...}, "config": {...}}                 once per (re)start
-  {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "tokens", "mfu", "memory"}
+  {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "tokens", "epoch", "mfu", "memory"}
   {"step", "eval_loss"}                                                  held-out evaluations
   {"step", "event": "nonfinite", "loss", "grad_norm", "consecutive"}   a skipped update
   {"step", "event": "memory_leak", "message", ...}                      the leak detector's warning
@@ -24,7 +24,7 @@ import numpy as np
 
 from jax3d.analysis.memory import fmt_bytes
 from jax3d.model import formulas
-from jax3d.parallel import pipeline
+from jax3d.parallel import pipeline, schedule_1f1b
 
 
 def is_main_process() -> bool:
@@ -138,7 +138,11 @@ def summary_lines(s: Any, data: str) -> list[str]:
     f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
     f'  parameters per device: {fmt_bytes(per_dev)} ({s.cfg.train.param_dtype}), '
     f'compute {s.cfg.train.compute_dtype}, remat {s.cfg.train.remat}',
-    f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
+    schedule_1f1b.summary(
+      p.pp, p.repeats, p.microbatches, lc, p.micro_batch, pipeline.skips_bubbles(p, s.mesh)
+    )
+    if pipeline.in_loop_loss(s.cfg.pipeline.schedule, p)
+    else f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
     f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '
     f'{p.bubble:.1%} ('
     + (

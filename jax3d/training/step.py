@@ -45,7 +45,40 @@ def loss_sum(
       microbatch.local_rows(tokens_bt, s.plan),
       microbatch.local_rows(targets_bt, s.plan),
     )
+  if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
+    return _pipelined_loss_sum(params, tokens_bt, {'targets': targets_bt}, s, manual)
   return llama.cross_entropy_sum(logits(params, tokens_bt, s, manual), targets_bt)
+
+
+def _pipelined_loss_sum(
+  params: Any, tokens_bt: jax.Array, side_bt: Batch, s: Setup, manual: bool
+) -> jax.Array:
+  """embed -> the 1F1B pipeline, whose last stage computes the head and the loss of each
+  micro-batch from its per-row side inputs (`side_bt`: [B, T] arrays, micro-batched as the rows)."""
+  head = {k: v for k, v in params.items() if k != 'layers'}  # what llama.head_apply may read
+
+  def micro_loss(head, y_btd, side):
+    return llama.cross_entropy_sum(llama.head_apply(s.dims, head, y_btd), side['targets'])
+
+  x_btd = llama.embed_apply(s.dims, params, tokens_bt)
+  return pipeline.loss(
+    _block_fn(s, tokens_bt.shape[1]),
+    params['layers'],
+    head,
+    x_btd,
+    side_bt,
+    micro_loss,
+    mesh=s.mesh,
+    plan=s.plan,
+    rules=s.rules,
+    policy=s.cfg.train.remat,
+    manual=manual,
+  )
+
+
+def _block_fn(s: Setup, seq_len: int) -> Callable:
+  """One layer as the pipeline runs it: (layer params, x) -> x (rows [b*t, d] under SP)."""
+  return lambda p, h: llama.block_apply(s.dims, p, h, seq_len=seq_len if s.plan.sequence_parallel else None)
 
 
 def logits(params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False) -> jax.Array:
@@ -53,9 +86,7 @@ def logits(params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False) ->
   computes them (the loss is their cross-entropy)."""
   x_btd = llama.embed_apply(s.dims, params, tokens_bt)
   y_btd = pipeline.apply(
-    lambda p, h: llama.block_apply(
-      s.dims, p, h, seq_len=tokens_bt.shape[1] if s.plan.sequence_parallel else None
-    ),
+    _block_fn(s, tokens_bt.shape[1]),
     params['layers'],
     x_btd,
     mesh=s.mesh,
