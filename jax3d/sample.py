@@ -51,13 +51,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sample(args: cli.Args) -> int:
-  cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   f = args.flags
   init_from = args.overrides.get('checkpoint.init_from', '')
   if not f['workdir'] and not init_from.startswith('hf:'):
     raise errors.UsageError('give --workdir=DIR (a training run) or --config.checkpoint.init_from=hf:PATH')
   if f['workdir'] and init_from:
     raise errors.UsageError('give --workdir or --config.checkpoint.init_from, not both')
+  cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   source = f['workdir'] or init_from
   overrides = {k: v for k, v in args.overrides.items() if k != 'checkpoint.init_from'}
   sampler = sample_workdir if f['workdir'] else sample_hf

@@ -40,7 +40,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 LLAMA3_ROPE = dict(
-  rope_type='llama3', factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+  rope_type='llama3',
+  factor=32.0,
+  low_freq_factor=1.0,
+  high_freq_factor=4.0,
+  original_max_position_embeddings=8192,
 )
 SHAPES = {
   'llama3.2-1b': dict(
@@ -278,7 +282,10 @@ def check(params, s, hf) -> dict:
     ]
   embed = get(params['embed']['embedding'])
   out = embed.T if tied else get(params['head']['out']['kernel'])  # a tied head is the embedding
-  pairs += [('model.embed_tokens.weight', embed[:v]), ('model.norm.weight', get(params['head']['norm']['scale']))]
+  pairs += [
+    ('model.embed_tokens.weight', embed[:v]),
+    ('model.norm.weight', get(params['head']['norm']['scale'])),
+  ]
   pairs += [] if tied else [('lm_head.weight', out[:, :v].T)]
   if vp > v and (np.any(embed[v:]) or np.any(out[:, v:])):
     bad.append('padded vocabulary rows are not zero')

@@ -47,7 +47,7 @@ def make_hf_model(path: str, tied: bool, seed: int = 0, dtype: str = 'float32', 
 # Llama 3.2 style: tied, llama3 rope scaling at rope_theta 500000 whose original context (16) the
 # test sequences pass, with the high (wavelength 6.3), medium (32) and low (167+) bands all present
 # (head size 16); Qwen2.5 style: q/k/v biases, tied, GQA; Qwen3 style: q/k norms, head_dim 16 !=
-# hidden/heads, untied.
+# hidden/heads, untied; Mistral: a sliding window (64) that covers the sequence.
 FAMILIES = {
   'llama3.2': dict(
     cls='Llama',
@@ -65,6 +65,7 @@ FAMILIES = {
   ),
   'qwen2.5': dict(cls='Qwen2', tie_word_embeddings=True, rope_theta=1000000.0),
   'qwen3': dict(cls='Qwen3', head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0),
+  'mistral': dict(cls='Mistral', sliding_window=64, tie_word_embeddings=False),
 }
 FAMILY_SEQ = 32  # past the llama3.2 model's original context
 

@@ -27,7 +27,7 @@ PACKAGE = 'jax3d'
 # The commands behind `python -m jax3d.NAME` (and their shared flag parsing): they sit on top of
 # the library, which must not import them back.
 COMMAND_MODULES = frozenset(
-  f'jax3d.{n}' for n in ('train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export', 'cli')
+  f'jax3d.{n}' for n in ('train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export', 'batch', 'cli')
 )
 
 # The packages (and top-level modules) from the bottom up. A unit imports only units before it.
@@ -54,6 +54,7 @@ RANK = (
   'jax3d.sample',
   'jax3d.prepare',
   'jax3d.export',
+  'jax3d.batch',
   'jax3d',  # the package: lazy access to the API and the submodules
 )
 

@@ -63,7 +63,7 @@ CASES = [
     ['pipeline.microbatches=1', 'circular', 'mesh.pp=2'],
   ),
   (['--config.pipeline.schedule=circular', '--config.pipeline.repeats=3'], ['model.n_layers=4', '2*3 = 6']),
-  (['--config.pipeline.schedule=1f1b'], ["pipeline.schedule='1f1b'", 'gpipe, circular']),
+  (['--config.pipeline.schedule=1f2b'], ["pipeline.schedule='1f2b'", 'gpipe, circular, 1f1b']),
   (
     [
       '--config.train.sequence_parallel=true',
@@ -228,7 +228,7 @@ def test_every_command_with_a_config_rejects_a_bad_key(command, override, words)
     ('report', [], ['expected WORKDIR', '0 argument']),
     ('report', ['a', 'b'], ['expected WORKDIR', "['a', 'b']"]),
     ('report', ['--config=tiny', 'a'], ['unknown flag --config=tiny']),
-    ('sample', ['--prompt=x'], ['--workdir is required']),
+    ('sample', ['--prompt=x'], ['give --workdir=DIR', 'or --config.checkpoint.init_from=hf:PATH']),
     ('sample', ['--workdir=w', '--tokens=-1'], ['--tokens=-1 is invalid', '>= 0']),
   ],
 )

@@ -1,7 +1,7 @@
 """Today's open model families against transformers: a Llama 3.2 style model (tied, llama3 rope
 scaling at rope_theta 500000, positions past its original context, config.json in transformers 5's
-layout and the hub's older one), a Qwen2.5 style one (q/k/v biases, tied, GQA) and a Qwen3 style one
-(q/k norms, head_dim != hidden/heads), each written by transformers (hf_helpers.FAMILIES) and
+layout and the hub's older one), a Qwen2.5 style one (q/k/v biases, tied, GQA), a Qwen3 style one
+(q/k norms, head_dim != hidden/heads) and a Mistral (a sliding window that covers the sequence), each written by transformers (hf_helpers.FAMILIES) and
 imported onto every layout of hf_helpers.LAYOUTS: logits, greedy generation, parameter count,
 import -> export -> from_pretrained, a fine-tune exported, and the folders that must not load."""
 
@@ -61,11 +61,13 @@ def test_the_features_are_read_and_matter(families):
     'llama3.2': {'tie_embeddings': True, 'rope_scaling': 'llama3', 'rope_factor': 8.0, 'rope_theta': 5e5},
     'qwen2.5': {'qkv_bias': True, 'tie_embeddings': True, 'hf_model_type': 'qwen2'},
     'qwen3': {'qk_norm': True, 'head_dim': 16, 'tie_embeddings': False, 'hf_model_type': 'qwen3'},
+    'mistral': {'hf_model_type': 'mistral', 'qkv_bias': False, 'qk_norm': False},
   }
   without = {
     'llama3.2': {'rope_scaling': RopeScaling()},
     'qwen2.5': {'qkv_bias': False},
     'qwen3': {'qk_norm': False},
+    'mistral': None,  # a Llama with a window that covers the sequence: nothing to switch off
   }
   toks = H.tokens(seq=SEQ)
   for family, keys in expect.items():
@@ -73,6 +75,8 @@ def test_the_features_are_read_and_matter(families):
     s, params = _imported(path, (1, 1, 1))
     for key, value in keys.items():
       assert s.cfg.model[key] == value, (family, key)
+    if without[family] is None:
+      continue
     s_off = dataclasses.replace(s, dims=dataclasses.replace(s.dims, **without[family]))
     if family != 'llama3.2':  # without the bias / norm parameters
       params = {**params, 'layers': _without(params['layers'], family)}

@@ -20,7 +20,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.microbatches = 1  # m: micro-batches per step (per grad_accum chunk)
   c.pipeline.repeats = 1  # v: layer chunks per stage; > 1 = the circular schedule
-  c.pipeline.schedule = 'gpipe'  # 'gpipe' or 'circular' (repeats > 1 is circular)
+  # gpipe (circular when repeats > 1; 'circular' is the same) | 1f1b: one forward and one backward
+  # per tick, the loss in the loop, activation memory bounded by the stages (interleaved with repeats > 1)
+  c.pipeline.schedule = 'gpipe'
   # true | false | auto: a stage skips the work of its bubble iterations (a lax.cond); auto = on
   # CPU devices with jax >= 0.12, where fake devices share the cores (jax3d/parallel/pipeline.py)
   c.pipeline.skip_bubbles = 'auto'
@@ -76,6 +78,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.eval_fraction = 0.05  # held-out share (by file where the corpus has files)
   c.data.prefetch = 2  # batches prepared ahead on a background thread
   c.data.tokenizer = 'bytes'  # bytes | a tokenizer.json | a SentencePiece .model | a folder with one
+  # auto | concat | pack: rows of documents (docs/data.md); auto = pack for chat data, else concat
+  c.data.packing = 'auto'
 
   c.log = ml_collections.ConfigDict()
   c.log.every = 10  # steps between metric records and console lines

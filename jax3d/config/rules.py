@@ -16,10 +16,11 @@ import ml_collections
 
 DTYPES = ('float32', 'bfloat16')
 REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
-SCHEDULES = ('gpipe', 'circular')
+SCHEDULES = ('gpipe', 'circular', '1f1b')  # jax3d/parallel/schedule_1f1b.py for 1f1b
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
-SWITCH = ('true', 'false', 'auto')
+PACKINGS = ('auto', 'concat', 'pack')  # data.packing (jax3d/data/packing.py)
+SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
 ROPE_SCALINGS = ('none', 'linear', 'llama3')  # jax3d/model/rope.py
 # model.hf_model_type: the architectures export writes, and the features each can hold
 HF_MODEL_TYPES = {
@@ -28,7 +29,7 @@ HF_MODEL_TYPES = {
   'mistral': 'no qkv_bias, no qk_norm',
   'qwen2': 'qkv_bias, no qk_norm',
   'qwen3': 'qk_norm, no qkv_bias',
-}  # the values of train.sequence_parallel, pipeline.skip_bubbles
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,14 +83,12 @@ SETTINGS: tuple[tuple[str, Rule], ...] = (
   ('pipeline.schedule', one_of(SCHEDULES)),
   ('train.grad_reduce_dtype', one_of(GRAD_REDUCE_DTYPES)),
   ('train.attention', one_of(ATTENTION_IMPLS)),
+  ('data.packing', one_of(PACKINGS)),
   ('model.rope_scaling', one_of(ROPE_SCALINGS)),
   ('model.hf_model_type', one_of(tuple(HF_MODEL_TYPES))),
   ('model.head_dim', int_at_least(0, 'an integer >= 0 (0 = d_model / n_heads)')),
   ('model.rope_factor', Rule(lambda v: isinstance(v, int | float) and v >= 1, 'a number >= 1')),
-  (
-    'model.rope_original_max_seq_len',
-    POSITIVE,
-  ),
+  ('model.rope_original_max_seq_len', POSITIVE),
   *((f'model.{k}', POSITIVE) for k in MODEL_SIZES),
   *((f'train.{k}', POSITIVE) for k in TRAIN_SIZES),
   ('train.steps', int_at_least(0, 'an integer >= 0')),
@@ -240,11 +239,23 @@ def _batch_divides(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) ->
   return None
 
 
+def _interleaved_1f1b_groups(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+  m, v = cfg.pipeline.microbatches, cfg.pipeline.repeats
+  if cfg.pipeline.schedule == '1f1b' and v > 1 and pp > 1 and m % pp:
+    return (
+      'pipeline.microbatches',
+      m,
+      f'interleaved 1F1B (repeats={v}) runs the micro-batches in groups of mesh.pp={pp}: a multiple of {pp}',
+    )
+  return None
+
+
 LAYOUT_CHECKS: tuple[Callable[[ml_collections.ConfigDict, int, int, int], Failure], ...] = (
   _tp_divides_layers,
   _tp_divides_vocab,
   _stages_divide_layers,
   _circular_has_microbatches,
+  _interleaved_1f1b_groups,
   _batch_divides,
 )
 
