@@ -57,6 +57,7 @@ SHAPES = {
     tie_word_embeddings=True,
     rope_theta=500000.0,
     rope_scaling=LLAMA3_ROPE,
+    max_position_embeddings=131072,
   ),
   '1b': dict(
     hidden_size=2048,
@@ -67,6 +68,7 @@ SHAPES = {
     vocab_size=32000,
     tie_word_embeddings=False,
     rope_theta=10000.0,
+    max_position_embeddings=2048,
   ),
   'small': dict(
     hidden_size=256,
@@ -78,9 +80,10 @@ SHAPES = {
     tie_word_embeddings=True,
     rope_theta=500000.0,
     rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings=64),
+    max_position_embeddings=2048,
   ),
 }
-COMMON = dict(max_position_embeddings=2048, rms_norm_eps=1e-5)
+COMMON = dict(rms_norm_eps=1e-5)
 # config.json keys the cache check compares (transformers 5 folds rope_scaling into rope_parameters)
 CACHE_KEYS = ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads')
 CACHE_KEYS += ('intermediate_size', 'vocab_size', 'tie_word_embeddings')

@@ -110,6 +110,9 @@ class Shape:
   vocab_size: int = 1024
   seq_len: int = 128
   global_batch: int = 8
+  qkv_bias: bool = False  # MaxText's Llama has none of these
+  qk_norm: bool = False
+  tie_embeddings: bool = False
 
   @property
   def head_dim(self) -> int:

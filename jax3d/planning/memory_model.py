@@ -25,7 +25,6 @@ for activations), modelling what jax3d's step really does:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -60,8 +59,10 @@ def layer_residual_bytes(
   flash: bool,
   batch: int,
   sequence_parallel: bool = False,
+  features: tuple[int, bool, bool] = (0, False, False),
 ) -> float:
-  """Bytes one tp shard of one layer keeps for its backward pass, its input included. Its weights
+  """Bytes one tp shard of one layer keeps for its backward pass, its input included (`features`:
+  model.head_dim, 0 = d_model / n_heads, model.qkv_bias, model.qk_norm). Its weights
   count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
   stack in the backward pass (jax3d/parallel/ring.py `run_layers`); without one, XLA keeps
   the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
@@ -71,8 +72,20 @@ def layer_residual_bytes(
   outputs, the residual adds, the row-parallel outputs) is split over tp. Read off the same layer:
   of the bytes per row, the stream's are the ones that grow with d_model (the tp shard's heads,
   head size and d_ff held fixed), so a trace at twice d_model measures them."""
+  head_dim, qkv_bias, qk_norm = features
   trace = lambda b, d: _traced_residuals(
-    d, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, b, d_model // n_heads
+    d,
+    n_heads,
+    n_kv_heads,
+    d_ff,
+    seq,
+    tp,
+    policy,
+    compute,
+    param,
+    flash,
+    b,
+    (head_dim or d_model // n_heads, qkv_bias, qk_norm),
   )
   one, two = trace(1, d_model), trace(2, d_model)
   total = one + (batch - 1) * (two - one)
@@ -84,7 +97,7 @@ def layer_residual_bytes(
 
 @functools.cache
 def _traced_residuals(
-  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, batch, head_dim
+  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, batch, features
 ) -> float:
   """The residuals of the real layer at abstract shapes (nothing is computed or allocated).
   XLA's attention keeps the s x s scores; a fused (flash) kernel keeps a logsumexp instead."""
@@ -94,15 +107,8 @@ def _traced_residuals(
   from jax3d.model import dims as dims_lib, layers
   from jax3d.parallel import remat
 
-  @dataclasses.dataclass(frozen=True)
-  class ShardDims(dims_lib.Dims):  # one tp shard: n/tp heads of the full head size
-    local_head_dim: int = 0
-
-    @property
-    def head_dim(self) -> int:
-      return self.local_head_dim
-
-  dims = ShardDims(
+  head_dim, qkv_bias, qk_norm = features
+  dims = dims_lib.Dims(  # one tp shard: n/tp heads of the full head size
     n_layers=1,
     d_model=d_model,
     n_heads=n_heads // tp,
@@ -112,7 +118,9 @@ def _traced_residuals(
     vocab_padded=1,
     dtype=np.dtype(compute),
     param_dtype=np.dtype(param),
-    local_head_dim=head_dim,
+    head_size=head_dim,
+    qkv_bias=qkv_bias,
+    qk_norm=qk_norm,
   )
   x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)
   block = layers.Block(dims)
@@ -184,6 +192,7 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool)
     flash=flash,
     batch=micro_rows(plan),
     sequence_parallel=plan.sequence_parallel,
+    features=(m.head_dim, m.qkv_bias, m.qk_norm),
   )
   if one_f_one_b(cfg, plan):
     return _activations_1f1b(cfg, plan, lc, res)
