@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import config as config_lib
 from jax3d.analysis import inspection
-from jax3d.data import shards, tokenizer as tok_lib
+from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config
 from jax3d.model import llama
@@ -95,13 +95,17 @@ def _with_state(s: Setup) -> Setup:
   if s.has_residual:
     state_sh['grad_residual'] = data_parallel.residual_shardings(s.param_shardings, s.mesh)
   abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, state_sh)
-  batch = jax.ShapeDtypeStruct((s.plan.global_batch, s.plan.seq_len), jnp.int32, sharding=s.batch_sharding)
+  shape = (s.plan.global_batch, s.plan.seq_len)
+  batch = {
+    k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == 'weights' else jnp.int32, sharding=s.batch_sharding)
+    for k in data_lib.STEP_KEYS
+  }
   return dataclasses.replace(
     s,
     zero_shardings=zero,
     state_shardings=state_sh,
     abstract_state=abstract,
-    abstract_batch={'inputs': batch, 'targets': batch},
+    abstract_batch=batch,
   )
 
 
@@ -198,10 +202,7 @@ def benchmark(s: Setup, steps: int, seed: int = 0) -> dict:
     .integers(0, s.dims.vocab_size, (s.plan.global_batch, s.plan.seq_len + 1))
     .astype(np.int32)
   )
-  batch = {
-    'inputs': jax.device_put(toks[:, :-1], s.batch_sharding),
-    'targets': jax.device_put(toks[:, 1:], s.batch_sharding),
-  }
+  batch = {k: jax.device_put(v, s.batch_sharding) for k, v in packing.one_document_rows(toks).items()}
   times, faults, metrics = [], [], None
   for _ in range(steps):
     t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt

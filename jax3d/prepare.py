@@ -88,6 +88,8 @@ def _prepare(args: cli.Args) -> int:
     tok = tok_lib.load(spec)
     if f['format'] == 'chat':
       _check_chat(f, tok)
+    elif note := tok_lib.bos_note(tok):  # documents get the tokenizer's own special tokens only
+      print(f'note: {note}', file=sys.stderr)
   except ValueError as e:  # a ConfigError too: named by this command's flag
     return cli.fail(str(e).replace('data.tokenizer=', '--tokenizer='))
   r = prepare.tokenize(

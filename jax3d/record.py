@@ -42,7 +42,7 @@ class Setup:
   zero_shardings: Any = None  # the ZeRO-1 layout of parameter-shaped trees
   state_shardings: Any = None  # the train state's shardings
   abstract_state: Any = None  # the train state as ShapeDtypeStructs with their shardings
-  abstract_batch: Any = None  # {'inputs', 'targets'} as ShapeDtypeStructs with their shardings
+  abstract_batch: Any = None  # the steps' batch keys (data.corpus.STEP_KEYS) as ShapeDtypeStructs
 
   @property
   def layout(self) -> dict:
@@ -60,7 +60,7 @@ class Setup:
 
   @property
   def batch_shardings(self) -> dict:
-    return {'inputs': self.batch_sharding, 'targets': self.batch_sharding}
+    return {k: self.batch_sharding for k in self.abstract_batch}
 
   @property
   def devices(self) -> list[jax.Device]:

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from jax3d import assemble, config as config_lib
+from jax3d.data import packing
 from jax3d.model import llama
 from jax3d.parallel import pipeline
 from jax3d.training import step as step_lib
@@ -49,7 +50,7 @@ def fixed_batches(cfg, n, seed=0):
   out = []
   for _ in range(n):
     t = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1))
-    out.append({'inputs': t[:, :-1].astype(np.int32), 'targets': t[:, 1:].astype(np.int32)})
+    out.append(packing.one_document_rows(t))
   return out
 
 
@@ -60,8 +61,9 @@ def canonical(s, params):
   return jax.device_get(params)
 
 
-def run_steps(cfg, n_steps=3):
-  """Losses of the first n steps, the step-1 gradients (canonical order) and the initial params.
+def run_steps(cfg, n_steps=3, batches=None):
+  """Losses of the first n steps, the step-1 gradients (canonical order) and the initial params;
+  on `batches` (host dicts of the five batch arrays) or `fixed_batches`.
 
   The gradients are read from Adam's first moment after step 1, mu = (1 - b1) * g (clipping is
   off in these configs), so one compiled train step gives both losses and gradients.
@@ -70,7 +72,8 @@ def run_steps(cfg, n_steps=3):
   assert cfg.train.grad_clip == 0, 'gradients are read from Adam mu: clipping must be off'
   state = step_lib.make_init(s)(cfg.train.seed)
   sh = s.batch_sharding
-  batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in fixed_batches(cfg, n_steps)]
+  batches = batches or fixed_batches(cfg, n_steps)
+  batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in batches]
   init_params = canonical(s, state['params'])
   train = assemble.compile_train_step(s)  # the trainer's own compile path
   losses, grads = [], None

@@ -169,7 +169,7 @@ def test_tied_gradient_is_the_sum_of_both_uses(families):
   def grad(setup, p):
     def loss(p):
       with sharding.use_rules(setup.rules):
-        return step_lib.loss_sum(p, toks, np.roll(toks, -1, 1), setup)
+        return step_lib.loss_sum(p, {'inputs': toks, 'targets': np.roll(toks, -1, 1)}, setup)
 
     return step_lib.MeshJit(jax.grad(loss), setup.mesh)(p)
 

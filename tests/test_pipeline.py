@@ -12,8 +12,8 @@ from jax3d.parallel import pipeline, ring
 D, B, T = 8, 4, 4  # model width, micro-batch rows, sequence
 
 
-def layer_fn(p, x_btd):
-  """A small nonlinear layer with two weights (residual MLP)."""
+def layer_fn(p, x_btd, side=None):
+  """A small nonlinear layer with two weights (residual MLP); no per-row side inputs."""
   return x_btd + jnp.tanh(x_btd @ p['w1']) @ p['w2'] * p['s']
 
 

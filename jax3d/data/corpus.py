@@ -36,11 +36,10 @@ from jax3d.errors import DataError
 __all__ = ['Corpus', 'DataError', 'STEP_KEYS', 'batch_at', 'epoch_at', 'load_corpus', 'step_batch']
 MAX_CORPUS_BYTES = 64 << 20
 
-# The keys of a batch that the compiled train and eval steps take today (assemble's abstract
-# batch). `batch_at` gives all of packing.KEYS (inputs, targets, weights, segment_ids, positions);
-# this is the one place that narrows them for the steps (the prefetcher's and the held-out
-# batches). The model side (segment masks, the weighted loss) adds its keys here.
-STEP_KEYS = ('inputs', 'targets')
+# The keys of a batch that the compiled train and eval steps take (assemble's abstract batch):
+# all of packing.KEYS (inputs, targets, weights, segment_ids, positions). This is the one place
+# that chooses them for the steps (the prefetcher's and the held-out batches).
+STEP_KEYS = packing_lib.KEYS
 
 
 def step_batch(batch: dict[str, Any]) -> dict[str, Any]:

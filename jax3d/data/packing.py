@@ -55,6 +55,20 @@ class Documents:
     return np.asarray(self.tokens[a:b]), w
 
 
+def one_document_rows(tokens: np.ndarray) -> dict[str, np.ndarray]:
+  """The five arrays of rows that are each one whole document: `tokens` [n, seq_len + 1] (slot j:
+  input j, target j + 1, weight 1, segment 1, position j). For batches built by hand (benchmarks,
+  tests)."""
+  n, t = tokens.shape[0], tokens.shape[1] - 1
+  return {
+    'inputs': tokens[:, :-1].astype(np.int32),
+    'targets': tokens[:, 1:].astype(np.int32),
+    'weights': np.ones((n, t), np.float32),
+    'segment_ids': np.ones((n, t), np.int32),
+    'positions': np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)).copy(),
+  }
+
+
 def empty_rows(n: int, seq_len: int) -> dict[str, np.ndarray]:
   """`n` rows of padding (every key zero)."""
   return {k: np.zeros((n, seq_len), DTYPES.get(k, np.int32)) for k in KEYS}

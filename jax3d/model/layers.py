@@ -60,6 +60,16 @@ def attention_implementation(choice: str) -> str | None:
   return None if choice == 'auto' else choice
 
 
+def segment_mask(segment_ids_bt: jax.Array | None) -> jax.Array | None:
+  """The attention mask [b, 1, t, t] of rows of documents: query i sees key j of the same segment
+  (the causal part is `is_causal`'s); None without segments. A boolean mask, not segment ids:
+  `jax.nn.dot_product_attention` takes no segment ids, and for cuDNN it becomes the additive bias
+  [b, 1, t, t] its fused kernel takes alongside the causal mask type (BUILD_NOTES.md)."""
+  if segment_ids_bt is None:
+    return None
+  return (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
+
+
 def write_cache(cache: KVCache, k_btkh: jax.Array, v_btkh: jax.Array, positions_t: jax.Array) -> KVCache:
   """The KV cache with the new keys and values written at `positions_t` (consecutive)."""
   return tuple(
@@ -155,7 +165,10 @@ class Block(nn.Module):
   then K, then V), and gate and up are one matmul [d, 2, f]: with tp splitting k (and f), each
   pair's backward pass sums its input gradient over tp once, not once per projection.
 
-  Training calls it on x [b, t, d] alone: positions 0..t-1, causal attention, returns x. Decoding
+  Training calls it on x [b, t, d] alone: positions 0..t-1, causal attention, returns x; or with
+  rows of documents, `positions_t` [b, t] (0 at each document's first token) and `segment_ids`
+  [b, t] (1, 2, ... per document, 0 on the padding): a query attends to the keys of its own
+  segment at or before it (`segment_mask`). Decoding
   passes `positions_t` (int [t], consecutive) and `cache` = (k_bskh, v_bskh), the layer's keys
   and values of s >= positions_t[-1] + 1 positions: the new K/V are written at positions_t, the
   queries attend over cache entries [0, positions_t[-1] + 1), and it returns (x, new cache).
@@ -169,15 +182,17 @@ class Block(nn.Module):
   seq_len: int | None = None  # sequence parallelism: x is [b*t, d] rows of sequences of seq_len
 
   @nn.compact
-  def __call__(self, x_btd, positions_t=None, cache=None):
+  def __call__(self, x_btd, positions_t=None, cache=None, segment_ids=None):
     sp = self.seq_len is not None
     b, t, d = (x_btd.shape[0] // self.seq_len, self.seq_len, x_btd.shape[1]) if sp else x_btd.shape
     x_rd = constrain(x_btd.reshape(b * t, d), (self._rows, 'embed'))
 
     q_btnh, k_btkh, v_btkh = self._qkv(x_rd, b, t, positions_t)
     if cache is None:
-      impl = attention_implementation(self.dims.attention)
-      o_btnh = jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True, implementation=impl)
+      impl, mask = attention_implementation(self.dims.attention), segment_mask(segment_ids)
+      o_btnh = jax.nn.dot_product_attention(
+        q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, implementation=impl
+      )
     else:
       positions_t = jnp.arange(t) if positions_t is None else positions_t
       cache = write_cache(cache, k_btkh, v_btkh, positions_t)

@@ -74,13 +74,17 @@ class Head(nn.Module):
     return constrain(logits_btv, ('batch_all', 'seq', 'vocab'))
 
 
-def cross_entropy_sum(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-  """Sum of token losses. Vocab-parallel: max, sum-exp and the target logit are reduced over the
-  vocab shards (tp); the full-vocabulary logits are never gathered on one device."""
+def cross_entropy_sum(
+  logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array | None = None
+) -> jax.Array:
+  """Sum of token losses, each times its weight (`weights_bt`, float [b, t]; None: 1). A zero
+  weight (padding, an unsupervised token) gives its target zero gradient. Vocab-parallel: max,
+  sum-exp and the target logit are reduced over the vocab shards (tp); the full-vocabulary logits
+  are never gathered on one device."""
   lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
   onehot_btv = jax.nn.one_hot(targets_bt, logits_btv.shape[-1], dtype=logits_btv.dtype)
-  target_bt = jnp.sum(logits_btv * onehot_btv, axis=-1)
-  return jnp.sum(lse_bt - target_bt)
+  ce_bt = lse_bt - jnp.sum(logits_btv * onehot_btv, axis=-1)
+  return jnp.sum(ce_bt if weights_bt is None else ce_bt * weights_bt.astype(ce_bt.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,10 +132,12 @@ def block_apply(
   positions_t: jax.Array | None = None,
   cache: KVCache | None = None,
   seq_len: int | None = None,
+  segment_ids: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, KVCache]:
   """One layer: x, or (x, new cache) when a KV cache is given; with `seq_len`, x is the flattened
-  rows [b*t, d] of sequence parallelism (see Block)."""
-  return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache)
+  rows [b*t, d] of sequence parallelism; `positions_t` [t] or per row [b, t], and `segment_ids`
+  [b, t] for rows of documents (see Block)."""
+  return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids)
 
 
 def embed_apply(dims: Dims, params: PyTree, tokens_bt: jax.Array) -> jax.Array:

@@ -125,6 +125,7 @@ def value_and_grad(
   params: Any,
   batch: dict,
   residual: Any,
+  scale: jax.Array,
   *,
   mesh: Mesh,
   params_sh: Any,
@@ -134,8 +135,9 @@ def value_and_grad(
 ) -> tuple:
   """Loss, dp-reduced gradients and the new int8 residual (or None), by hand.
 
-  `local_grads(params, batch)` returns (loss, grads) of this device's rows, traced inside a
-  shard_map manual over dp and pp; `params` arrive varying over dp, so the gradients come back
+  `local_grads(params, batch, scale)` returns (loss, grads) of this device's rows, traced inside a
+  shard_map manual over dp and pp (`scale`: a scalar of the global batch, the same on every
+  device: the loss's normaliser); `params` arrive varying over dp, so the gradients come back
   un-reduced. `compression.reduce` then sums them over dp in `dtype`, in a shard_map nested over tp
   so each device reduces its own tp block (sums over pp, for the embedding and head, are psums in
   fp32). `grads_sh` is the layout the gradients leave in (ZeRO-1's when `shard`)."""
@@ -153,16 +155,22 @@ def value_and_grad(
   fn = jax.shard_map(
     functools.partial(_local_value_and_grad, local_grads, reduce_fn, manual),
     mesh=mesh,
-    in_specs=(_manual_specs(params, params_sh, manual), P(DP), r_specs),
+    in_specs=(_manual_specs(params, params_sh, manual), P(DP), r_specs, P()),
     out_specs=(P(), _manual_specs(params, grads_sh, manual), r_specs),
     axis_names=manual,
     check_vma=True,
   )
-  return fn(params, batch, residual)
+  return fn(params, batch, residual, scale)
 
 
 def _local_value_and_grad(
-  local_grads: Callable, reduce_fn: Callable, manual: set, params: Any, batch: dict, residual: Any
+  local_grads: Callable,
+  reduce_fn: Callable,
+  manual: set,
+  params: Any,
+  batch: dict,
+  residual: Any,
+  scale: jax.Array,
 ) -> tuple:
   """One device's loss and gradients (inside the shard_map manual over dp and pp), summed over
   dp by `reduce_fn(grads, residual)`, which also returns the new residual.
@@ -173,7 +181,7 @@ def _local_value_and_grad(
   leaves, tdef = jax.tree.flatten(params)
   over_pp = [PP in manual and PP not in jax.typeof(a).manual_axis_type.varying for a in leaves]
   varied = [vary(a, (DP, PP) if o else (DP,)) for a, o in zip(leaves, over_pp, strict=True)]
-  loss, grads = local_grads(tdef.unflatten(varied), batch)
+  loss, grads = local_grads(tdef.unflatten(varied), batch, scale)
   grads = tdef.unflatten(
     [
       jax.lax.psum(g.astype(jnp.float32), PP).astype(g.dtype) if o else g

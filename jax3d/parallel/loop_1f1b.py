@@ -47,22 +47,24 @@ class Loop:
   policy: str
   skip: bool
 
-  def chunk(self, params_r: Any, x: jax.Array) -> jax.Array:
-    return ring.run_layers(self.layer_fn, params_r, x, 'none')
+  def chunk(self, params_r: Any, x: jax.Array, side_u: dict) -> jax.Array:
+    return ring.run_layers(self.layer_fn, params_r, x, 'none', side=side_u)
 
-  def chunk_vjp(self, params_r: Any, x: jax.Array) -> tuple[jax.Array, Callable]:
-    """(y, back): the chunk on x, and back(ct_y) -> (its weight gradients [lc, ...], ct_x)."""
+  def chunk_vjp(self, params_r: Any, x: jax.Array, side_u: dict) -> tuple[jax.Array, Callable]:
+    """(y, back): the chunk on x (its micro-batch's side arrays `side_u`), and back(ct_y) -> (its
+    weight gradients [lc, ...], ct_x)."""
     if self.policy not in ring.WRITTEN_OUT:
-      return jax.vjp(lambda p, h: ring.run_layers(self.layer_fn, p, h, self.policy), params_r, x)
+      return jax.vjp(lambda p, h: ring.run_layers(self.layer_fn, p, h, self.policy, side=side_u), params_r, x)
+    layer_fn = lambda p, h: self.layer_fn(p, h, side_u)
 
     def keep(h, p):
-      return self.layer_fn(p, h), h
+      return layer_fn(p, h), h
 
     y, h_l = jax.lax.scan(keep, x, params_r)
 
     def back(ct):
       def one(ct_h, p_h):
-        g_p, ct_h = jax.vjp(self.layer_fn, *p_h)[1](ct_h)
+        g_p, ct_h = jax.vjp(layer_fn, *p_h)[1](ct_h)
         return ct_h, g_p
 
       ct_x, g_l = jax.lax.scan(one, ct, (params_r, h_l), reverse=True)
@@ -71,7 +73,8 @@ class Loop:
     return y, back
 
   def run(self, chunks: Any, head: Any, xs: jax.Array, side: dict, grads: bool) -> tuple:
-    """chunks [v, lc, ...]; xs [m, b, t, d] (fp32); side: dict of [m, b, t]. Returns the loss sum
+    """chunks [v, lc, ...]; xs [m, b, t, d] (fp32); side: dict of [m, b, t], read by the loss and
+    the layers (each unit those of its micro-batch). Returns the loss sum
     on this stage (0 but on the last) and, with `grads`, (d chunks, d head, d xs)."""
     p, s = self.sched.p, jax.lax.axis_index(PP)
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
@@ -81,12 +84,12 @@ class Loop:
     varying = tuple(jax.typeof(xs).manual_axis_type.varying)
     zero = lambda: vary(jnp.zeros((), jnp.float32), varying)
 
-    def forward(c, r, x):
-      return self.chunk(jax.tree.map(lambda a: a[r], c), x)
+    def forward(c, r, x, mb):
+      return self.chunk(jax.tree.map(lambda a: a[r], c), x, _at(side, mb))
 
     def backward(c, hd, r, x, ct, mb, last):
       params_r = jax.tree.map(lambda a: a[r], c)
-      y, back = self.chunk_vjp(params_r, x)
+      y, back = self.chunk_vjp(params_r, x, _at(side, mb))
       loss, (g_head, ct_y) = jax.value_and_grad(self.loss_fn, argnums=(0, 1))(hd, y, _at(side, mb))
       g_p, ct_x = back(jnp.where(last, ct_y.astype(y.dtype), ct))
       loss = jnp.where(last, loss.astype(jnp.float32), 0.0)
@@ -94,7 +97,7 @@ class Loop:
 
     def middle(c, hd, r, x, ct, mb):  # no head: the cotangent came from the next stage
       params_r = jax.tree.map(lambda a: a[r], c)
-      g_p, ct_x = self.chunk_vjp(params_r, x)[1](ct)
+      g_p, ct_x = self.chunk_vjp(params_r, x, _at(side, mb))[1](ct)
       return g_p, ct_x, jax.tree.map(jnp.zeros_like, hd), zero()
 
     def idle(c, hd, r, x, ct, mb):
@@ -102,17 +105,18 @@ class Loop:
       return g_p, jnp.zeros_like(x), jax.tree.map(jnp.zeros_like, hd), zero()
 
     def loss_only(hd, r, x, mb):
-      return self.loss_fn(hd, forward(chunks, r, x), _at(side, mb))
+      return self.loss_fn(hd, forward(chunks, r, x, mb), _at(side, mb))
 
     def tick(carry, row_all):
       stash, gbuf, acc, hacc, dx, loss = carry
       row = {k: row_all[s, i] for k, i in COL.items()}
       # forward
       x_f = jnp.where(row['f_fresh'] == 1, xs[row['f_mb']].astype(self.dtype), stash[row['f_slot']])
+      f_args = (chunks, row['f_chunk'], x_f, row['f_mb'])
       if self.skip:
-        y = jax.lax.cond(row['f_valid'] == 1, forward, lambda c, r, x: x, chunks, row['f_chunk'], x_f)
+        y = jax.lax.cond(row['f_valid'] == 1, forward, lambda c, r, x, mb: x, *f_args)
       else:
-        y = forward(chunks, row['f_chunk'], x_f)
+        y = forward(*f_args)
       # backward (or, for the primal alone, the loss)
       first, last, valid = row['b_first'] == 1, row['b_last'] == 1, row['b_valid'] == 1
       x_b = jnp.where(first, xs[row['b_mb']].astype(self.dtype), stash[row['b_slot']])

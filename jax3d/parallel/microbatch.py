@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 
 from jax3d.config import RunPlan
+from jax3d.parallel import sharding
 from jax3d.parallel.sharding import DP, PP
 
 
@@ -61,6 +62,17 @@ def merge_microbatches(x_m: jax.Array, blocks: int | None = None) -> jax.Array:
   if blocks is None:
     return x_m.swapaxes(0, 1).reshape(m * x_m.shape[1], *rest)
   return x_m.reshape(m, blocks, x_m.shape[1] // blocks, *rest).swapaxes(0, 1).reshape(-1, *rest)
+
+
+def stacked(x_b: jax.Array, plan: RunPlan, manual: bool) -> tuple[jax.Array, int | None]:
+  """[B, T, ...] -> [m, b, T, ...] as the pipeline's loop takes it (annotated), and the `blocks`
+  that merge it back (`merge_microbatches`)."""
+  names = ('micro', 'batch', 'seq', 'embed')[: x_b.ndim + 1]
+  if splits_microbatches(plan):  # whole micro-batches over pp: blocks of each dp shard's rows
+    m, blocks = (plan.microbatches // plan.pp, 1) if manual else (plan.microbatches, plan.dp)
+    return sharding.constrain(microbatches(x_b, m, blocks), names), blocks
+  names = ('micro', 'batch_all', *names[2:])
+  return sharding.constrain(microbatches(x_b, plan.microbatches), names), None
 
 
 def local_rows(x_b: jax.Array, plan: RunPlan) -> jax.Array:

@@ -71,6 +71,7 @@ def apply(
   layer_fn: ring.LayerFn,
   layers: Any,
   x_btd: jax.Array,
+  side_bt: dict[str, jax.Array] | None = None,
   *,
   mesh: Mesh,
   plan: RunPlan,
@@ -79,16 +80,19 @@ def apply(
   manual: bool = False,
 ) -> jax.Array:
   """The embedded batch [B, T, D] through all layers (stacked, in storage order), pipelined.
+  `side_bt`: per-row arrays [B, T] (segment ids, positions, ...), micro-batched as the rows; each
+  layer gets its micro-batch's (`ring.LayerFn`).
 
   With sequence parallelism (`plan.sequence_parallel`) the loop carries each micro-batch as its
   flattened rows [b*t, D] and `layer_fn` takes and returns them (layers.Block's `seq_len` path):
   the layers keep the rows split over tp from one layer to the next, across the ring too."""
 
-  def stage_layer(p, h):  # rows are local inside the loop: the rules name no manual axis there
+  def stage_layer(p, h, side):  # rows are local inside the loop: the rules name no manual axis there
     with sharding.use_rules(sharding.without_dp_pp(rules)):
-      return layer_fn(p, h)
+      return layer_fn(p, h, side)
 
-  x_mbtd, blocks = _microbatched(x_btd, plan, manual)
+  x_mbtd, blocks = microbatch.stacked(x_btd, plan, manual)
+  side_mbt = {k: microbatch.stacked(a, plan, manual)[0] for k, a in (side_bt or {}).items()}
   shape = x_mbtd.shape
   if plan.sequence_parallel:  # [m, b, t, d] -> [m, b*t, d]: the b-major rows split as the batch does
     x_mbtd = x_mbtd.reshape(shape[0], shape[1] * shape[2], shape[3])
@@ -111,20 +115,11 @@ def apply(
     manual=manual,
     carry=(rows_over_tp(True), rows_over_tp(False)) if plan.sequence_parallel else None,
     skip_bubbles=skips_bubbles(plan, mesh),
+    side_mbt=side_mbt,
   )
   return sharding.constrain(
     microbatch.merge_microbatches(y_mbtd.reshape(shape), blocks), ('batch_all', 'seq', 'embed')
   )
-
-
-def _microbatched(x_b: jax.Array, plan: RunPlan, manual: bool) -> tuple[jax.Array, int | None]:
-  """[B, T, ...] -> [m, b, T, ...] as the loop takes it, and the `blocks` that merge it back."""
-  names = ('micro', 'batch', 'seq', 'embed')[: x_b.ndim + 1]
-  if microbatch.splits_microbatches(plan):  # whole micro-batches over pp: blocks of each dp shard's rows
-    m, blocks = (plan.microbatches // plan.pp, 1) if manual else (plan.microbatches, plan.dp)
-    return sharding.constrain(microbatch.microbatches(x_b, m, blocks), names), blocks
-  names = ('micro', 'batch_all', *names[2:])
-  return sharding.constrain(microbatch.microbatches(x_b, plan.microbatches), names), None
 
 
 def run(
@@ -139,6 +134,7 @@ def run(
   manual: bool = False,
   carry: tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]] | None = None,
   skip_bubbles: bool = False,
+  side_mbt: dict[str, jax.Array] | None = None,
 ) -> jax.Array:
   """Every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`; returns
   [m, b, t, d], equal to `ring.run_layers` applied to each micro-batch in turn. With `scatter` = k, x
@@ -148,7 +144,8 @@ def run(
   inside it: sequence parallelism splits the inputs' rows over tp (the queue, and so the ring,
   hold and move 1/tp of them) and makes the outputs whole again (one all-gather over tp) before
   the sum over pp hands them on. `skip_bubbles`: bubble
-  iterations run no layers (`skips_bubbles`)."""
+  iterations run no layers (`skips_bubbles`). `side_mbt`: per-row arrays [m, b, t] laid out as x's
+  first two axes; each layer gets its micro-batch's (`ring.LayerFn`)."""
   split, whole = carry or (lambda a: a, lambda a: a)
   p, v = mesh.shape[PP], repeats
   # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
@@ -157,23 +154,24 @@ def run(
   rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
   dtype = x_mbtd.dtype
 
-  def stage_loop(layers_local, x_mbtd):
+  def stage_loop(layers_local, x_mbtd, side_m):
     if DP in axes:
       # The weights are the same on every dp rank; marking them as varying here, in their stored
       # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
       # loop, instead of once per micro-batch inside it.
       layers_local = jax.tree.map(lambda a: sharding.vary(a, (DP,)), layers_local)
     if scatter is not None:
-      x_mbtd = jax.lax.all_gather(x_mbtd, PP, axis=scatter, tiled=True)
+      gather = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
+      x_mbtd, side_m = gather(x_mbtd), jax.tree.map(gather, side_m)
     x_mbtd = split(x_mbtd)
     if p == 1:  # no ring: the micro-batches simply run one after another
       one = remat.wrap_iteration(
-        lambda _, x_btd: (None, ring.run_layers(layer_fn, layers_local, x_btd, policy)), policy
+        lambda _, xs: (None, ring.run_layers(layer_fn, layers_local, xs[0], policy, side=xs[1])), policy
       )
-      return whole(jax.lax.scan(one, None, x_mbtd.astype(dtype))[1].astype(jnp.float32))
+      return whole(jax.lax.scan(one, None, (x_mbtd.astype(dtype), side_m))[1].astype(jnp.float32))
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
     out_mbtd = ring.circulate(
-      layer_fn, layers_local, sharding.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles
+      layer_fn, layers_local, sharding.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles, side_m
     )
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
     out_mbtd = whole(out_mbtd)
@@ -183,12 +181,17 @@ def run(
 
   # The activations cross the loop's boundary in fp32 (the sums over pp of their gradients too):
   # exact, a one-off m*b*t*d per step, and it avoids XLA:CPU's failing bf16 all-reduce promotion.
-  x32_mbtd = x_mbtd.astype(jnp.float32)
+  x32_mbtd, side_mbt = x_mbtd.astype(jnp.float32), side_mbt or {}
   if not axes or manual:
-    return stage_loop(layers, x32_mbtd).astype(dtype)
+    return stage_loop(layers, x32_mbtd, side_mbt).astype(dtype)
   return jax.shard_map(
-    stage_loop, mesh=mesh, in_specs=(P(names(PP)), rows), out_specs=rows, axis_names=axes, check_vma=True
-  )(layers, x32_mbtd).astype(dtype)
+    stage_loop,
+    mesh=mesh,
+    in_specs=(P(names(PP)), rows, rows),
+    out_specs=rows,
+    axis_names=axes,
+    check_vma=True,
+  )(layers, x32_mbtd, side_mbt).astype(dtype)
 
 
 # --- 1F1B: the loss inside the loop ---------------------------------------------------------------
@@ -215,7 +218,7 @@ def loss(
   """The loss sum of the embedded batch [B, T, D] under the 1F1B schedule: the micro-batches
   through all layers (stacked, in storage order, as `apply`), and `loss_fn(head, y_btd, side)` of
   each on the last stage, inside the loop (`run_loss`). `side_bt`: per-row inputs of the loss
-  ([B, T] arrays: targets, weights, ...), micro-batched as x is; `head`: the parameters `loss_fn`
+  and the layers ([B, T] arrays: targets, weights, segment ids, ...), micro-batched as x is; `head`: the parameters `loss_fn`
   reads. With `manual` the sum is this device's share (see `apply`)."""
   local = lambda fn: lambda *a: _with_rules(sharding.without_dp_pp(rules), fn, *a)
   rows_sp = None
@@ -225,8 +228,8 @@ def loss(
     local(layer_fn),
     layers,
     head,
-    _microbatched(x_btd, plan, manual)[0],
-    {k: _microbatched(a, plan, manual)[0] for k, a in side_bt.items()},
+    microbatch.stacked(x_btd, plan, manual)[0],
+    {k: microbatch.stacked(a, plan, manual)[0] for k, a in side_bt.items()},
     local(loss_fn),
     mesh=mesh,
     repeats=plan.repeats,

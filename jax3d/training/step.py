@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax3d.data.corpus import STEP_KEYS
 from jax3d.model import llama
 from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
 from jax3d.training import optim
@@ -34,39 +35,41 @@ Batch = dict[str, jax.Array]
 
 
 # --- loss and gradients ---------------------------------------------------------------------
-def loss_sum(
-  params: Any, tokens_bt: jax.Array, targets_bt: jax.Array, s: Setup, manual: bool = False
-) -> jax.Array:
-  """Sum of token losses of one accumulation chunk. `manual`: traced inside data_parallel's
-  shard_map (manual over dp and pp): the rows are this device's, the layers this stage's, and
-  the sum is this device's share (summed over dp and pp by the caller)."""
+# The per-row arrays of rows of documents that the layers read (segment mask, rotary positions).
+DOC_KEYS = ('segment_ids', 'positions')
+
+
+def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.Array:
+  """sum(w * CE) of one accumulation chunk: `batch` holds inputs and targets [b, t], and optionally
+  weights (None: 1) and DOC_KEYS (without: one causal sequence per row). `manual`: traced inside
+  data_parallel's shard_map (manual over dp and pp): the rows are this device's, the layers this
+  stage's, and the sum is this device's share (summed over dp and pp by the caller)."""
   if manual:
-    tokens_bt, targets_bt = (
-      microbatch.local_rows(tokens_bt, s.plan),
-      microbatch.local_rows(targets_bt, s.plan),
-    )
+    batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
   if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
-    return _pipelined_loss_sum(params, tokens_bt, {'targets': targets_bt}, s, manual)
-  return llama.cross_entropy_sum(logits(params, tokens_bt, s, manual), targets_bt)
+    return _pipelined_loss_sum(params, batch, s, manual)
+  y = logits(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
+  return llama.cross_entropy_sum(y, batch['targets'], batch.get('weights'))
 
 
-def _pipelined_loss_sum(
-  params: Any, tokens_bt: jax.Array, side_bt: Batch, s: Setup, manual: bool
-) -> jax.Array:
+def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> jax.Array:
   """embed -> the 1F1B pipeline, whose last stage computes the head and the loss of each
-  micro-batch from its per-row side inputs (`side_bt`: [B, T] arrays, micro-batched as the rows)."""
+  micro-batch from its per-row side inputs (every [B, T] array but the inputs, micro-batched as
+  the rows; the layers read DOC_KEYS of them)."""
   head = {k: v for k, v in params.items() if k != 'layers'}  # what llama.head_apply may read
 
   def micro_loss(head, y_btd, side):
-    return llama.cross_entropy_sum(llama.head_apply(s.dims, head, y_btd), side['targets'])
+    return llama.cross_entropy_sum(
+      llama.head_apply(s.dims, head, y_btd), side['targets'], side.get('weights')
+    )
 
-  x_btd = llama.embed_apply(s.dims, params, tokens_bt)
+  x_btd = llama.embed_apply(s.dims, params, batch['inputs'])
   return pipeline.loss(
-    _block_fn(s, tokens_bt.shape[1]),
+    _block_fn(s, batch['inputs'].shape[1]),
     params['layers'],
     head,
     x_btd,
-    side_bt,
+    {k: v for k, v in batch.items() if k != 'inputs'},
     micro_loss,
     mesh=s.mesh,
     plan=s.plan,
@@ -77,18 +80,29 @@ def _pipelined_loss_sum(
 
 
 def _block_fn(s: Setup, seq_len: int) -> Callable:
-  """One layer as the pipeline runs it: (layer params, x) -> x (rows [b*t, d] under SP)."""
-  return lambda p, h: llama.block_apply(s.dims, p, h, seq_len=seq_len if s.plan.sequence_parallel else None)
+  """One layer as the pipeline runs it: (layer params, x, side) -> x (rows [b*t, d] under SP), with
+  its micro-batch's segment ids and positions from `side` when it has them."""
+  sp_len = seq_len if s.plan.sequence_parallel else None
+
+  def layer(p, h, side):
+    ids = side.get('segment_ids')
+    return llama.block_apply(s.dims, p, h, side.get('positions'), seq_len=sp_len, segment_ids=ids)
+
+  return layer
 
 
-def logits(params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False) -> jax.Array:
+def logits(
+  params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False, doc: Batch | None = None
+) -> jax.Array:
   """fp32 logits [b, t, v_padded] (vocab over tp): embed -> the pipeline -> head, as training
-  computes them (the loss is their cross-entropy)."""
+  computes them (the loss is their cross-entropy). `doc`: DOC_KEYS arrays [b, t] of rows of
+  documents (attention within a segment, positions restarting), or none."""
   x_btd = llama.embed_apply(s.dims, params, tokens_bt)
   y_btd = pipeline.apply(
     _block_fn(s, tokens_bt.shape[1]),
     params['layers'],
     x_btd,
+    doc or None,
     mesh=s.mesh,
     plan=s.plan,
     rules=s.rules,
@@ -101,32 +115,45 @@ def logits(params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False) ->
 def accumulate(
   grad_fn: Callable, params: Any, batch: Batch, a: int, first_outside: bool = False
 ) -> tuple[jax.Array, Any]:
-  """(loss, grads) of `grad_fn` summed over `a` accumulation chunks of the batch, in a scan (chunk
-  i = rows i, i+a, ...: local to each dp shard). The sum starts from zeros, or with
-  `first_outside` from chunk 0 computed before the scan: inside a shard_map the accumulator must
-  vary over the same manual axes as the loss, which depends on the layout (the same sum: 0 + x = x)."""
+  """(loss, grads) of `grad_fn(params, chunk)` summed over `a` accumulation chunks of the batch (every
+  key's rows), in a scan (chunk i = rows i, i+a, ...: local to each dp shard). The sum starts from
+  zeros, or with `first_outside` from chunk 0 computed before the scan: inside a shard_map the
+  accumulator must vary over the same manual axes as the loss, which depends on the layout (the
+  same sum: 0 + x = x)."""
   if a == 1:
-    return grad_fn(params, batch['inputs'], batch['targets'])
+    return grad_fn(params, batch)
 
-  def body(acc, xy):
-    return jax.tree.map(jnp.add, acc, grad_fn(params, *xy)), None
+  def body(acc, chunk):
+    return jax.tree.map(jnp.add, acc, grad_fn(params, chunk)), None
 
-  xs = (microbatch.microbatches(batch['inputs'], a), microbatch.microbatches(batch['targets'], a))
+  xs = {k: microbatch.microbatches(v, a) for k, v in batch.items()}
   if first_outside:
-    return jax.lax.scan(body, grad_fn(params, xs[0][0], xs[1][0]), (xs[0][1:], xs[1][1:]))[0]
+    first, rest = ({k: v[i] for k, v in xs.items()} for i in (0, slice(1, None)))
+    return jax.lax.scan(body, grad_fn(params, first), rest)[0]
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
   return jax.lax.scan(body, zeros, xs)[0]
 
 
+def weight_sum(batch: Batch) -> jax.Array:
+  """The loss's normaliser: the sum of the batch's weights (its token count without weights),
+  kept from 0 (a batch of padding only then has loss 0)."""
+  if 'weights' not in batch:
+    return jnp.float32(batch['inputs'].size)
+  return jnp.maximum(jnp.sum(batch['weights'], dtype=jnp.float32), jnp.finfo(jnp.float32).tiny)
+
+
 def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[jax.Array, Any, Any]:
-  """Mean token loss of the global batch, its gradient summed over dp, and the new int8 residual."""
-  n_tokens = batch['inputs'].size  # global
+  """The weighted mean token loss of the global batch, sum(w * CE) / sum(w), its gradient summed
+  over dp, and the new int8 residual. sum(w) is the global batch's, computed once here: every
+  micro-batch, accumulation chunk and dp shard divides by the same number, so the loss and its
+  gradient are the same on every layout."""
+  norm = weight_sum(batch)  # global
   if not s.explicit_dp:
-    grad_fn = jax.value_and_grad(lambda p, x, y: loss_sum(p, x, y, s) / n_tokens)
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(p, b, s) / norm)
     return (*accumulate(grad_fn, params, batch, s.plan.grad_accum), residual)
 
-  def local_grads(params, batch):  # one device's rows: the mesh axes dp and pp are manual here
-    grad_fn = jax.value_and_grad(lambda p, x, y: loss_sum(p, x, y, s, manual=True) / n_tokens)
+  def local_grads(params, batch, norm):  # one device's rows: the mesh axes dp and pp are manual here
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(p, b, s, manual=True) / norm)
     with sharding.use_rules(sharding.without_dp_pp(s.rules)):
       return accumulate(grad_fn, params, batch, s.plan.grad_accum, first_outside=True)
 
@@ -135,6 +162,7 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
     params,
     batch,
     residual,
+    norm,
     mesh=s.mesh,
     params_sh=s.param_shardings,
     grads_sh=s.zero_shardings if s.zero1 else s.param_shardings,
@@ -165,15 +193,17 @@ def _fault_drill(step: jax.Array, loss: jax.Array, grads: Any, steps: tuple[int,
 
 def check_batch(batch: Batch, rows: int, seq_len: int, what: str) -> None:
   """The batch at a step's boundary, checked when the step is traced (chex; nothing runs per
-  step): `inputs` and `targets` are integer token ids of shape [rows, seq_len]. Another shape would
-  otherwise be split into micro-batches of the wrong size, or fail deep inside the pipeline."""
-  arrays, msg = (
-    [batch['inputs'], batch['targets']],
-    f'{what}: batch inputs and targets must be [{rows}, {seq_len}]',
-  )
+  step): STEP_KEYS arrays of shape [rows, seq_len], weights float and the others integers.
+  Another shape would otherwise be split into micro-batches of the wrong size, or fail deep inside
+  the pipeline."""
+  missing = [k for k in STEP_KEYS if k not in batch]
+  assert not missing, f'{what}: the batch has no {", ".join(missing)} (it takes {", ".join(STEP_KEYS)})'
+  arrays = [batch[k] for k in STEP_KEYS]
+  msg = f'{what}: batch inputs, targets, weights, segment_ids and positions must be [{rows}, {seq_len}]'
   chex.assert_rank(arrays, 2, custom_message=msg)
   chex.assert_shape(arrays, (rows, seq_len), custom_message=msg)
-  chex.assert_type(arrays, int, custom_message=msg)
+  chex.assert_type([batch[k] for k in STEP_KEYS if k != 'weights'], int, custom_message=msg)
+  chex.assert_type(batch['weights'], float, custom_message=msg)
 
 
 def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
@@ -221,9 +251,11 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
 
 
 def eval_step(params: Any, batch: Batch, s: Setup) -> jax.Array:
+  """The weighted mean loss of one chunk of held-out rows (evaluation weights it by the chunk's
+  weight sum, so the held-out loss is the weighted mean over all of its batches)."""
   check_batch(batch, s.plan.chunk_batch, s.plan.seq_len, 'eval step (one accumulation chunk x train.seq_len)')
   with sharding.use_rules(s.rules):
-    return loss_sum(params, batch['inputs'], batch['targets'], s) / batch['inputs'].size
+    return loss_sum(params, batch, s) / weight_sum(batch)
 
 
 # --- jitted forms -----------------------------------------------------------------------------
