@@ -217,3 +217,47 @@ def test_sequence_parallel_bf16_equals_one_device(bf16):
   """bf16 under SP (its reduce-scatters and all-gathers in bf16) against one device in bf16."""
   over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, **bf16, **SP}
   check_bf16(over, tuple(bf16.items()))
+
+
+# The model families' features trained from scratch (not imported): tied embeddings with q/k/v
+# biases and llama3 rope scaling, and q/k norms with a head size that is not d_model/n_heads. Every
+# parameter is one device's on the 3D layouts and both pipeline schedules (the tied table is read by
+# the head inside the 1F1B loop).
+QWEN2_LIKE = (
+  ('model__tie_embeddings', True),
+  ('model__qkv_bias', True),
+  ('model__rope_scaling', 'llama3'),
+  ('model__rope_factor', 8.0),
+  ('model__rope_original_max_seq_len', 8),
+)
+QWEN3_LIKE = (('model__qk_norm', True), ('model__head_dim', 16), ('model__n_kv_heads', 4))
+
+
+@pytest.mark.parametrize(
+  'features',
+  [pytest.param(QWEN2_LIKE, id='tied-bias-llama3'), pytest.param(QWEN3_LIKE, id='qk_norm-head_dim')],
+)
+@pytest.mark.parametrize(
+  'layout',
+  [
+    pytest.param({'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}, id='2-2-2'),
+    pytest.param(
+      {
+        'mesh__dp': 1,
+        'mesh__pp': 2,
+        'mesh__tp': 4,
+        'pipeline__microbatches': 4,
+        'pipeline__schedule': '1f1b',
+      },
+      id='1-2-4-1f1b',
+      marks=pytest.mark.slow,
+    ),
+    pytest.param(
+      {'mesh__dp': 2, 'mesh__pp': 1, 'mesh__tp': 4, 'train__sequence_parallel': 'true'},
+      id='2-1-4-sp',
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
+def test_family_features_from_scratch_equal_one_device(features, layout):
+  check({**dict(features), **layout}, features)
