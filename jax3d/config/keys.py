@@ -65,6 +65,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.remat = 'none'  # none | dots | attn | full | stage  (see jax3d/parallel/remat.py)
   c.train.compute_dtype = 'float32'  # float32 | bfloat16
   c.train.param_dtype = 'float32'  # float32 | bfloat16 (master weights and optimizer state)
+  # the head and cross-entropy in this many pieces of the sequence (a scan, each piece's logits
+  # recomputed in the backward): fp32 logits for 1/loss_chunks of the tokens at a time; divides seq_len
+  c.train.loss_chunks = 1
   c.train.grad_accum = 1  # sequential chunks of the global batch per optimizer step
   c.train.max_bad_steps = 5  # consecutive non-finite steps before the run stops
   c.train.inject_nan_at = ''  # fault drill: comma-separated steps whose loss is made NaN

@@ -74,7 +74,7 @@ MODEL_SIZES = (
   'max_seq_len',
   'vocab_multiple',
 )
-TRAIN_SIZES = ('global_batch_size', 'seq_len', 'grad_accum', 'max_bad_steps')
+TRAIN_SIZES = ('global_batch_size', 'seq_len', 'grad_accum', 'max_bad_steps', 'loss_chunks')
 
 SETTINGS: tuple[tuple[str, Rule], ...] = (
   ('train.compute_dtype', one_of(DTYPES)),
@@ -178,11 +178,25 @@ def _seq_len_fits(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
+def _loss_chunks_divide_seq(cfg: ml_collections.ConfigDict) -> Failure:
+  c, t = cfg.train.loss_chunks, cfg.train.seq_len
+  if t % c:
+    return (
+      'train.loss_chunks',
+      c,
+      f'a divisor of train.seq_len={t}: the head and loss run on pieces of the sequence, '
+      f'seq_len/loss_chunks positions of every row each (valid: '
+      f'{", ".join(str(d) for d in range(1, t + 1) if t % d == 0)})',
+    )
+  return None
+
+
 MODEL_CHECKS: tuple[Callable[[ml_collections.ConfigDict], Failure], ...] = (
   _heads_divide_d_model,
   _head_size_even,
   _kv_heads_divide_heads,
   _seq_len_fits,
+  _loss_chunks_divide_seq,
   _llama3_frequencies,
   _hf_model_type_holds_features,
 )

@@ -87,6 +87,34 @@ def cross_entropy_sum(
   return jnp.sum(ce_bt if weights_bt is None else ce_bt * weights_bt.astype(ce_bt.dtype))
 
 
+def head_loss_sum(
+  dims: Dims,
+  params: PyTree,
+  y_btd: jax.Array,
+  targets_bt: jax.Array,
+  weights_bt: jax.Array | None = None,
+  chunks: int = 1,
+) -> jax.Array:
+  """sum(w * CE) of the head's logits of `y_btd` (train.loss_chunks = `chunks`): with chunks > 1
+  the sequence is cut into `chunks` contiguous pieces of t/chunks positions (every row kept whole,
+  so the rows' sharding over dp and pp is untouched) and a scan runs the head and the loss of one
+  piece at a time under `jax.checkpoint`: the backward recomputes a piece's logits instead of
+  keeping them, so fp32 logits exist for 1/chunks of the tokens at a time. `chunks` divides t."""
+  if chunks == 1:
+    return cross_entropy_sum(head_apply(dims, params, y_btd), targets_bt, weights_bt)
+  b, t = targets_bt.shape
+  split = lambda a: jnp.moveaxis(a.reshape(b, chunks, t // chunks, *a.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def piece(params, y_btd, targets_bt, weights_bt):
+    return cross_entropy_sum(head_apply(dims, params, y_btd), targets_bt, weights_bt)
+
+  # each piece's sum is a scan output, not a carry (inside a shard_map the loss varies over the
+  # manual axes and a carry would have to start varying too: the model names no mesh axes)
+  xs = (split(y_btd), split(targets_bt), None if weights_bt is None else split(weights_bt))
+  return jnp.sum(jax.lax.scan(lambda _, xs: (None, piece(params, *xs)), None, xs)[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # Parameters: init (with stacked layers) and their logical axes.
 # ---------------------------------------------------------------------------------------------

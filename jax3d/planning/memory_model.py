@@ -20,7 +20,7 @@ for activations), modelling what jax3d's step really does:
     (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the stages instead
     (`_activations_1f1b`), whatever the number of micro-batches.
   - the head: fp32 logits, their exp and the one-hot targets (vocab over tp), and the embedding's
-    output, for the rows outside the pipeline's loop.
+    output, for the rows outside the pipeline's loop; the logits for 1/train.loss_chunks of them.
 """
 
 from __future__ import annotations
@@ -226,12 +226,15 @@ def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, re
 
 def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   """fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out.
-  Under 1F1B the head runs inside the loop on one micro-batch at a time (a dp shard's rows)."""
+  Under 1F1B the head runs inside the loop on one micro-batch at a time (a dp shard's rows). With
+  train.loss_chunks the logits terms are for one piece of the sequence (a scan recomputes each
+  piece's in the backward pass)."""
   dp_pp = plan.dp * plan.pp
   rows_all = plan.chunk_batch // (dp_pp if plan.chunk_batch % dp_pp == 0 else plan.dp)
   h, cb = cfg.model.d_model, BYTES[cfg.train.compute_dtype]
   head_rows = micro_rows(plan) if one_f_one_b(cfg, plan) else rows_all
-  return plan.seq_len * (head_rows * 3 * 4 * plan.vocab_padded // plan.tp + rows_all * 2 * h * cb)
+  logits = head_rows * 3 * 4 * plan.vocab_padded // plan.tp / cfg.train.loss_chunks
+  return plan.seq_len * (logits + rows_all * 2 * h * cb)
 
 
 def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dict:

@@ -34,6 +34,8 @@ def oom_ladder(
   ladder = _Ladder(cfg, plan, device_memory_bytes, hw, estimate(cfg, plan, device_memory_bytes, hw))
   lines = [f"Out of memory: {ladder.base.reason} ({ladder.base.describe()}). In the tutorial's order:"]
   lines.append(_recompute_rung(ladder))
+  if ladder.base.breakdown['head'] > ladder.base.breakdown['activations']:
+    lines.append(_loss_chunks_rung(ladder))
   lines.append('2. drop needless copies: the step keeps none (state donated, logs read scalars only)')
   lines.append(
     ladder.rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, ladder.acts)
@@ -101,6 +103,19 @@ def _recompute_rung(ladder: _Ladder) -> str:
     f'1. recomputation is already on (train.remat={remat}): activations '
     f'{ladder.base.breakdown["activations"] / GB:.1f} GB'
   )
+
+
+def _loss_chunks_rung(ladder: _Ladder) -> str:
+  """Rung 1b, where the head's fp32 logits outweigh the layers' activations (a large vocabulary at
+  small tp): the head and loss in pieces of the sequence, 8 times as many as now where seq_len has
+  such a divisor (else the most it has)."""
+  seq, now = ladder.plan.seq_len, ladder.cfg.train.loss_chunks
+  more = [d for d in range(now + 1, seq + 1) if seq % d == 0]
+  if not more:
+    return f'1b. the head and loss are already in {now} pieces, one position each'
+  chunks = next((d for d in more if d >= 8 * now), more[-1])
+  head = lambda e: f' (head {ladder.base.breakdown["head"] / GB:.2f} -> {e.breakdown["head"] / GB:.2f} GB)'
+  return ladder.rung('1b. the head and loss in pieces (logits dominate)', {'train.loss_chunks': chunks}, head)
 
 
 def _schedule_rung(ladder: _Ladder) -> str:

@@ -48,8 +48,15 @@ def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.A
     batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
   if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
     return _pipelined_loss_sum(params, batch, s, manual)
-  y = logits(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
-  return llama.cross_entropy_sum(y, batch['targets'], batch.get('weights'))
+  y_btd = hidden(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
+  return _head_loss_sum(params, y_btd, batch, s)
+
+
+def _head_loss_sum(head: Any, y_btd: jax.Array, side: Batch, s: Setup) -> jax.Array:
+  """sum(w * CE) of the head over the last layer's output, in train.loss_chunks pieces: the one
+  head and loss of both schedules (after the pipeline, or inside the 1F1B loop per micro-batch)."""
+  chunks = s.cfg.train.loss_chunks
+  return llama.head_loss_sum(s.dims, head, y_btd, side['targets'], side.get('weights'), chunks)
 
 
 def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> jax.Array:
@@ -58,11 +65,6 @@ def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> ja
   the rows; the layers read DOC_KEYS of them)."""
   head = {k: v for k, v in params.items() if k != 'layers'}  # what llama.head_apply may read
 
-  def micro_loss(head, y_btd, side):
-    return llama.cross_entropy_sum(
-      llama.head_apply(s.dims, head, y_btd), side['targets'], side.get('weights')
-    )
-
   x_btd = llama.embed_apply(s.dims, params, batch['inputs'])
   return pipeline.loss(
     _block_fn(s, batch['inputs'].shape[1]),
@@ -70,7 +72,7 @@ def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> ja
     head,
     x_btd,
     {k: v for k, v in batch.items() if k != 'inputs'},
-    micro_loss,
+    lambda head, y_btd, side: _head_loss_sum(head, y_btd, side, s),
     mesh=s.mesh,
     plan=s.plan,
     rules=s.rules,
@@ -97,8 +99,15 @@ def logits(
   """fp32 logits [b, t, v_padded] (vocab over tp): embed -> the pipeline -> head, as training
   computes them (the loss is their cross-entropy). `doc`: DOC_KEYS arrays [b, t] of rows of
   documents (attention within a segment, positions restarting), or none."""
+  return llama.head_apply(s.dims, params, hidden(params, tokens_bt, s, manual, doc))
+
+
+def hidden(
+  params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False, doc: Batch | None = None
+) -> jax.Array:
+  """The last layer's output [b, t, d] (embed -> the pipeline), what the head reads."""
   x_btd = llama.embed_apply(s.dims, params, tokens_bt)
-  y_btd = pipeline.apply(
+  return pipeline.apply(
     _block_fn(s, tokens_bt.shape[1]),
     params['layers'],
     x_btd,
@@ -109,7 +118,6 @@ def logits(
     policy=s.cfg.train.remat,
     manual=manual,
   )
-  return llama.head_apply(s.dims, params, y_btd)
 
 
 def accumulate(
