@@ -107,7 +107,9 @@ def test_resume_mid_epoch_gives_the_same_batches():
   start, stop = (n_rows + 6) // 4, 2 * n_rows // 4 + 3
   whole, whole_epochs = _prefetched(c, 0, stop)
   resumed, resumed_epochs = _prefetched(_docs_corpus('concat', n_docs=20), start, stop)
-  assert set(whole[0]) == set(data_lib.STEP_KEYS) == {'inputs', 'targets', 'weights', 'segment_ids', 'positions'}
+  assert (
+    set(whole[0]) == set(data_lib.STEP_KEYS) == {'inputs', 'targets', 'weights', 'segment_ids', 'positions'}
+  )
   assert start * 4 % n_rows and whole_epochs[start] == 1 and max(whole_epochs) == 2
   for i in range(start, stop):
     for k in data_lib.STEP_KEYS:
