@@ -164,16 +164,17 @@ def sample_workdir(
   devices = list(devices if devices is not None else jax.devices())
   cfg = sampling_config(cfg, len(devices), overrides)
   setup, params, _ = load_params(workdir, cfg, devices)
-  s = cfg.sample
-  return generate_text(
-    setup,
-    params,
-    s.prompt if prompt is None else prompt,
-    s.tokens if n_tokens is None else n_tokens,
-    s.temperature if temperature is None else temperature,
-    s.top_k if top_k is None else top_k,
-    seed,
-  )
+  return _text(setup, params, prompt, n_tokens, temperature, top_k, seed)
+
+
+def _text(setup: Setup, params: Any, prompt: str | None, *sampling: Any) -> str:
+  """generate_text with the config's sample.* values (prompt, tokens, temperature, top_k) where
+  an argument is None."""
+  s = setup.cfg.sample
+  defaults = (s.prompt, s.tokens, s.temperature, s.top_k)
+  given = (prompt, *sampling[:3])
+  values = [d if v is None else v for v, d in zip(given, defaults, strict=True)]
+  return generate_text(setup, params, *values, sampling[3])
 
 
 def sample_hf(
@@ -199,16 +200,7 @@ def sample_hf(
   cfg = config_lib.load_config(config or 'tiny', {**dict(overrides or {}), 'checkpoint.init_from': init_from})
   cfg = sampling_config(assemble.resolve(cfg), len(devices))
   setup = assemble.build(cfg, devices[: _n_devices(cfg, len(devices))])
-  s = cfg.sample
-  return generate_text(
-    setup,
-    weights.load_params(setup),
-    s.prompt if prompt is None else prompt,
-    s.tokens if n_tokens is None else n_tokens,
-    s.temperature if temperature is None else temperature,
-    s.top_k if top_k is None else top_k,
-    seed,
-  )
+  return _text(setup, weights.load_params(setup), prompt, n_tokens, temperature, top_k, seed)
 
 
 def sample(
