@@ -126,7 +126,7 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
     pytest.param((8, 1, 1, 1), marks=pytest.mark.slow),
     (1, 8, 1, 8),
     pytest.param((1, 2, 4, 2), marks=pytest.mark.slow),
-    (2, 2, 2, 'circular'),
+    pytest.param((2, 2, 2, 'circular'), marks=pytest.mark.slow),
   ],
 )
 def test_resume_onto_another_layout(tmp_path, target):

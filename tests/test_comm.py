@@ -116,7 +116,9 @@ LAYOUTS = {'8-1-1': {'mesh__dp': 8}, '2-2-2': LAYOUT_222}
 
 
 @pytest.mark.parametrize('layout', LAYOUTS)
-@pytest.mark.parametrize('dtype,limit', [('bfloat16', 0.55), ('int8', 0.3)])
+@pytest.mark.parametrize(
+  'dtype,limit', [pytest.param('bfloat16', 0.55, marks=pytest.mark.slow), ('int8', 0.3)]
+)
 def test_dp_reduction_bytes(dtype, limit, layout):
   """Bytes of the dp gradient reduction in the compiled HLO, against the float32 all-reduce; under
   tp > 1 the gradients stay tp-sharded through it (no tp bytes added, none gathered over tp)."""

@@ -137,7 +137,7 @@ BF16_LOSS_RTOL, BF16_GRAD_ULPS = 1e-4, 4
   'dp,pp,tp,extra',
   [
     pytest.param(1, 2, 2, {}, marks=pytest.mark.slow),
-    (2, 2, 2, {}),
+    pytest.param(2, 2, 2, {}, marks=pytest.mark.slow),
     (8, 1, 1, {'train__shard_optimizer': True}),
   ],
   ids=['1-2-2', '2-2-2', '8-1-1-zero1'],
@@ -210,7 +210,10 @@ def test_sequence_parallel_with_explicit_data_parallel_reduction():
 
 @pytest.mark.parametrize(
   'bf16',
-  [{'train__compute_dtype': 'bfloat16'}, {'model__n_kv_heads': 2, 'train__param_dtype': 'bfloat16'}],
+  [
+    {'train__compute_dtype': 'bfloat16'},
+    pytest.param({'model__n_kv_heads': 2, 'train__param_dtype': 'bfloat16'}, marks=pytest.mark.slow),
+  ],
   ids=['bf16-compute', 'gqa-bf16-params'],
 )
 def test_sequence_parallel_bf16_equals_one_device(bf16):
@@ -235,7 +238,10 @@ QWEN3_LIKE = (('model__qk_norm', True), ('model__head_dim', 16), ('model__n_kv_h
 
 @pytest.mark.parametrize(
   'features',
-  [pytest.param(QWEN2_LIKE, id='tied-bias-llama3'), pytest.param(QWEN3_LIKE, id='qk_norm-head_dim')],
+  [
+    pytest.param(QWEN2_LIKE, id='tied-bias-llama3'),
+    pytest.param(QWEN3_LIKE, id='qk_norm-head_dim', marks=pytest.mark.slow),
+  ],
 )
 @pytest.mark.parametrize(
   'layout',
