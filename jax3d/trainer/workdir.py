@@ -167,14 +167,27 @@ def sample_workdir(
   return _text(setup, params, prompt, n_tokens, temperature, top_k, seed)
 
 
-def _text(setup: Setup, params: Any, prompt: str | None, *sampling: Any) -> str:
-  """generate_text with the config's sample.* values (prompt, tokens, temperature, top_k) where
-  an argument is None."""
+def _text(
+  setup: Setup,
+  params: Any,
+  prompt: str | None,
+  n_tokens: int | None,
+  temperature: float | None,
+  top_k: int | None,
+  seed: int,
+) -> str:
+  """generate_text with the config's sample.* values where an argument is None."""
   s = setup.cfg.sample
-  defaults = (s.prompt, s.tokens, s.temperature, s.top_k)
-  given = (prompt, *sampling[:3])
-  values = [d if v is None else v for v, d in zip(given, defaults, strict=True)]
-  return generate_text(setup, params, *values, sampling[3])
+  pick = lambda value, default: default if value is None else value
+  return generate_text(
+    setup,
+    params,
+    pick(prompt, s.prompt),
+    pick(n_tokens, s.tokens),
+    pick(temperature, s.temperature),
+    pick(top_k, s.top_k),
+    seed,
+  )
 
 
 def sample_hf(
