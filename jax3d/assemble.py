@@ -32,7 +32,7 @@ from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config
 from jax3d.model import llama
-from jax3d.parallel import cpu, data_parallel, mesh as mesh_lib, microbatch, pipeline, sharding
+from jax3d.parallel import cpu, data_parallel, mesh as mesh_lib, microbatch, pipeline, sharding, zero3
 from jax3d.record import Setup
 from jax3d.training import optim, step as step_lib
 
@@ -66,6 +66,7 @@ def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
     rules=rules,
     layer_order=pipeline.layer_order(dims.n_layers, plan.pp, plan.repeats),
     zero1=data_parallel.zero1(cfg, plan),
+    zero3=data_parallel.shard_params(cfg, plan),
     explicit_dp=data_parallel.explicit(cfg, plan),
     has_residual=data_parallel.has_residual(cfg, plan),
     param_shardings=sharding.tree_shardings(llama.param_logical_axes(dims), mesh, rules),
@@ -79,7 +80,13 @@ def _with_state(s: Setup) -> Setup:
   """`s` with the train state's shapes (traced once, nothing allocated) and shardings."""
   shapes = jax.eval_shape(lambda: step_lib.init_state(jax.random.key(0), s))
   replicated = NamedSharding(s.mesh, P())
-  zero = data_parallel.zero_shardings(shapes['params'], s.param_shardings, s.mesh, s.plan.dp)
+  compute = s.param_shardings  # the layers' own layout (tp, pp)
+  zero = data_parallel.zero_shardings(shapes['params'], compute, s.mesh, s.plan.dp)
+  gather = None
+  if s.zero3:  # ZeRO-3: stored in the ZeRO layout, gathered where used (jax3d/parallel/zero3.py)
+    dims = data_parallel.dims_tree(shapes['params'], compute, s.plan.dp)['layers']
+    gather = zero3.Gather(dims, data_parallel.gather_mode(s.cfg, s.plan))
+    s = dataclasses.replace(s, param_shardings=zero)
   # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
   moments = zero if s.zero1 else s.param_shardings
   opt = {}
@@ -93,7 +100,7 @@ def _with_state(s: Setup) -> Setup:
   jax.eval_shape(opt_shardings)
   state_sh = {'step': replicated, 'params': s.param_shardings, 'opt_state': opt['tree']}
   if s.has_residual:
-    state_sh['grad_residual'] = data_parallel.residual_shardings(s.param_shardings, s.mesh)
+    state_sh['grad_residual'] = data_parallel.residual_shardings(compute, s.mesh)
   abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, state_sh)
   shape = (s.plan.global_batch, s.plan.seq_len)
   batch = {
@@ -102,7 +109,9 @@ def _with_state(s: Setup) -> Setup:
   }
   return dataclasses.replace(
     s,
+    compute_shardings=compute,
     zero_shardings=zero,
+    gather=gather,
     state_shardings=state_sh,
     abstract_state=abstract,
     abstract_batch=batch,

@@ -33,13 +33,16 @@ class Setup:
   schedule: optax.Schedule  # the learning rate of each step
   rules: Any  # jax3d.parallel.sharding.Rules: logical axis -> mesh axes
   layer_order: np.ndarray  # position j of the stacked layers holds canonical layer layer_order[j]
-  zero1: bool  # Adam's moments sharded over dp (train.shard_optimizer, resolved)
+  zero1: bool  # Adam's moments and the reduced gradients sharded over dp (ZeRO-1, or under ZeRO-3)
+  zero3: bool  # the parameters stored sharded over dp too (train.shard_params, resolved)
   explicit_dp: bool  # the dp gradient sum written by hand (ZeRO-1, bf16/int8 reductions)
   has_residual: bool  # int8 error feedback: the state carries a residual per dp rank
-  param_shardings: Any  # a NamedSharding per parameter
+  param_shardings: Any  # a NamedSharding per parameter, as stored (the ZeRO layout under ZeRO-3)
   batch_sharding: NamedSharding  # token batches: rows over dp
   hf: Any = None  # jax3d.hf.config.HFModel of an hf: import (read once), else None
-  zero_shardings: Any = None  # the ZeRO-1 layout of parameter-shaped trees
+  compute_shardings: Any = None  # the parameters as the layers use them (tp, pp): gathered over dp
+  zero_shardings: Any = None  # the ZeRO layout of parameter-shaped trees (dp on each zero_dim)
+  gather: Any = None  # jax3d.parallel.zero3.Gather of the stacked layers under ZeRO-3, else None
   state_shardings: Any = None  # the train state's shardings
   abstract_state: Any = None  # the train state as ShapeDtypeStructs with their shardings
   abstract_batch: Any = None  # the steps' batch keys (data.corpus.STEP_KEYS) as ShapeDtypeStructs

@@ -72,6 +72,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.max_bad_steps = 5  # consecutive non-finite steps before the run stops
   c.train.inject_nan_at = ''  # fault drill: comma-separated steps whose loss is made NaN
   c.train.shard_optimizer = False  # ZeRO-1: shard Adam moments over dp
+  # ZeRO-3: parameters, gradients and Adam moments sharded over dp, gathered where used
+  c.train.shard_params = False
+  c.train.shard_params_gather = 'auto'  # auto | layer | step: per layer in the loop, or once per step
   c.train.grad_reduce_dtype = 'float32'  # float32 | bfloat16 | int8 for the dp gradient reduction
   c.train.attention = 'auto'  # auto | xla | cudnn  (jax.nn.dot_product_attention implementation)
   c.train.sequence_parallel = 'false'  # Megatron-SP with tp > 1: true | false | auto (on when rows divide)

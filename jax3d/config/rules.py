@@ -18,6 +18,7 @@ DTYPES = ('float32', 'bfloat16')
 REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 SCHEDULES = ('gpipe', 'circular', '1f1b')  # jax3d/parallel/schedule_1f1b.py for 1f1b
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
+GATHERS = ('auto', 'layer', 'step')  # train.shard_params_gather (jax3d/parallel/zero3.py)
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
 PACKINGS = ('auto', 'concat', 'pack')  # data.packing (jax3d/data/packing.py)
 SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
@@ -82,6 +83,7 @@ SETTINGS: tuple[tuple[str, Rule], ...] = (
   ('train.remat', one_of(REMAT_POLICIES)),
   ('pipeline.schedule', one_of(SCHEDULES)),
   ('train.grad_reduce_dtype', one_of(GRAD_REDUCE_DTYPES)),
+  ('train.shard_params_gather', one_of(GATHERS)),
   ('train.attention', one_of(ATTENTION_IMPLS)),
   ('data.packing', one_of(PACKINGS)),
   ('model.rope_scaling', one_of(ROPE_SCALINGS)),
@@ -191,12 +193,27 @@ def _loss_chunks_divide_seq(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
+def _layer_gather_on_compiler_path(cfg: ml_collections.ConfigDict) -> Failure:
+  t = cfg.train
+  if t.shard_params and t.shard_params_gather == 'layer':
+    why = [f'train.{k}={t[k]!r}' for k in ('grad_reduce_dtype', 'param_dtype') if t[k] != 'float32']
+    if why:
+      return (
+        'train.shard_params_gather',
+        t.shard_params_gather,
+        f"'step' or 'auto' with {' and '.join(why)}: that reduction sums each rank's whole "
+        'gradient once per step, so the parameters are gathered once per step',
+      )
+  return None
+
+
 MODEL_CHECKS: tuple[Callable[[ml_collections.ConfigDict], Failure], ...] = (
   _heads_divide_d_model,
   _head_size_even,
   _kv_heads_divide_heads,
   _seq_len_fits,
   _loss_chunks_divide_seq,
+  _layer_gather_on_compiler_path,
   _llama3_frequencies,
   _hf_model_type_holds_features,
 )

@@ -45,7 +45,7 @@ import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax3d.config import RunPlan
-from jax3d.parallel import compression
+from jax3d.parallel import compression, zero3
 from jax3d.parallel.sharding import DP, PP, TP, vary
 
 PyTree = Any  # nested dicts of arrays (or of their abstract shapes / shardings)
@@ -56,17 +56,24 @@ def _spec_tuple(spec: P, ndim: int) -> tuple:
   return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
 
 
-def zero_dim(shape: tuple[int, ...], spec: P, dp: int) -> int | None:
-  """The dimension ZeRO-1 shards over dp: the first one replicated and divisible by dp."""
+def zero_dim(shape: tuple[int, ...], spec: P, dp: int, first: int = 0) -> int | None:
+  """The dimension ZeRO shards over dp: the first one from `first` replicated and divisible by dp."""
   for i, (n, ax) in enumerate(zip(shape, _spec_tuple(spec, len(shape)), strict=True)):
-    if ax is None and n % dp == 0 and n >= dp:
+    if i >= first and ax is None and n % dp == 0 and n >= dp:
       return i
   return None
 
 
-def zero_spec(shape: tuple[int, ...], spec: P, dp: int) -> P:
+def _first(path: tuple) -> int:
+  """Stacked layers are never sharded over dp on their layer axis: a dp shard is a slice of every
+  layer, so ZeRO-3 gathers one layer at a time (jax3d/parallel/zero3.py), and ZeRO-1's moments
+  have the same layout."""
+  return 1 if getattr(path[0], 'key', None) == 'layers' else 0
+
+
+def zero_spec(shape: tuple[int, ...], spec: P, dp: int, first: int = 0) -> P:
   """`spec` with dp added on the leaf's `zero_dim` (unchanged when it has none)."""
-  k = zero_dim(shape, spec, dp)
+  k = zero_dim(shape, spec, dp, first)
   t = list(_spec_tuple(spec, len(shape)))
   if k is not None:
     t[k] = DP
@@ -74,20 +81,24 @@ def zero_spec(shape: tuple[int, ...], spec: P, dp: int) -> P:
 
 
 def zero_shardings(abstract_params: PyTree, params_sh: PyTree, mesh: Mesh, dp: int) -> PyTree:
-  """Parameter shardings with dp added on each leaf's `zero_dim` (the ZeRO-1 layout)."""
-  return jax.tree.map(
-    lambda a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp)), abstract_params, params_sh
+  """Parameter shardings with dp added on each leaf's `zero_dim` (the ZeRO layout: ZeRO-1's
+  moments and gradients, ZeRO-3's parameters too). `params_sh`: the layers' own (tp, pp) layout."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp, _first(path))),
+    abstract_params,
+    params_sh,
   )
 
 
 def dims_tree(abstract_params: PyTree, params_sh: PyTree, dp: int) -> PyTree:
-  """Each leaf's `zero_dim`, -1 for none (a None would not be a pytree leaf)."""
+  """Each leaf's `zero_dim` in the layers' own layout `params_sh`, -1 for none (a None would not
+  be a pytree leaf)."""
 
-  def k(a, sh):
-    d = zero_dim(a.shape, sh.spec, dp)
+  def k(path, a, sh):
+    d = zero_dim(a.shape, sh.spec, dp, _first(path))
     return -1 if d is None else d
 
-  return jax.tree.map(k, abstract_params, params_sh)
+  return jax.tree_util.tree_map_with_path(k, abstract_params, params_sh)
 
 
 def residual_shardings(params_sh: PyTree, mesh: Mesh) -> PyTree:
@@ -101,17 +112,40 @@ def init_residual(params: PyTree, dp: int) -> PyTree:
 
 
 # --- the decisions -----------------------------------------------------------------------------
+def shard_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+  """ZeRO-3: the parameters themselves stored sharded over dp (train.shard_params, with dp ranks);
+  jax3d/parallel/zero3.py gathers them where the layers use them."""
+  return bool(cfg.train.shard_params) and plan.dp > 1
+
+
 def zero1(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
-  """ZeRO-1: Adam's moments sharded over dp (train.shard_optimizer, when there are dp ranks)."""
-  return bool(cfg.train.shard_optimizer) and plan.dp > 1
+  """Adam's moments and the reduced gradients in the ZeRO layout (train.shard_optimizer, or
+  train.shard_params, which shards them with the parameters), when there are dp ranks."""
+  return (bool(cfg.train.shard_optimizer) or shard_params(cfg, plan)) and plan.dp > 1
 
 
 def explicit(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """Whether the dp gradient sum is done here by hand rather than by the compiler: for a 16-/8-bit
-  wire format, under ZeRO-1, and for bf16 parameters (summed in float32)."""
+  wire format, under ZeRO-1, and for bf16 parameters (summed in float32). ZeRO-3 alone is the
+  compiler's: its reduce-scatter is the transpose of the gather (jax3d/parallel/zero3.py)."""
   return plan.dp > 1 and (
-    cfg.train.grad_reduce_dtype != 'float32' or zero1(cfg, plan) or cfg.train.param_dtype != 'float32'
+    cfg.train.grad_reduce_dtype != 'float32'
+    or (zero1(cfg, plan) and not shard_params(cfg, plan))
+    or cfg.train.param_dtype != 'float32'
   )
+
+
+def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
+  """ZeRO-3's gather (train.shard_params_gather; None without ZeRO-3): 'layer' gathers each layer's
+  weights where it runs, 'step' a stage's layers once per step; 'auto' = 'layer', or 'step' on the
+  explicit path (a 16-/8-bit reduction, bf16 parameters), which reduces each rank's whole gradient
+  once per step."""
+  if not shard_params(cfg, plan):
+    return None
+  mode = cfg.train.shard_params_gather
+  if mode == 'auto':
+    return 'step' if explicit(cfg, plan) else 'layer'
+  return mode
 
 
 def has_residual(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
@@ -132,6 +166,7 @@ def value_and_grad(
   grads_sh: Any,
   dtype: str,
   shard: bool,
+  gather: bool = False,
 ) -> tuple:
   """Loss, dp-reduced gradients and the new int8 residual (or None), by hand.
 
@@ -140,7 +175,10 @@ def value_and_grad(
   device: the loss's normaliser); `params` arrive varying over dp, so the gradients come back
   un-reduced. `compression.reduce` then sums them over dp in `dtype`, in a shard_map nested over tp
   so each device reduces its own tp block (sums over pp, for the embedding and head, are psums in
-  fp32). `grads_sh` is the layout the gradients leave in (ZeRO-1's when `shard`)."""
+  fp32). `grads_sh` is the layout the gradients leave in (ZeRO-1's when `shard`). `params_sh` is
+  the layers' own (tp, pp) layout; with `gather` (ZeRO-3) the parameters arrive in the ZeRO layout
+  (`grads_sh`) and are all-gathered over dp once, at the entry (the 'step' gather: this path reduces
+  each rank's whole gradient once per step)."""
   dp = mesh.shape[DP]
   manual = {ax for ax in (DP, PP) if mesh.shape[ax] > 1}
   dims = dims_tree(params, params_sh, dp)
@@ -153,9 +191,9 @@ def value_and_grad(
   reduce_dp = lambda g, r: compression.reduce(g, r, dims, dtype, dp, shard)
   reduce_fn = functools.partial(_reduce_own_tp_blocks, reduce_dp, tp_specs)
   fn = jax.shard_map(
-    functools.partial(_local_value_and_grad, local_grads, reduce_fn, manual),
+    functools.partial(_local_value_and_grad, local_grads, reduce_fn, manual, dims if gather else None),
     mesh=mesh,
-    in_specs=(_manual_specs(params, params_sh, manual), P(DP), r_specs, P()),
+    in_specs=(_manual_specs(params, grads_sh if gather else params_sh, manual), P(DP), r_specs, P()),
     out_specs=(P(), _manual_specs(params, grads_sh, manual), r_specs),
     axis_names=manual,
     check_vma=True,
@@ -167,6 +205,7 @@ def _local_value_and_grad(
   local_grads: Callable,
   reduce_fn: Callable,
   manual: set,
+  gather_dims: Any,
   params: Any,
   batch: dict,
   residual: Any,
@@ -177,7 +216,11 @@ def _local_value_and_grad(
 
   The weights every stage holds (embedding, head) are made varying over pp too, and their gradient
   sum over pp is done here in float32: for bf16 weights the automatic sum would be a bf16
-  all-reduce in a shard_map, which XLA:CPU aborts on (its reducer ends in a sharding copy)."""
+  all-reduce in a shard_map, which XLA:CPU aborts on (its reducer ends in a sharding copy).
+  `gather_dims` (ZeRO-3): the parameters arrive as dp shards, gathered here on these dimensions
+  (outside the differentiated function: the gradients stay per-rank for `reduce_fn`)."""
+  if gather_dims is not None:
+    params = zero3.gather_tree(params, gather_dims)
   leaves, tdef = jax.tree.flatten(params)
   over_pp = [PP in manual and PP not in jax.typeof(a).manual_axis_type.varying for a in leaves]
   varied = [vary(a, (DP, PP) if o else (DP,)) for a, o in zip(leaves, over_pp, strict=True)]

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax3d.config import RunPlan
-from jax3d.parallel import loop_1f1b, microbatch, remat, ring, schedule_1f1b, sharding
+from jax3d.parallel import loop_1f1b, microbatch, remat, ring, schedule_1f1b, sharding, zero3
 from jax3d.parallel.sharding import DP, PP
 
 
@@ -78,10 +78,12 @@ def apply(
   rules: sharding.Rules,
   policy: str,
   manual: bool = False,
+  gather: zero3.Gather | None = None,
 ) -> jax.Array:
   """The embedded batch [B, T, D] through all layers (stacked, in storage order), pipelined.
   `side_bt`: per-row arrays [B, T] (segment ids, positions, ...), micro-batched as the rows; each
-  layer gets its micro-batch's (`ring.LayerFn`).
+  layer gets its micro-batch's (`ring.LayerFn`). `gather`: ZeRO-3, the layers arrive as dp slices
+  (jax3d/parallel/zero3.py).
 
   With sequence parallelism (`plan.sequence_parallel`) the loop carries each micro-batch as its
   flattened rows [b*t, D] and `layer_fn` takes and returns them (layers.Block's `seq_len` path):
@@ -116,6 +118,7 @@ def apply(
     carry=(rows_over_tp(True), rows_over_tp(False)) if plan.sequence_parallel else None,
     skip_bubbles=skips_bubbles(plan, mesh),
     side_mbt=side_mbt,
+    gather=gather,
   )
   return sharding.constrain(
     microbatch.merge_microbatches(y_mbtd.reshape(shape), blocks), ('batch_all', 'seq', 'embed')
@@ -135,6 +138,7 @@ def run(
   carry: tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]] | None = None,
   skip_bubbles: bool = False,
   side_mbt: dict[str, jax.Array] | None = None,
+  gather: zero3.Gather | None = None,
 ) -> jax.Array:
   """Every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`; returns
   [m, b, t, d], equal to `ring.run_layers` applied to each micro-batch in turn. With `scatter` = k, x
@@ -145,7 +149,8 @@ def run(
   hold and move 1/tp of them) and makes the outputs whole again (one all-gather over tp) before
   the sum over pp hands them on. `skip_bubbles`: bubble
   iterations run no layers (`skips_bubbles`). `side_mbt`: per-row arrays [m, b, t] laid out as x's
-  first two axes; each layer gets its micro-batch's (`ring.LayerFn`)."""
+  first two axes; each layer gets its micro-batch's (`ring.LayerFn`). `gather` (ZeRO-3, not with
+  `manual`): `layers` are stored sharded over dp too, gathered in the loop (zero3.Gather)."""
   split, whole = carry or (lambda a: a, lambda a: a)
   p, v = mesh.shape[PP], repeats
   # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
@@ -154,15 +159,20 @@ def run(
   rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
   dtype = x_mbtd.dtype
 
+  if gather is not None:
+    layer_fn = gather.layer(layer_fn, policy, carry is not None)
+
   def stage_loop(layers_local, x_mbtd, side_m):
+    if gather is not None:
+      layers_local = gather.stage(layers_local)
     if DP in axes:
       # The weights are the same on every dp rank; marking them as varying here, in their stored
       # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
       # loop, instead of once per micro-batch inside it.
       layers_local = jax.tree.map(lambda a: sharding.vary(a, (DP,)), layers_local)
     if scatter is not None:
-      gather = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
-      x_mbtd, side_m = gather(x_mbtd), jax.tree.map(gather, side_m)
+      over_pp = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
+      x_mbtd, side_m = over_pp(x_mbtd), jax.tree.map(over_pp, side_m)
     x_mbtd = split(x_mbtd)
     if p == 1:  # no ring: the micro-batches simply run one after another
       one = remat.wrap_iteration(
@@ -187,7 +197,7 @@ def run(
   return jax.shard_map(
     stage_loop,
     mesh=mesh,
-    in_specs=(P(names(PP)), rows, rows),
+    in_specs=(_layer_specs(names(PP), gather), rows, rows),
     out_specs=rows,
     axis_names=axes,
     check_vma=True,
@@ -214,6 +224,7 @@ def loss(
   rules: sharding.Rules,
   policy: str,
   manual: bool = False,
+  gather: zero3.Gather | None = None,
 ) -> jax.Array:
   """The loss sum of the embedded batch [B, T, D] under the 1F1B schedule: the micro-batches
   through all layers (stacked, in storage order, as `apply`), and `loss_fn(head, y_btd, side)` of
@@ -238,6 +249,7 @@ def loss(
     manual=manual,
     rows_sp=rows_sp,
     skip_bubbles=skips_bubbles(plan, mesh),
+    gather=gather,
   )
 
 
@@ -256,22 +268,28 @@ def run_loss(
   manual: bool = False,
   rows_sp: Callable[[jax.Array], jax.Array] | None = None,
   skip_bubbles: bool = False,
+  gather: zero3.Gather | None = None,
 ) -> jax.Array:
   """The loss sum of the micro-batches x_mbtd [m, b, t, d] (side inputs [m, b, t]) under 1F1B, equal
   to `loss_fn(head, ring.run_layers(...), side)` summed over the micro-batches; `scatter` and
   `manual` as in `run`. `rows_sp`: sequence parallelism, the loop carries each micro-batch's rows
-  [b*t, d] (annotated by it) and `loss_fn` gets them back as [b, t, d]."""
+  [b*t, d] (annotated by it) and `loss_fn` gets them back as [b, t, d]. `gather`: as in `run`."""
   p, v, dtype = mesh.shape[PP], repeats, x_mbtd.dtype
   axes = {a for a in (PP, DP) if mesh.shape[a] > 1}
   names = lambda *ns: tuple(n for n in ns if n in axes) or None
   rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
 
+  if gather is not None:
+    layer_fn = gather.layer(layer_fn, policy, rows_sp is not None)
+
   def stage_loss(layers_local, head, x_mbtd, side_m):
+    if gather is not None:
+      layers_local = gather.stage(layers_local)
     layers_local = jax.tree.map(lambda a: sharding.vary(a, tuple(axes - {PP})), layers_local)
     head = jax.tree.map(lambda a: sharding.vary(a, tuple(axes)), head)
     if scatter is not None:
-      gather = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
-      x_mbtd, side_m = gather(x_mbtd), jax.tree.map(gather, side_m)
+      over_pp = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
+      x_mbtd, side_m = over_pp(x_mbtd), jax.tree.map(over_pp, side_m)
     m, b, t, d = x_mbtd.shape
     sched = schedule_1f1b.build(p, v, m)
     fn = loss_fn
@@ -289,11 +307,17 @@ def run_loss(
   return jax.shard_map(
     stage_loss,
     mesh=mesh,
-    in_specs=(P(names(PP)), P(), rows, rows),
+    in_specs=(_layer_specs(names(PP), gather), P(), rows, rows),
     out_specs=P(),
     axis_names=axes,
     check_vma=True,
   )(layers, head, x32_mbtd, side_mbt)
+
+
+def _layer_specs(pp: tuple | None, gather: zero3.Gather | None) -> Any:
+  """The stacked layers' in_specs: the layer axis over pp; under ZeRO-3 also each leaf's sharded
+  dimension over dp."""
+  return P(pp) if gather is None else gather.specs(pp)
 
 
 def _with_rules(rules: sharding.Rules, fn: Callable, *args: Any) -> Any:

@@ -46,10 +46,24 @@ def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.A
   stage's, and the sum is this device's share (summed over dp and pp by the caller)."""
   if manual:
     batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
+  elif s.zero3:  # ZeRO-3: the weights outside the loop (embedding, head, norm) gathered before use
+    params = _gathered_outside_loop(params, s)
   if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
     return _pipelined_loss_sum(params, batch, s, manual)
   y_btd = hidden(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
   return _head_loss_sum(params, y_btd, batch, s)
+
+
+def _gathered_outside_loop(params: Any, s: Setup) -> Any:
+  """ZeRO-3: every parameter but the stacked layers (which the loop gathers, zero3.Gather) in the
+  layers' own layout: one all-gather over dp each, whose transpose reduce-scatters the gradient.
+  Left to propagation, the embedding's dp-sharded d_model reaches its output and XLA replicates
+  the activations to reshard them."""
+  out = dict(params)
+  for k, v in params.items():
+    if k != 'layers':
+      out[k] = jax.lax.with_sharding_constraint(v, s.compute_shardings[k])
+  return out
 
 
 def _head_loss_sum(head: Any, y_btd: jax.Array, side: Batch, s: Setup) -> jax.Array:
@@ -78,6 +92,7 @@ def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> ja
     rules=s.rules,
     policy=s.cfg.train.remat,
     manual=manual,
+    gather=None if manual else s.gather,
   )
 
 
@@ -117,6 +132,7 @@ def hidden(
     rules=s.rules,
     policy=s.cfg.train.remat,
     manual=manual,
+    gather=None if manual else s.gather,  # the explicit path gathers at its own entry
   )
 
 
@@ -172,10 +188,11 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
     residual,
     norm,
     mesh=s.mesh,
-    params_sh=s.param_shardings,
-    grads_sh=s.zero_shardings if s.zero1 else s.param_shardings,
+    params_sh=s.compute_shardings,
+    grads_sh=s.zero_shardings if s.zero1 else s.compute_shardings,
     dtype=s.cfg.train.grad_reduce_dtype,
     shard=s.zero1,
+    gather=s.zero3,
   )
 
 

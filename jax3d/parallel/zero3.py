@@ -1,0 +1,103 @@
+"""ZeRO-3 (train.shard_params): the parameters stored sharded over dp, gathered where they are used.
+
+Every parameter leaf is stored in the ZeRO layout (jax3d/parallel/data_parallel.py `zero_shardings`:
+dp added on its first replicated dimension divisible by dp, never the stacked layer axis), and so
+are its gradient and Adam's moments: the optimizer updates each rank's slice, and nothing is
+all-gathered after the update. The stacked layers enter the pipeline's `shard_map` (manual over
+dp and pp) as this rank's dp slice of this stage's layers, and are all-gathered over dp with a
+tiled `all_gather` on that dimension:
+
+  'layer'  inside the loop, each layer's weights just before it runs (and again where the
+           backward pass recomputes or differentiates it). Autodiff's transpose of the gather is a
+           `psum_scatter`: each use's weight gradient is reduce-scattered at once, and the loop
+           accumulates slices. A layer's gathered weights are never kept for the backward pass
+           (`Gather.layer`), so at most a layer's weights and their gradient exist whole at a
+           time. dp wire per step: each use gathers the layer and reduce-scatters its gradient,
+           and the backward gathers again.
+  'step'   at the loop's entry, the stage's layers once per step; its transpose reduce-scatters
+           their summed gradient once, after the loop. The same dp bytes as an all-reduce, but
+           the stage's weights and their gradient exist whole during the step.
+
+The embedding, head and final norm are used outside the loop: constrained to the layers' own
+layout there (jax3d/training/step.py), so the compiler all-gathers them once per step and
+reduce-scatters their gradients. The explicit path (16-/8-bit
+reductions, bf16 parameters) gathers everything once at its entry and reduce-scatters with
+`compression.reduce` (data_parallel.value_and_grad).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from jax3d.parallel import remat
+from jax3d.parallel.ring import LayerFn
+from jax3d.parallel.sharding import DP
+
+GATHERED = 'zero3_gathered'  # checkpoint name of a layer's gathered weights: never saved
+MODES = ('layer', 'step')
+
+
+def gather_leaf(a: jax.Array, k: int) -> jax.Array:
+  """The whole of leaf `a` from its dp slices on dimension `k` (-1: it is not sharded over dp)."""
+  return a if k < 0 else jax.lax.all_gather(a, DP, axis=k, tiled=True)
+
+
+def gather_tree(tree: Any, dims: Any) -> Any:
+  """`gather_leaf` of every leaf of `tree`, `dims` its tree of sharded dimensions."""
+  return jax.tree.map(gather_leaf, tree, dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+  """How the pipeline loop gathers its stacked layers: `dims`, a tree like the layers with each
+  leaf's dp-sharded dimension in the stacked array (-1: none), and the `mode`."""
+
+  dims: Any
+  mode: str
+
+  def specs(self, pp: str | None) -> Any:
+    """The layers' in_specs over the loop's manual axes: the layer axis over `pp` (None: pp is
+    not manual), the sharded dimension over dp."""
+
+    def spec(k):
+      t = [pp] + [None] * max(k, 0)
+      if k > 0:
+        t[k] = DP
+      return P(*t)
+
+    return jax.tree.map(spec, self.dims)
+
+  def stage(self, layers: Any) -> Any:
+    """The stage's layers as the loop runs them: gathered here ('step') or left as slices."""
+    return gather_tree(layers, self.dims) if self.mode == 'step' else layers
+
+  def layer(self, layer_fn: LayerFn, policy: str, sequence_parallel: bool) -> LayerFn:
+    """`layer_fn` gathering its layer's weights first ('layer'; unchanged under 'step'). One
+    layer's weights have the stacked dimension minus the layer axis.
+
+    No remat policy but 'none' saves a gathered weight (they save matmul outputs, names, or
+    nothing), so the backward pass gathers the layer again from its slices. Under 'none' a
+    checkpoint around the layer keeps everything else (`GATHERED` excepted); with sequence
+    parallelism, what 'dots' keeps: a policy that saves values inside its nested tp `shard_map`
+    (jax3d/parallel/tensor.py) fails to lower."""
+    if self.mode != 'layer':
+      return layer_fn
+    one = jax.tree.map(lambda k: k - 1 if k > 0 else -1, self.dims)
+
+    def gathered(p, h, side):
+      whole = jax.tree.map(lambda a, k: checkpoint_name(gather_leaf(a, k), GATHERED), p, one)
+      return layer_fn(whole, h, side)
+
+    if policy != 'none':
+      return gathered
+    keep = (
+      remat.POLICIES['dots']
+      if sequence_parallel
+      else jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+    )
+    return jax.checkpoint(gathered, policy=keep, prevent_cse=False)
