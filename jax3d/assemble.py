@@ -32,7 +32,15 @@ from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config
 from jax3d.model import llama
-from jax3d.parallel import cpu, data_parallel, mesh as mesh_lib, microbatch, pipeline, sharding, zero3
+from jax3d.parallel import (
+  cpu,
+  data_parallel,
+  mesh as mesh_lib,
+  microbatch,
+  placement,
+  sharding,
+  zero3,
+)
 from jax3d.record import Setup
 from jax3d.training import optim, step as step_lib
 
@@ -64,7 +72,7 @@ def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
     tx=optim.make_optimizer(cfg),
     schedule=optim.schedule(cfg),
     rules=rules,
-    layer_order=pipeline.layer_order(dims.n_layers, plan.pp, plan.repeats),
+    layer_order=placement.layer_order(dims.n_layers, plan.pp, plan.repeats),
     zero1=data_parallel.zero1(cfg, plan),
     zero3=data_parallel.shard_params(cfg, plan),
     explicit_dp=data_parallel.explicit(cfg, plan),

@@ -12,7 +12,7 @@ import optax
 from jax3d import assemble, config as config_lib
 from jax3d.data import packing
 from jax3d.model import llama
-from jax3d.parallel import pipeline
+from jax3d.parallel import placement
 from jax3d.training import step as step_lib
 
 SMALL = {
@@ -57,7 +57,7 @@ def fixed_batches(cfg, n, seed=0):
 def canonical(s, params):
   """Parameters with the layer axis in canonical order (layout-independent), on the host."""
   params = dict(params)
-  params['layers'] = pipeline.to_canonical(params['layers'], s.dims.n_layers, s.plan.pp, s.plan.repeats)
+  params['layers'] = placement.to_canonical(params['layers'], s.dims.n_layers, s.plan.pp, s.plan.repeats)
   return jax.device_get(params)
 
 

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jax3d import config as config_lib
-from jax3d.parallel import pipeline
+from jax3d.parallel import placement
 from jax3d.trainer import checkpoint as ckpt_lib
 from jax3d.trainer.trainer import Trainer, TrainingError
 
@@ -46,7 +46,7 @@ def cfg_for(dp, pp, tp, m=None, **over):
 
 def canonical_state(t: Trainer):
   """The train state on the host with layer axes in canonical order (layout-independent)."""
-  perm = np.argsort(pipeline.layer_order(t.cfg.model.n_layers, t.plan.pp, t.plan.repeats))
+  perm = np.argsort(placement.layer_order(t.cfg.model.n_layers, t.plan.pp, t.plan.repeats))
   return jax.device_get(ckpt_lib.permute_layers(t.state, perm, jax.tree.map(lambda a: a.sharding, t.state)))
 
 

@@ -20,7 +20,7 @@ import pytest
 from jax3d import assemble, config as config_lib
 from jax3d.hf import config as hf_config, export as hf_export
 from jax3d.model import generate
-from jax3d.parallel import pipeline
+from jax3d.parallel import placement
 from jax3d.trainer import workdir
 
 torch = pytest.importorskip('torch')
@@ -204,5 +204,5 @@ def test_resolve_derives_the_model_from_config_json(models):
   got = (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size, m.rope_theta, m.max_seq_len)
   assert got == (4, 64, 8, 4, 96, 300, 500.0, 64)
   assert cfg.data.tokenizer == 'bytes'  # the folder has no tokenizer
-  order = pipeline.layer_order(4, 2, 1)
+  order = placement.layer_order(4, 2, 1)
   assert list(order) == [0, 1, 2, 3] and jax.device_count() == 8

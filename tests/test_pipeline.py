@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jax3d.parallel import pipeline, ring
+from jax3d.parallel import pipeline, placement, ring
 
 D, B, T = 8, 4, 4  # model width, micro-batch rows, sequence
 
@@ -50,7 +50,7 @@ def test_pipeline_equals_sequential(p, m, v, skip, policy):
   mesh = Mesh(devices, ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3)
   layers, x = make(p, m, v)
   L = layers['w1'].shape[0]
-  stored = pipeline.from_canonical(layers, L, p, v)  # the stage-major storage order
+  stored = placement.from_canonical(layers, L, p, v)  # the stage-major storage order
   stored = jax.device_put(stored, NamedSharding(mesh, P('pp')))
 
   def piped(stored, x):
@@ -64,7 +64,7 @@ def test_pipeline_equals_sequential(p, m, v, skip, policy):
     lambda l, x: (sequential(l, x), jax.grad(lambda l, x: loss(sequential(l, x)), argnums=(0, 1))(l, x))
   )(layers, x)
   close(y, y_ref)
-  jax.tree.map(close, pipeline.to_canonical(g_layers, L, p, v), g_ref)
+  jax.tree.map(close, placement.to_canonical(g_layers, L, p, v), g_ref)
   close(g_x, gx_ref)
 
 
@@ -76,8 +76,8 @@ def close(a, b):
 
 
 def test_layer_order_round_trip_and_stage_chunks():
-  order = pipeline.layer_order(8, 2, 2)  # chunks of 2 layers; chunk c runs on stage c mod 2
+  order = placement.layer_order(8, 2, 2)  # chunks of 2 layers; chunk c runs on stage c mod 2
   assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
   x = {'a': np.arange(8)}
-  assert pipeline.to_canonical(pipeline.from_canonical(x, 8, 2, 2), 8, 2, 2)['a'].tolist() == list(range(8))
-  assert pipeline.layer_order(8, 4, 1).tolist() == list(range(8))
+  assert placement.to_canonical(placement.from_canonical(x, 8, 2, 2), 8, 2, 2)['a'].tolist() == list(range(8))
+  assert placement.layer_order(8, 4, 1).tolist() == list(range(8))

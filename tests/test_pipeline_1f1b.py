@@ -11,7 +11,7 @@ import test_equivalence as equivalence
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from test_pipeline import D, close, layer_fn, make
 
-from jax3d.parallel import pipeline, ring, schedule_1f1b
+from jax3d.parallel import pipeline, placement, ring, schedule_1f1b
 
 V = 5  # the toy head's vocabulary
 
@@ -45,7 +45,7 @@ def check(p, m, v, policy, skip):
   mesh = Mesh(devices, ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3)
   layers, head, x, side = inputs(p, m, v)
   L = layers['w1'].shape[0]
-  stored = jax.device_put(pipeline.from_canonical(layers, L, p, v), NamedSharding(mesh, P('pp')))
+  stored = jax.device_put(placement.from_canonical(layers, L, p, v), NamedSharding(mesh, P('pp')))
 
   def piped(stored, head, x):
     return pipeline.run_loss(
@@ -60,7 +60,7 @@ def check(p, m, v, policy, skip):
   r_loss, (r_layers, r_head, r_x) = ref(layers, head, x, side)
   close(loss, r_loss)
   close(loss_only, r_loss)
-  jax.tree.map(close, pipeline.to_canonical(g_layers, L, p, v), r_layers)
+  jax.tree.map(close, placement.to_canonical(g_layers, L, p, v), r_layers)
   jax.tree.map(close, g_head, r_head)
   close(g_x, r_x)
 

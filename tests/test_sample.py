@@ -21,7 +21,7 @@ import pytest
 import jax3d
 from jax3d import sample as sample_lib
 from jax3d.model import generate as gen_lib, llama as model_lib
-from jax3d.parallel import pipeline
+from jax3d.parallel import placement
 from jax3d.trainer import workdir as sampling
 
 from helpers import cached_logits
@@ -76,7 +76,7 @@ def _reference_greedy(dims, params, layout, prompt, n):
   """Greedy decoding by recomputing the training forward pass over the whole sequence for every
   token: embed -> every model.Block in canonical order -> head. Returns (tokens, last logits)."""
   host = jax.device_get(params)
-  layers = pipeline.to_canonical(host['layers'], *layout)
+  layers = placement.to_canonical(host['layers'], *layout)
 
   @jax.jit
   def logits_at(tokens_bt, pos):  # one shape for every step: the causal mask ignores the padding
@@ -111,7 +111,7 @@ def test_kv_cache_matches_full_forward(run):
 
   # The logits themselves, prefill then one token at a time through the cache.
   params = t.state['params']
-  layers = pipeline.to_canonical(params['layers'], *layout)
+  layers = placement.to_canonical(params['layers'], *layout)
   cache = gen_lib.empty_cache(dims, 1, t.cfg.model.max_seq_len)
   logits, cache = cached_logits(dims, params, layers, jnp.asarray([prompt], jnp.int32), cache, 0)
   for i in range(n):

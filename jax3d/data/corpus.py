@@ -24,6 +24,7 @@ import os
 import sysconfig
 from typing import Any
 
+import chex
 import jax
 import numpy as np
 
@@ -292,3 +293,18 @@ def to_global(
   return {
     k: jax.make_array_from_process_local_data(sharding, v, (batch,) + v.shape[1:]) for k, v in local.items()
   }
+
+
+def check_batch(batch: dict[str, Any], rows: int, seq_len: int, what: str) -> None:
+  """The batch at a step's boundary, checked when the step is traced (chex; nothing runs per
+  step): STEP_KEYS arrays of shape [rows, seq_len], weights float and the others integers.
+  Another shape would otherwise be split into micro-batches of the wrong size, or fail deep inside
+  the pipeline."""
+  missing = [k for k in STEP_KEYS if k not in batch]
+  assert not missing, f'{what}: the batch has no {", ".join(missing)} (it takes {", ".join(STEP_KEYS)})'
+  arrays = [batch[k] for k in STEP_KEYS]
+  msg = f'{what}: batch inputs, targets, weights, segment_ids and positions must be [{rows}, {seq_len}]'
+  chex.assert_rank(arrays, 2, custom_message=msg)
+  chex.assert_shape(arrays, (rows, seq_len), custom_message=msg)
+  chex.assert_type([batch[k] for k in STEP_KEYS if k != 'weights'], int, custom_message=msg)
+  chex.assert_type(batch['weights'], float, custom_message=msg)

@@ -1,7 +1,7 @@
 """Hugging Face Llama tensors <-> jax3d's parameter layout, in both directions.
 
 jax3d (jax3d/model/llama.py) stores, per stacked layer (axis 0 in pipeline storage order,
-`pipeline.layer_order`): qkv [d, k, g+2, h] (per KV head: its g query heads, then K, then V),
+`placement.layer_order`): qkv [d, k, g+2, h] (per KV head: its g query heads, then K, then V),
 o [n, h, d], gate_up [d, 2, f], down [f, d], attn_norm / mlp_norm [d]; embed [v_padded, d], head
 norm [d] and out [d, v_padded]. Hugging Face stores nn.Linear weights [out, in]: q_proj [n*h, d]
 (query head i = rows i*h.., and it uses KV head i // g, as here), k_proj / v_proj [k*h, d],

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax3d.model import llama as model_lib
-from jax3d.parallel import pipeline
+from jax3d.parallel import placement
 
 
 def empty_cache(dims: model_lib.Dims, batch: int, max_len: int) -> tuple:
@@ -57,7 +57,7 @@ def _generate(dims, layout, params, prompt_bt, n_prompt, n_tokens, top_k, temper
   trip per token), ending after the token `stop` (-1: never). Compiled once per bucket, n_tokens
   and cache_len; the layer reorder, the cache and the key are made inside (no eager op to compile
   first). Returns the tokens (-1 past the end) and how many."""
-  layers = pipeline.to_canonical(params['layers'], *layout)
+  layers = placement.to_canonical(params['layers'], *layout)
   cache = empty_cache(dims, 1, cache_len)
   key = jax.random.key(seed)
   # The padding past n_prompt writes cache entries that each decode step overwrites before any

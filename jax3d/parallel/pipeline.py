@@ -35,35 +35,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax3d.config import RunPlan
 from jax3d.parallel import loop_1f1b, microbatch, remat, ring, schedule_1f1b, sharding, zero3
 from jax3d.parallel.sharding import DP, PP
-
-
-# --- stage placement ------------------------------------------------------------------------
-def layer_order(n_layers: int, pp: int, repeats: int) -> np.ndarray:
-  """Canonical layer index held at each storage position of the stacked layer axis."""
-  lc = n_layers // (pp * repeats)  # layers per chunk
-  j = np.arange(n_layers)
-  s, r, i = j // (repeats * lc), (j // lc) % repeats, j % lc
-  return (r * pp + s) * lc + i
-
-
-def _reordered(layers: Any, index: np.ndarray) -> Any:
-  """Every leaf's layers in `index` order (the same tree when that is the identity)."""
-  return layers if (index == np.arange(len(index))).all() else jax.tree.map(lambda a: a[index], layers)
-
-
-def to_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
-  """Stacked layer params in storage order -> canonical layer order (for comparisons, export)."""
-  return _reordered(layers, np.argsort(layer_order(n_layers, pp, repeats)))
-
-
-def from_canonical(layers: Any, n_layers: int, pp: int, repeats: int) -> Any:
-  return _reordered(layers, layer_order(n_layers, pp, repeats))
 
 
 # --- the pipeline ---------------------------------------------------------------------------

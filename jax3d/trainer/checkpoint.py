@@ -30,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jax3d.errors import CheckpointError
-from jax3d.parallel import pipeline
+from jax3d.parallel import placement
 from jax3d.trainer import readonly
 
 SOFT = 'grad_residual'  # train-state entry restored when it matches, else restarted at zero
@@ -282,8 +282,8 @@ def check_signature(
 def relayout(state: PyTree, meta: dict, layout: dict, abstract_state: PyTree) -> PyTree:
   """Permutes the layer axis from the saved pipeline order into this run's order."""
   saved, n = meta['layout'], layout['n_layers']
-  old = pipeline.layer_order(n, saved['pp'], saved['repeats'])
-  new = pipeline.layer_order(n, layout['pp'], layout['repeats'])
+  old = placement.layer_order(n, saved['pp'], saved['repeats'])
+  new = placement.layer_order(n, layout['pp'], layout['repeats'])
   perm = np.argsort(old)[new]  # new position j <- saved position holding canonical new[j]
   shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
   return permute_layers(state, perm, shardings)

@@ -16,13 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import chex
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d.data.corpus import STEP_KEYS
+from jax3d.data import corpus
 from jax3d.model import llama
 from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
 from jax3d.training import optim
@@ -216,23 +215,8 @@ def _fault_drill(step: jax.Array, loss: jax.Array, grads: Any, steps: tuple[int,
   return loss * nan, jax.tree.map(lambda g: g * nan, grads)
 
 
-def check_batch(batch: Batch, rows: int, seq_len: int, what: str) -> None:
-  """The batch at a step's boundary, checked when the step is traced (chex; nothing runs per
-  step): STEP_KEYS arrays of shape [rows, seq_len], weights float and the others integers.
-  Another shape would otherwise be split into micro-batches of the wrong size, or fail deep inside
-  the pipeline."""
-  missing = [k for k in STEP_KEYS if k not in batch]
-  assert not missing, f'{what}: the batch has no {", ".join(missing)} (it takes {", ".join(STEP_KEYS)})'
-  arrays = [batch[k] for k in STEP_KEYS]
-  msg = f'{what}: batch inputs, targets, weights, segment_ids and positions must be [{rows}, {seq_len}]'
-  chex.assert_rank(arrays, 2, custom_message=msg)
-  chex.assert_shape(arrays, (rows, seq_len), custom_message=msg)
-  chex.assert_type([batch[k] for k in STEP_KEYS if k != 'weights'], int, custom_message=msg)
-  chex.assert_type(batch['weights'], float, custom_message=msg)
-
-
 def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
-  check_batch(
+  corpus.check_batch(
     batch, s.plan.global_batch, s.plan.seq_len, 'train step (train.global_batch_size x train.seq_len)'
   )
   with sharding.use_rules(s.rules):
@@ -278,7 +262,9 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
 def eval_step(params: Any, batch: Batch, s: Setup) -> jax.Array:
   """The weighted mean loss of one chunk of held-out rows (evaluation weights it by the chunk's
   weight sum, so the held-out loss is the weighted mean over all of its batches)."""
-  check_batch(batch, s.plan.chunk_batch, s.plan.seq_len, 'eval step (one accumulation chunk x train.seq_len)')
+  corpus.check_batch(
+    batch, s.plan.chunk_batch, s.plan.seq_len, 'eval step (one accumulation chunk x train.seq_len)'
+  )
   with sharding.use_rules(s.rules):
     return loss_sum(params, batch, s) / weight_sum(batch)
 
