@@ -102,6 +102,12 @@ def test_state_is_stored_sharded_over_dp():
     if path[0].key == 'layers':
       assert spec[0] == 'pp', (path, spec)
   assert _state_bytes(s_on) == pytest.approx(_state_bytes(s_off) / 2, rel=0.01)
+  # without pp (the layer axis is pp's, of size 1) a dp shard is still a slice of every layer, so
+  # the loop can gather one layer at a time
+  s8 = setup_for(small_cfg(**LAYOUTS['8-1-1'], **Z3))
+  for path, sh in jax.tree_util.tree_flatten_with_path(s8.param_shardings['layers'])[0]:
+    assert tuple(sh.spec)[0] == 'pp' and 'dp' in tuple(sh.spec), (path, sh.spec)
+  assert all(k >= 1 for k in jax.tree.leaves(s8.gather.dims))
   # the compute layout is the one without ZeRO-3
   assert jax.tree.map(lambda a: a.spec, s_on.compute_shardings) == jax.tree.map(
     lambda a: a.spec, s_off.param_shardings

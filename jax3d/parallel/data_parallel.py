@@ -56,24 +56,19 @@ def _spec_tuple(spec: P, ndim: int) -> tuple:
   return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
 
 
-def zero_dim(shape: tuple[int, ...], spec: P, dp: int, first: int = 0) -> int | None:
-  """The dimension ZeRO shards over dp: the first one from `first` replicated and divisible by dp."""
+def zero_dim(shape: tuple[int, ...], spec: P, dp: int) -> int | None:
+  """The dimension ZeRO shards over dp: the first one replicated and divisible by dp. Never the
+  stacked layer axis, which is pp's even where pp is 1: a dp shard is a slice of every layer, so
+  ZeRO-3 gathers one layer at a time (jax3d/parallel/zero3.py)."""
   for i, (n, ax) in enumerate(zip(shape, _spec_tuple(spec, len(shape)), strict=True)):
-    if i >= first and ax is None and n % dp == 0 and n >= dp:
+    if ax is None and n % dp == 0 and n >= dp:
       return i
   return None
 
 
-def _first(path: tuple) -> int:
-  """Stacked layers are never sharded over dp on their layer axis: a dp shard is a slice of every
-  layer, so ZeRO-3 gathers one layer at a time (jax3d/parallel/zero3.py), and ZeRO-1's moments
-  have the same layout."""
-  return 1 if getattr(path[0], 'key', None) == 'layers' else 0
-
-
-def zero_spec(shape: tuple[int, ...], spec: P, dp: int, first: int = 0) -> P:
+def zero_spec(shape: tuple[int, ...], spec: P, dp: int) -> P:
   """`spec` with dp added on the leaf's `zero_dim` (unchanged when it has none)."""
-  k = zero_dim(shape, spec, dp, first)
+  k = zero_dim(shape, spec, dp)
   t = list(_spec_tuple(spec, len(shape)))
   if k is not None:
     t[k] = DP
@@ -83,10 +78,8 @@ def zero_spec(shape: tuple[int, ...], spec: P, dp: int, first: int = 0) -> P:
 def zero_shardings(abstract_params: PyTree, params_sh: PyTree, mesh: Mesh, dp: int) -> PyTree:
   """Parameter shardings with dp added on each leaf's `zero_dim` (the ZeRO layout: ZeRO-1's
   moments and gradients, ZeRO-3's parameters too). `params_sh`: the layers' own (tp, pp) layout."""
-  return jax.tree_util.tree_map_with_path(
-    lambda path, a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp, _first(path))),
-    abstract_params,
-    params_sh,
+  return jax.tree.map(
+    lambda a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp)), abstract_params, params_sh
   )
 
 
@@ -94,11 +87,11 @@ def dims_tree(abstract_params: PyTree, params_sh: PyTree, dp: int) -> PyTree:
   """Each leaf's `zero_dim` in the layers' own layout `params_sh`, -1 for none (a None would not
   be a pytree leaf)."""
 
-  def k(path, a, sh):
-    d = zero_dim(a.shape, sh.spec, dp, _first(path))
+  def k(a, sh):
+    d = zero_dim(a.shape, sh.spec, dp)
     return -1 if d is None else d
 
-  return jax.tree_util.tree_map_with_path(k, abstract_params, params_sh)
+  return jax.tree.map(k, abstract_params, params_sh)
 
 
 def residual_shardings(params_sh: PyTree, mesh: Mesh) -> PyTree:
