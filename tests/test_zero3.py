@@ -16,6 +16,7 @@ from test_equivalence import check
 
 import jax3d
 from jax3d import config as config_lib
+from jax3d.trainer import metrics
 from jax3d.trainer.trainer import Trainer
 
 from helpers import run_steps, setup_for, small_cfg
@@ -108,6 +109,8 @@ def test_state_is_stored_sharded_over_dp():
   for path, sh in jax.tree_util.tree_flatten_with_path(s8.param_shardings['layers'])[0]:
     assert tuple(sh.spec)[0] == 'pp' and 'dp' in tuple(sh.spec), (path, sh.spec)
   assert all(k >= 1 for k in jax.tree.leaves(s8.gather.dims))
+  line = next(x for x in metrics.summary_lines(s8, '') if 'parameters per device' in x)
+  assert '176.5 KiB' in line and 'sharded over dp=8' in line and 'ZeRO-3: each layer gathered' in line, line
   # the compute layout is the one without ZeRO-3
   assert jax.tree.map(lambda a: a.spec, s_on.compute_shardings) == jax.tree.map(
     lambda a: a.spec, s_off.param_shardings

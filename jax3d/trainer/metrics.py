@@ -132,11 +132,17 @@ def summary_lines(s: Any, data: str) -> list[str]:
     for a in jax.tree.leaves(s.abstract_state['params'])
   )
   lc = d.n_layers // (p.pp * p.repeats)
+  zero = ''
+  if s.zero3:
+    how = {'layer': 'each layer gathered where it runs', 'step': "the stage's layers gathered once per step"}
+    zero = f', sharded over dp={p.dp} with their gradients and Adam state (ZeRO-3: {how[s.gather.mode]})'
+  elif s.zero1:
+    zero = f', Adam state sharded over dp={p.dp} (ZeRO-1)'
   return [
     f'jax3d: {p.n_devices} {jax.devices()[0].platform} devices, mesh dp={p.dp} x pp={p.pp} x tp={p.tp}',
     f'  model: {d.n_layers} layers, d_model {d.d_model}, heads {d.n_heads}/{d.n_kv_heads} kv, '
     f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
-    f'  parameters per device: {fmt_bytes(per_dev)} ({s.cfg.train.param_dtype}), '
+    f'  parameters per device: {fmt_bytes(per_dev)} ({s.cfg.train.param_dtype}){zero}, '
     f'compute {s.cfg.train.compute_dtype}, remat {s.cfg.train.remat}',
     schedule_1f1b.summary(
       p.pp, p.repeats, p.microbatches, lc, p.micro_batch, pipeline.skips_bubbles(p, s.mesh)
