@@ -92,8 +92,10 @@ def _with_state(s: Setup) -> Setup:
   zero = data_parallel.zero_shardings(shapes['params'], compute, s.mesh, s.plan.dp)
   gather = None
   if s.zero3:  # ZeRO-3: stored in the ZeRO layout, gathered where used (jax3d/parallel/zero3.py)
-    dims = data_parallel.dims_tree(shapes['params'], compute, s.plan.dp)['layers']
-    gather = zero3.Gather(dims, data_parallel.gather_mode(s.cfg, s.plan))
+    layers, layers_sh = shapes['params']['layers'], compute['layers']
+    tp = data_parallel.manual_specs(layers, layers_sh, {sharding.TP}) if s.plan.tp > 1 else None
+    dims = data_parallel.dims_tree(layers, layers_sh, s.plan.dp)
+    gather = zero3.Gather(dims, data_parallel.gather_mode(s.cfg, s.plan), tp)
     s = dataclasses.replace(s, param_shardings=zero)
   # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
   moments = zero if s.zero1 else s.param_shardings

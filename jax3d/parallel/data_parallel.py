@@ -176,18 +176,21 @@ def value_and_grad(
   manual = {ax for ax in (DP, PP) if mesh.shape[ax] > 1}
   dims = dims_tree(params, params_sh, dp)
   res_sh = None if residual is None else residual_shardings(params_sh, mesh)
-  r_specs = None if residual is None else _manual_specs(residual, res_sh, manual)
-  tp_specs = None
+  r_specs = None if residual is None else manual_specs(residual, res_sh, manual)
+  tp_specs = tp_params = None
   if mesh.shape[TP] > 1:
-    r_tp = None if residual is None else _manual_specs(residual, res_sh, {TP})
-    tp_specs = (_manual_specs(params, params_sh, {TP}), _manual_specs(params, grads_sh, {TP}), r_tp)
+    tp_params = manual_specs(params, params_sh, {TP})
+    r_tp = None if residual is None else manual_specs(residual, res_sh, {TP})
+    tp_specs = (tp_params, manual_specs(params, grads_sh, {TP}), r_tp)
   reduce_dp = lambda g, r: compression.reduce(g, r, dims, dtype, dp, shard)
   reduce_fn = functools.partial(_reduce_own_tp_blocks, reduce_dp, tp_specs)
   fn = jax.shard_map(
-    functools.partial(_local_value_and_grad, local_grads, reduce_fn, manual, dims if gather else None),
+    functools.partial(
+      _local_value_and_grad, local_grads, reduce_fn, manual, (dims, tp_params) if gather else None
+    ),
     mesh=mesh,
-    in_specs=(_manual_specs(params, grads_sh if gather else params_sh, manual), P(DP), r_specs, P()),
-    out_specs=(P(), _manual_specs(params, grads_sh, manual), r_specs),
+    in_specs=(manual_specs(params, grads_sh if gather else params_sh, manual), P(DP), r_specs, P()),
+    out_specs=(P(), manual_specs(params, grads_sh, manual), r_specs),
     axis_names=manual,
     check_vma=True,
   )
@@ -198,7 +201,7 @@ def _local_value_and_grad(
   local_grads: Callable,
   reduce_fn: Callable,
   manual: set,
-  gather_dims: Any,
+  gather: tuple | None,
   params: Any,
   batch: dict,
   residual: Any,
@@ -210,10 +213,11 @@ def _local_value_and_grad(
   The weights every stage holds (embedding, head) are made varying over pp too, and their gradient
   sum over pp is done here in float32: for bf16 weights the automatic sum would be a bf16
   all-reduce in a shard_map, which XLA:CPU aborts on (its reducer ends in a sharding copy).
-  `gather_dims` (ZeRO-3): the parameters arrive as dp shards, gathered here on these dimensions
-  (outside the differentiated function: the gradients stay per-rank for `reduce_fn`)."""
-  if gather_dims is not None:
-    params = zero3.gather_tree(params, gather_dims)
+  `gather` (ZeRO-3): (dims, tp specs) of `zero3.gather_tree`, the parameters arrive as dp shards
+  and are gathered here (outside the differentiated function: the gradients stay per-rank for
+  `reduce_fn`)."""
+  if gather is not None:
+    params = zero3.gather_tree(params, *gather)
   leaves, tdef = jax.tree.flatten(params)
   over_pp = [PP in manual and PP not in jax.typeof(a).manual_axis_type.varying for a in leaves]
   varied = [vary(a, (DP, PP) if o else (DP,)) for a, o in zip(leaves, over_pp, strict=True)]
@@ -244,7 +248,7 @@ def _reduce_own_tp_blocks(reduce_fn: Callable, tp_specs: tuple | None, grads: An
   return nested(grads, residual)
 
 
-def _manual_specs(tree: PyTree, shardings: PyTree, manual: set) -> PyTree:
+def manual_specs(tree: PyTree, shardings: PyTree, manual: set) -> PyTree:
   """Each leaf's PartitionSpec restricted to the `manual` mesh axes (shard_map specs name no
   others)."""
   return jax.tree.map(lambda x, sh: _manual_spec(sh.spec, x.ndim, manual), tree, shardings)

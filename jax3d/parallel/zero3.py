@@ -36,9 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax3d.parallel import remat
 from jax3d.parallel.ring import LayerFn
-from jax3d.parallel.sharding import DP
+from jax3d.parallel.sharding import DP, TP
 
-GATHERED = 'zero3_gathered'  # checkpoint name of a layer's gathered weights: never saved
+GATHERED = 'zero3_gathered'  # checkpoint name of a layer's gathered weights (in the HLO's metadata)
 MODES = ('layer', 'step')
 
 
@@ -47,18 +47,28 @@ def gather_leaf(a: jax.Array, k: int) -> jax.Array:
   return a if k < 0 else jax.lax.all_gather(a, DP, axis=k, tiled=True)
 
 
-def gather_tree(tree: Any, dims: Any) -> Any:
-  """`gather_leaf` of every leaf of `tree`, `dims` its tree of sharded dimensions."""
-  return jax.tree.map(gather_leaf, tree, dims)
+def gather_tree(tree: Any, dims: Any, tp_specs: Any = None) -> Any:
+  """`gather_leaf` of every leaf of `tree`, `dims` its tree of sharded dimensions. `tp_specs`
+  (tp > 1): each leaf's PartitionSpec over tp; the gathers then run in a `shard_map` nested over
+  tp, so each device gathers its own tp block over dp (left to the partitioner, the tp-sharded
+  weights were gathered whole over tp first: twice the dp bytes at tp=2)."""
+  gather = lambda t: jax.tree.map(gather_leaf, t, dims)
+  if tp_specs is None:
+    return gather(tree)
+  return jax.shard_map(gather, in_specs=(tp_specs,), out_specs=tp_specs, axis_names={TP}, check_vma=True)(
+    tree
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class Gather:
   """How the pipeline loop gathers its stacked layers: `dims`, a tree like the layers with each
-  leaf's dp-sharded dimension in the stacked array (-1: none), and the `mode`."""
+  leaf's dp-sharded dimension in the stacked array (-1: none), the `mode`, and with tp > 1
+  `tp_specs`, each stacked leaf's PartitionSpec over tp (`gather_tree`)."""
 
   dims: Any
   mode: str
+  tp_specs: Any = None
 
   def specs(self, pp: str | None) -> Any:
     """The layers' in_specs over the loop's manual axes: the layer axis over `pp` (None: pp is
@@ -74,30 +84,32 @@ class Gather:
 
   def stage(self, layers: Any) -> Any:
     """The stage's layers as the loop runs them: gathered here ('step') or left as slices."""
-    return gather_tree(layers, self.dims) if self.mode == 'step' else layers
+    return gather_tree(layers, self.dims, self.tp_specs) if self.mode == 'step' else layers
 
   def layer(self, layer_fn: LayerFn, policy: str, sequence_parallel: bool) -> LayerFn:
     """`layer_fn` gathering its layer's weights first ('layer'; unchanged under 'step'). One
     layer's weights have the stacked dimension minus the layer axis.
 
     No remat policy but 'none' saves a gathered weight (they save matmul outputs, names, or
-    nothing), so the backward pass gathers the layer again from its slices. Under 'none' a
-    checkpoint around the layer keeps everything else (`GATHERED` excepted); with sequence
-    parallelism, what 'dots' keeps: a policy that saves values inside its nested tp `shard_map`
-    (jax3d/parallel/tensor.py) fails to lower."""
+    nothing), so the backward pass gathers the layer again from its slices. Under 'none' the layer
+    keeps what 'dots' keeps (its matmul outputs): a policy that keeps everything but the gathered
+    weights would still keep their reshaped and transposed copies, and one that names values
+    inside sequence parallelism's nested tp `shard_map` (jax3d/parallel/tensor.py) fails to lower."""
     if self.mode != 'layer':
       return layer_fn
     one = jax.tree.map(lambda k: k - 1 if k > 0 else -1, self.dims)
+    one_tp = None
+    if self.tp_specs is not None:  # one layer: the stacked spec less the layer axis
+      one_tp = jax.tree.map(lambda sp: P(*tuple(sp)[1:]), self.tp_specs, is_leaf=lambda x: isinstance(x, P))
 
     def gathered(p, h, side):
-      whole = jax.tree.map(lambda a, k: checkpoint_name(gather_leaf(a, k), GATHERED), p, one)
+      # Tied to the layer's input, so the gather is not loop-invariant: a scan over micro-batches
+      # around the layers' scan (pp=1) would otherwise have JAX compute every layer's gather
+      # once, before it, and keep them all for the backward pass.
+      p, h = jax.lax.optimization_barrier((p, h))
+      whole = jax.tree.map(lambda a: checkpoint_name(a, GATHERED), gather_tree(p, one, one_tp))
       return layer_fn(whole, h, side)
 
     if policy != 'none':
       return gathered
-    keep = (
-      remat.POLICIES['dots']
-      if sequence_parallel
-      else jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
-    )
-    return jax.checkpoint(gathered, policy=keep, prevent_cse=False)
+    return jax.checkpoint(gathered, policy=remat.POLICIES['dots'], prevent_cse=False)
