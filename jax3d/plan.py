@@ -27,10 +27,9 @@ from jax3d.planning.planner import (
   search,
   shortlist,
   table,
-  verify,
-  verify_memory,
   with_overrides,
 )
+from jax3d.planning.verify import verify, verify_memory
 
 FLAGS = {
   'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from jax3d.analysis.dp_comm import dp_comm
 from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 from jax3d.model import formulas
 from jax3d.parallel import schedule_1f1b
@@ -43,7 +44,7 @@ def expected_comm(s: Setup) -> dict:
   one_f = s.cfg.pipeline.schedule == '1f1b' and p > 1  # one send each way per tick (schedule_1f1b)
   ticks = schedule_1f1b.ticks(p, v, m) if one_f else iters
   per_layer_mb = 4 * 2 * (t - 1) / t * bsh
-  dp = _dp_comm(s)
+  dp = dp_comm(s)
   scatter = plan.pp_batch_split is not None  # the loop's inputs gathered, outputs scattered over pp
   edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
   edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
@@ -74,41 +75,6 @@ def expected_comm(s: Setup) -> dict:
     'dp_grad_bytes': dp['grads'],
     'layer_bytes_local': dp['layers_local'],
     'bsh_bytes': bsh,
-  }
-
-
-def _dp_comm(s: Setup) -> dict:
-  """expected_comm's dp part: {'wire': wire bytes over groups with dp, 'shared_wire': those of the
-  weights every pp stage holds, 'grads': the gradient bytes entering the dp reduction, 'p_local'
-  and 'layers_local': the parameter bytes this device holds (all, the layers')}."""
-  plan = s.plan
-  p, d = plan.pp, plan.dp
-  local = lambda leaf: int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
-  params = s.abstract_state['params']
-  p_local = sum(local(x) for x in jax.tree.leaves(params))
-  layers_local = sum(local(x) for x in jax.tree.leaves(params['layers']))
-  ring = 2 * (d - 1) / d
-  n_local = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(params))
-  pb = p_local // n_local  # one param_dtype for every parameter
-  explicit = s.explicit_dp
-  reduce_b = {'float32': 4, 'bfloat16': 2, 'int8': 1}[s.cfg.train.grad_reduce_dtype] if explicit else pb
-  gather_b = pb if s.zero1 else reduce_b
-  grads = n_local * reduce_b if d > 1 else 0  # the gradient bytes that enter the dp reduction
-  dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
-  # The weights every stage holds (embedding, head, final norm) get a partial gradient on each pp
-  # rank when the batch outside the loop is split over pp: XLA sums those over dp and pp at once
-  # (in a group with dp when dp > 1, else over pp alone).
-  shared_wire = 0.0
-  if not explicit and p > 1 and plan.pp_batch_split is not None:
-    shared_wire = 2 * (d * p - 1) / (d * p) * (p_local - layers_local)
-    if d > 1:
-      dp_wire += shared_wire - ring * (p_local - layers_local)
-  return {
-    'wire': dp_wire,
-    'shared_wire': shared_wire,
-    'grads': grads,
-    'p_local': p_local,
-    'layers_local': layers_local,
   }
 
 

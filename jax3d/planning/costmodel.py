@@ -49,6 +49,8 @@ class Estimate:
   model_flops_per_token: float
   device_memory_bytes: float | None = None
   schedule: str = 'gpipe'  # pipeline.schedule
+  zero3: str | None = None  # ZeRO-3's gather ('layer' or 'step'; train.shard_params), None without it
+  loss_chunks: int = 1  # train.loss_chunks
 
   @property
   def bubble(self) -> float:
@@ -125,6 +127,8 @@ def estimate(
     model_flops_per_token=formulas.flops_per_token(memory_model.model_dims(cfg, plan), plan.seq_len),
     device_memory_bytes=gpu_memory_bytes,
     schedule='1f1b' if memory_model.one_f_one_b(cfg, plan) else 'gpipe',
+    zero3=memory_model.gather_mode(cfg, plan),
+    loss_chunks=cfg.train.loss_chunks,
   )
 
 

@@ -237,20 +237,51 @@ def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   return plan.seq_len * (logits + rows_all * 2 * h * cb)
 
 
+def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
+  """ZeRO-3's gather, 'layer' or 'step' (None without ZeRO-3): data_parallel.gather_mode."""
+  from jax3d.parallel import data_parallel  # imported when needed: jax is heavy
+
+  return data_parallel.gather_mode(cfg, plan)
+
+
 def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dict:
-  """Bytes per device: params, grads, optimizer, activations, head."""
+  """Bytes per device: params, grads, optimizer, activations, head; and under ZeRO-3
+  (train.shard_params) what is gathered whole during the step ('gathered')."""
   t = cfg.train
   pb = BYTES[t.param_dtype]
   local = local_params(cfg, plan)
   n_local = sum(local.values())
-  # + the accumulator of gradient accumulation, and the pipeline loop's own: each iteration's
-  # gradient of the stage's weights (JAX's transpose of the loop-invariant operand) is a fresh
-  # buffer added into the loop's carry, so the stage's weight gradients are held twice.
-  grads = n_local * pb * (2 if plan.grad_accum > 1 else 1) + local['layers'] * pb
-  return {
+  out = {
     'params': n_local * pb,
-    'grads': grads,
+    # + the accumulator of gradient accumulation, and the pipeline loop's own: each iteration's
+    # gradient of the stage's weights (JAX's transpose of the loop-invariant operand) is a fresh
+    # buffer added into the loop's carry, so the stage's weight gradients are held twice.
+    'grads': n_local * pb * (2 if plan.grad_accum > 1 else 1) + local['layers'] * pb,
     'optimizer': 2 * n_local * pb / (plan.dp if t.shard_optimizer else 1),
     'activations': activation_bytes(cfg, plan, flash),
     'head': head_bytes(cfg, plan),
   }
+  mode = gather_mode(cfg, plan)
+  return out if mode is None else out | _zero3(local, pb, plan, mode, cfg.model.n_layers)
+
+
+def _zero3(local: dict, pb: int, plan: RunPlan, mode: str, n_layers: int) -> dict:
+  """ZeRO-3 (jax3d/parallel/zero3.py): parameters, their reduced gradients (and the accumulator)
+  and Adam's moments stored 1/dp; what exists whole during the step by gather mode:
+    'step'   the stage's layers and the embedding/head gathered ('gathered'); the gradients whole
+             as without ZeRO-3 (the loop's carry and each iteration's fresh one), reduce-scattered
+             to the slices after the loop.
+    'layer'  one layer's weights and the embedding/head gathered; in the loop the gradient carry
+             and each iteration's fresh one are slices, plus one layer's whole gradient before its
+             reduce-scatter, and the embedding/head's whole gradient.
+  (Under remat 'none' what a layer computes from its gathered weights is kept per iteration: the
+  activations already count it.)"""
+  stored = sum(local.values()) * pb / plan.dp
+  layers, shared = local['layers'] * pb, local['embed_head'] * pb
+  slices = stored * (2 if plan.grad_accum > 1 else 1)
+  if mode == 'step':
+    grads, gathered = slices + layers + shared + layers, layers + shared
+  else:
+    one = layers / (n_layers // plan.pp)
+    grads, gathered = slices + layers / plan.dp + shared + one, one + shared
+  return {'params': stored, 'grads': grads, 'optimizer': 2 * stored, 'gathered': gathered}

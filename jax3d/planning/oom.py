@@ -25,7 +25,8 @@ def oom_ladder(
   cfg: ml_collections.ConfigDict, plan: RunPlan, device_memory_bytes: float, hw: Hardware | None = None
 ) -> list[str]:
   """The out-of-memory ladder, each rung priced for this config and layout: recompute activations,
-  drop needless copies, smaller micro-batches, more pp or tp, bf16, ZeRO-1, then more nodes."""
+  drop needless copies, smaller micro-batches, more pp or tp, bf16, ZeRO-1, ZeRO-3, then more
+  nodes."""
   hw = hw or Hardware(
     nodes=max(plan.n_devices // 8, 1),
     gpus_per_node=min(plan.n_devices, 8),
@@ -52,8 +53,10 @@ def oom_ladder(
     )
   else:
     lines.append('5. bf16: weights, gradients and Adam state are already bf16')
-  if plan.dp > 1 and not cfg.train.shard_optimizer:
+  if plan.dp > 1 and not cfg.train.shard_optimizer and not cfg.train.shard_params:
     lines.append(ladder.rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
+  if plan.dp > 1:
+    lines += _zero3_rungs(ladder)
   lines.append(smallest_cluster(cfg, hw))
   return lines
 
@@ -118,6 +121,38 @@ def _loss_chunks_rung(ladder: _Ladder) -> str:
   return ladder.rung('1b. the head and loss in pieces (logits dominate)', {'train.loss_chunks': chunks}, head)
 
 
+def _zero_now(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The planner's ZERO variant of `cfg` (the more-pp-or-tp rung keeps it)."""
+  if cfg.train.shard_params:
+    return ('zero3',)
+  return ('zero1',) if cfg.train.shard_optimizer else ('off',)
+
+
+def _zero3_rungs(ladder: _Ladder) -> list[str]:
+  """Rung 6b, ZeRO-3: the parameters and their gradients over dp too, gathered once per step
+  ('step': the stage's layers whole during the step); where that does not fit, gathered per layer
+  where it runs ('layer': one layer whole at a time, for more dp traffic)."""
+  t = ladder.cfg.train
+  on = {'train.shard_params': True, 'train.shard_params_gather': 'step'}
+  out = []
+  if not t.shard_params:
+    out.append(ladder.rung('6b. shard the parameters and gradients over dp too (ZeRO-3)', on, _gathered))
+  if not t.shard_params or t.shard_params_gather != 'layer':
+    out.append(
+      ladder.rung(
+        "6c. ZeRO-3 gathering each layer where it runs (when 'step' does not fit)",
+        on | {'train.shard_params_gather': 'layer'},
+        _gathered,
+      )
+    )
+  return out
+
+
+def _gathered(e: Estimate) -> str:
+  """What ZeRO-3 holds whole during the step, for its rungs."""
+  return f' (gathered whole during the step: {e.breakdown.get("gathered", 0) / GB:.2f} GB)'
+
+
 def _schedule_rung(ladder: _Ladder) -> str:
   """Rung 4b: the 1F1B schedule, whose activations do not grow with the micro-batches; under it,
   twice the micro-batches (smaller ones, and a smaller bubble) at no activation cost."""
@@ -135,7 +170,7 @@ def _more_pp_or_tp_rung(ladder: _Ladder) -> str:
   cfg, plan = ladder.cfg, ladder.plan
   deeper = [
     c
-    for c in search(cfg, ladder.hw, policies=(cfg.train.remat,), zero1=(cfg.train.shard_optimizer,))
+    for c in search(cfg, ladder.hw, policies=(cfg.train.remat,), zero=_zero_now(cfg))
     if c.plan.pp * c.plan.tp > plan.pp * plan.tp
   ]
   if not deeper:

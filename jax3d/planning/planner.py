@@ -1,7 +1,6 @@
-"""The planner: every valid (dp, pp, tp, micro-batches, remat, ZeRO-1) layout of a config on a GPU
+"""The planner: every valid (dp, pp, tp, micro-batches, remat, ZeRO) layout of a config on a GPU
 cluster, priced by the cost model (jax3d/planning/costmodel.py), ranked, explained (tp, then pp, then
-dp, with the numbers); the out-of-memory ladder; and an ahead-of-time compile of the winner
-(`verify`).
+dp, with the numbers); jax3d/planning/verify.py compiles the winner ahead of time.
 
 The search follows three placement rules: tp at most the GPUs of one node (tensor parallelism
 stays on NVLink), pp a divisor of what remains, dp fills the rest; every candidate is priced with
@@ -13,9 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import ml_collections
 
@@ -34,7 +31,17 @@ LAYOUT_KEYS = (
   'train.remat',
   'train.shard_optimizer',
   'train.grad_accum',
+  'train.shard_params',
+  'train.shard_params_gather',
+  'train.loss_chunks',
 )
+# How dp > 1 holds the training state: replicated, ZeRO-1 (Adam's moments over dp) or ZeRO-3 (the
+# parameters, gradients and moments over dp; gathered once per step: 'layer' is the fallback).
+ZERO = {
+  'off': {'train.shard_optimizer': False, 'train.shard_params': False, 'train.shard_params_gather': 'auto'},
+  'zero1': {'train.shard_optimizer': True, 'train.shard_params': False, 'train.shard_params_gather': 'auto'},
+  'zero3': {'train.shard_optimizer': False, 'train.shard_params': True, 'train.shard_params_gather': 'step'},
+}
 
 
 @dataclasses.dataclass
@@ -58,6 +65,8 @@ class Candidate:
       'grad_accum': p.grad_accum,
       'remat': e.remat,
       'shard_optimizer': e.shard_optimizer,
+      'shard_params_gather': e.zero3,  # ZeRO-3's gather ('step', 'layer'), None without it
+      'loss_chunks': e.loss_chunks,
       'memory_gb': round(e.total_bytes / GB, 3),
       'memory_breakdown_gb': {k: round(v / GB, 3) for k, v in e.breakdown.items()},
       'step_time_s': float(f'{e.step_time_s:.4g}'),
@@ -86,13 +95,11 @@ def _batch_splits(batch: int, dp: int, pp: int) -> list[tuple[int, int]]:
 
 
 def layouts(
-  cfg: ml_collections.ConfigDict,
-  hw: Hardware,
-  policies: Sequence[str] = POLICIES,
-  zero1: Sequence[bool] = (False, True),
+  cfg: ml_collections.ConfigDict, hw: Hardware, policies: Sequence[str] = POLICIES
 ) -> Iterator[tuple[dict, RunPlan, ml_collections.ConfigDict]]:
-  """Every layout the rules allow that config.validate accepts: (overrides, plan, config) triples.
-  The config is one working copy of `cfg`, set to the next layout's values on the next iteration."""
+  """Every layout the rules allow that config.validate accepts: (overrides, plan, config) triples,
+  with the state replicated over dp (ZERO['off']; `search` tries the others). The config is one
+  working copy of `cfg`, set to the next layout's values on the next iteration."""
   n, m = hw.n_devices, cfg.model
   work = copy.deepcopy(cfg)
   for tp in [t for t in _divisors(hw.gpus_per_node) if n % t == 0]:  # rule: tp <= GPUs per node
@@ -102,15 +109,54 @@ def layouts(
         reps = [1] + ([r for r in _divisors(m.n_layers // pp) if 1 < r <= 8] if mb >= pp > 1 else [])
         for v in reps:
           for remat in policies:
-            for z in zero1 if dp > 1 else (False,):
-              schedule = 'circular' if v > 1 else 'gpipe'
-              o = dict(zip(LAYOUT_KEYS, (dp, pp, tp, mb, v, schedule, remat, z, ga), strict=True))
-              for k, val in o.items():
-                set_key(work, k, val)
-              try:
-                yield o, validate(work, n), work
-              except ConfigError:
-                continue
+            schedule = 'circular' if v > 1 else 'gpipe'
+            o = dict(zip(LAYOUT_KEYS, (dp, pp, tp, mb, v, schedule, remat), strict=False))
+            o |= {'train.grad_accum': ga, 'train.loss_chunks': cfg.train.loss_chunks} | ZERO['off']
+            for k, val in o.items():
+              set_key(work, k, val)
+            try:
+              yield o, validate(work, n), work
+            except ConfigError:
+              continue
+
+
+def more_loss_chunks(seq: int, now: int) -> int | None:
+  """The head and loss in 8 times as many pieces as `now` where seq_len has such a divisor, else
+  the most it has (None: already one position each)."""
+  more = [d for d in range(now + 1, seq + 1) if seq % d == 0]
+  return next((d for d in more if d >= 8 * now), more[-1]) if more else None
+
+
+def _savings(
+  o: dict, cfg: ml_collections.ConfigDict, hw: Hardware, est: costmodel.Estimate, zero: Sequence[str]
+) -> list[Candidate]:
+  """The variants of a layout that does not fit, each on top of the one before, priced until one
+  fits (each saves memory and is no faster, so the first that fits is the one to take): with
+  dp > 1 the `zero` ones in order (ZeRO-1, then ZeRO-3 gathering once per step); the head and loss
+  in pieces where the head's fp32 logits outweigh the layers' activations (`more_loss_chunks`);
+  then, under ZeRO-3, the 'layer' gather (one layer's weights and gradient whole at a time instead
+  of the stage's, for a gather and a reduce-scatter per use of each layer)."""
+  steps = [ZERO[z] for z in zero if z != 'off' and est.plan.dp > 1]
+  if est.breakdown['head'] > est.breakdown['activations']:
+    chunks = more_loss_chunks(est.plan.seq_len, cfg.train.loss_chunks)
+    steps += [{'train.loss_chunks': chunks}] if chunks else []
+  if 'zero3' in zero and est.plan.dp > 1:
+    steps.append({'train.shard_params_gather': 'layer'})
+  out, over = [], dict(o)
+  for step in steps:
+    for k, v in step.items():
+      set_key(cfg, k, v)
+    try:
+      plan = validate(cfg, hw.n_devices)
+    except ConfigError:  # (the 'layer' gather with bf16 reductions): the config as it was
+      for k in step:
+        set_key(cfg, k, over[k])
+      break
+    over |= step
+    out.append(Candidate(dict(over), estimate(cfg, plan, hw.memory_gb * GB, hw)))
+    if out[-1].est.fits:
+      break
+  return out
 
 
 def _one_f_one_b(o: dict, cfg: ml_collections.ConfigDict, hw: Hardware) -> Candidate | None:
@@ -126,13 +172,22 @@ def _one_f_one_b(o: dict, cfg: ml_collections.ConfigDict, hw: Hardware) -> Candi
   return Candidate(o | {'pipeline.schedule': '1f1b'}, estimate(cfg, plan, hw.memory_gb * GB, hw))
 
 
-def search(cfg: ml_collections.ConfigDict, hw: Hardware, **kw: Any) -> list[Candidate]:
-  """All valid layouts (and the 1F1B variant of each pipelined one GPipe does not fit), priced; fitting ones first, fastest first (ties: more tp, less pp). `kw`
-  (policies, zero1) narrows the layouts (see `layouts`)."""
+def search(
+  cfg: ml_collections.ConfigDict,
+  hw: Hardware,
+  policies: Sequence[str] = POLICIES,
+  zero: Sequence[str] = tuple(ZERO),
+) -> list[Candidate]:
+  """All valid layouts (`layouts`, narrowed to the remat `policies`), priced; fitting ones first,
+  fastest first (ties: more tp, less pp). For a layout that does not fit, its memory-saving
+  variants until one fits (`_savings`: the `zero` ways to hold the state over dp, loss chunks,
+  ZeRO-3's 'layer' gather), and for a pipelined one the 1F1B variant."""
   out = []
-  for o, plan, c in layouts(cfg, hw, **kw):
+  for o, plan, c in layouts(cfg, hw, policies):
     out.append(Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)))
-    if plan.pp > 1 and not out[-1].est.fits and (alt := _one_f_one_b(o, c, hw)) is not None:
+    if not out[-1].est.fits:
+      out += _savings(o, c, hw, out[-1].est, zero)
+    if plan.pp > 1 and not out[-1].est.fits and (alt := _one_f_one_b(out[-1].overrides, c, hw)) is not None:
       out.append(alt)
   if not out:
     m = cfg.model
@@ -185,8 +240,9 @@ def explain(
     f'  dp = {n}/(tp*pp) = {n}/({p.tp}*{p.pp}) = {p.dp} fills the rest: each replica takes '
     f'{p.global_batch // p.dp} of the {p.global_batch} sequences per step.',
     f'  Memory: weights, gradients and Adam state ({weights / GB:.0f} GB in all) over tp*pp = '
-    f'{p.tp * p.pp} shards{" and the optimizer over dp" if e.shard_optimizer else ""}, '
-    f'activations with remat={e.remat}: {e.total_bytes / GB:.1f} of {hw.memory_gb:g} GB.',
+    f'{p.tp * p.pp} shards{_over_dp(e)}, activations with remat={e.remat}'
+    f'{f", the head and loss in {e.loss_chunks} pieces" if e.loss_chunks > 1 else ""}: '
+    f'{e.total_bytes / GB:.1f} of {hw.memory_gb:g} GB.',
   ]
   # "Few layers -> more tp": the best layout with less tp (hence more pp or dp) for comparison.
   alt = next((c for c in ranked if c.est.fits and c.plan.tp < p.tp), None)
@@ -200,56 +256,30 @@ def explain(
   return lines
 
 
-def verify_memory(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
-  """Ahead-of-time compile of the real train step of `cfg` on plan.n_devices CPU devices (nothing
-  is allocated): XLA's bytes per device (`compiled_memory_gb` and its parts) beside the CPU-minded
-  estimate's (`estimate_memory_gb`), in GB (1e9 bytes); `bf16_note` when compute is bf16."""
-  import jax
-
-  from jax3d import assemble
-
-  devices = jax.devices('cpu')
-  if len(devices) < plan.n_devices:
-    raise ConfigError(
-      f'--verify needs {plan.n_devices} CPU devices, {len(devices)} are visible '
-      f'(XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r} was set before the run)'
+def _over_dp(e: costmodel.Estimate) -> str:
+  """How the winner holds its state over dp, for `explain` (the rule ZeRO-3's gather follows)."""
+  if e.zero3 == 'step':
+    return (
+      " and over dp too (ZeRO-3; gathered once per step: the stage's layers whole, "
+      f'{e.breakdown["gathered"] / GB:.1f} GB, fit, for the fewest collectives)'
     )
-  est = estimate(cfg, plan, hw=Hardware(flash_attention=False))  # CPU: XLA's own attention
-  m = assemble.compile_train_step(assemble.build(cfg, devices[: plan.n_devices])).memory
-  gb = lambda b: round(b / GB, 6)
-  return {
-    'compiled_on_cpu_devices': plan.n_devices,
-    'compiled_memory_gb': gb(m['total']),
-    'compiled_breakdown_gb': {k: gb(m[k]) for k in ('argument', 'temp', 'output', 'alias')},
-    'estimate_memory_gb': gb(est.total_bytes),
-    'estimate_vs_compiled': round(est.total_bytes / m['total'] - 1, 4),
-    'bf16_note': (
-      'XLA:CPU computes bf16 matmuls in float32, converting around each dot: with bf16 compute '
-      "its temporaries exceed a GPU's, and the GPU-minded estimate comes out below them"
+  if e.zero3 == 'layer':
+    return (
+      " and over dp too (ZeRO-3; gathered per layer where it runs: the stage's layers whole do not "
+      'fit, so one layer at a time, for a gather and a reduce-scatter per use)'
     )
-    if cfg.train.compute_dtype == 'bfloat16'
-    else None,
-  }
+  return ' and the optimizer over dp (ZeRO-1)' if e.shard_optimizer else ''
 
 
-def verify(cfg: ml_collections.ConfigDict, plan: RunPlan) -> list[str]:
-  """`verify_memory` as text lines: XLA's bytes per device beside the estimate's."""
-  v = verify_memory(cfg, plan)
-  b = v['compiled_breakdown_gb']
-  return ([f'({v["bf16_note"]})'] if v['bf16_note'] else []) + [
-    f'XLA (compiled on {plan.n_devices} CPU devices): {v["compiled_memory_gb"]:.4f} GB per device = '
-    f'arguments {b["argument"]:.4f} + temporaries {b["temp"]:.4f} + '
-    f'outputs {b["output"]:.4f} - aliased {b["alias"]:.4f}',
-    f'estimate: {v["estimate_memory_gb"]:.4f} GB per device ({v["estimate_vs_compiled"]:+.1%})',
-  ]
+SAVINGS = ('train.shard_optimizer', 'train.shard_params', 'train.shard_params_gather', 'train.loss_chunks')
 
 
 def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
-  """The first `top` fitting layouts, one row per layout: ZeRO-1 on/off ties are shown once (the
-  ranking puts the faster, or the smaller, first)."""
+  """The first `top` fitting layouts, one row per layout: of its variants that only save memory
+  (ZeRO-1, ZeRO-3, loss chunks) the first in the ranking (the faster, or the smaller)."""
   fit, shown = [], set()
   for c in ranked:
-    key = tuple(v for k, v in c.overrides.items() if k != 'train.shard_optimizer')
+    key = tuple(v for k, v in c.overrides.items() if k not in SAVINGS)
     if c.est.fits and key not in shown and len(fit) < top:
       shown.add(key)
       fit.append(c)
@@ -259,7 +289,7 @@ def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
 def table(cands: list[Candidate]) -> list[str]:
   """The candidates as a text table, one numbered line each under a header line."""
   head = (
-    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"sched":>5} {"ga":>3} {"remat":>5} {"zero1":>5} '
+    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"sched":>5} {"ga":>3} {"remat":>5} {"zero":>7} {"lc":>3} '
     f'{"GB/GPU":>7} {"step s":>8} {"bubble":>6} {"tokens/s":>10} {"MFU":>5}'
   )
   lines = [head]
@@ -268,8 +298,15 @@ def table(cands: list[Candidate]) -> list[str]:
     lines.append(
       f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["microbatches"]:>4} '
       f'{r["repeats"]:>2} {r["schedule"]:>5} {r["grad_accum"]:>3} {r["remat"]:>5} '
-      f'{"yes" if r["shard_optimizer"] else "no":>5} '
+      f'{_zero(r):>7} {r["loss_chunks"]:>3} '
       f'{r["memory_gb"]:>7.1f} {r["step_time_s"]:>8.3g} {r["bubble"]:>6.1%} '
       f'{r["tokens_per_s"]:>10,} {r["mfu"]:>5.1%}'
     )
   return lines
+
+
+def _zero(row: dict) -> str:
+  """The table's ZeRO column: '-', '1' (ZeRO-1), '3/step' or '3/layer' (ZeRO-3 and its gather)."""
+  if row['shard_params_gather']:
+    return f'3/{row["shard_params_gather"]}'
+  return '1' if row['shard_optimizer'] else '-'

@@ -45,7 +45,7 @@ def compute_seconds(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware)
 
 def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   """Bytes each device sends per step over each mesh axis: {'tp', 'pp', 'dp'}."""
-  t, dp, pp, tp = cfg.train, plan.dp, plan.pp, plan.tp
+  t, pp, tp = cfg.train, plan.pp, plan.tp
   act_mb = memory_model.micro_activation_bytes(cfg, plan)
   sp = tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
   lc = cfg.model.n_layers // (pp * plan.repeats)  # layers per chunk: what one iteration runs
@@ -61,9 +61,45 @@ def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
     pp, rows, plan.seq_len, cfg.model.d_model, sp, plan.pp_batch_split is not None
   )
   pp_bytes += edge * plan.grad_accum
-  n_local = sum(memory_model.local_params(cfg, plan).values())
-  dp_bytes = 2 * (dp - 1) / dp * n_local * BYTES[t.grad_reduce_dtype]
-  return {'tp': tp_bytes, 'pp': pp_bytes, 'dp': dp_bytes}
+  dp_bytes, exposed = dp_traffic(cfg, plan)
+  return {'tp': tp_bytes, 'pp': pp_bytes, 'dp': dp_bytes, 'dp_exposed': exposed}
+
+
+def dp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> tuple[float, float]:
+  """Bytes each device sends over dp per step, and the share no compute can hide: the gradient
+  all-reduce, 2(d-1)/d * P_local in the reduction's dtype (hidden in part behind the backward
+  pass); under ZeRO-3 on the compiler's path the gathers and reduce-scatters of
+  jax3d/analysis/dp_comm.py ('step': the same bytes, its gather before the loop exposed; 'layer':
+  per use of each layer, inside the loop), and on the explicit path a gather of the parameters at
+  its entry (exposed) and a reduce-scatter of the gradients."""
+  from jax3d.analysis import dp_comm  # imported when needed: jax is heavy
+  from jax3d.parallel import data_parallel
+
+  t, dp = cfg.train, plan.dp
+  local = memory_model.local_params(cfg, plan)
+  n_local = sum(local.values())
+  ring = 2 * (dp - 1) / dp
+  mode = memory_model.gather_mode(cfg, plan)
+  if mode is None:
+    return ring * n_local * BYTES[t.grad_reduce_dtype], 0.0
+  pb = BYTES[t.param_dtype]
+  if data_parallel.explicit(cfg, plan):
+    return ring / 2 * n_local * (BYTES[t.grad_reduce_dtype] + pb), ring / 2 * n_local * pb
+  one_f = memory_model.one_f_one_b(cfg, plan)
+  steps = _ticks(plan) if one_f else plan.iterations
+  n_layers = cfg.model.n_layers
+  z = dp_comm.dp_bytes(
+    mode,
+    dp=dp,
+    layers=local['layers'] * pb,
+    shared=local['embed_head'] * pb,
+    layers_per_stage=n_layers // plan.pp,
+    uses=dp_comm.layer_uses(n_layers, plan.pp, plan.repeats, steps, plan.grad_accum),
+    gathers_back=dp_comm.regathers(t.remat, one_f),
+    shared_group=dp,
+    grad_accum=plan.grad_accum,
+  )
+  return z['wire'], z['gathered'] if mode == 'step' else ring / 2 * local['embed_head'] * pb
 
 
 def step_times(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> dict:
@@ -77,12 +113,13 @@ def step_times(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> d
   dp_in = plan.tp * plan.pp * plan.dp <= per_host
   bw = lambda inside: (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
   t_dp = traffic['dp'] / bw(dp_in)
+  t_exposed = traffic['dp_exposed'] / bw(dp_in)  # ZeRO-3's gathers before the loop
   times = {
     'compute': compute,
     'tp': traffic['tp'] / bw(tp_in),
     'pp': traffic['pp'] / bw(pp_in),
     'dp': t_dp,
-    'dp_hidden': min(t_dp, hw.overlap * compute * 2 / 3),
+    'dp_hidden': min(t_dp - t_exposed, hw.overlap * compute * 2 / 3),
     'peak': hw.peak_tflops * 1e12,
   }
   times['step'] = compute + times['tp'] + times['pp'] + t_dp - times['dp_hidden']
