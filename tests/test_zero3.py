@@ -173,3 +173,35 @@ def test_bad_gather_settings_are_refused_before_compiling():
   assert setup_for(small_cfg(mesh__dp=2, **Z3, train__grad_reduce_dtype='int8')).gather.mode == 'step'
   s1 = setup_for(small_cfg(**Z3))
   assert not s1.zero3 and s1.gather is None
+
+
+@pytest.mark.slow
+def test_a_model_that_fits_only_with_shard_params(tmp_path):
+  """hardware.memory_gb between the two compiled figures, dp=8: without shard_params the trainer
+  refuses before the first step (exit 2's ConfigError, the ladder naming ZeRO-3), with it the run
+  trains. 8 layers of d_model 512: 33.6M fp32 parameters, 0.40 GB of state per device replicated."""
+  big = {
+    'mesh.dp': 8,
+    'mesh.pp': 1,
+    'mesh.tp': 1,
+    'pipeline.microbatches': 1,
+    'model.d_model': 512,
+    'model.d_ff': 2048,
+    'model.n_layers': 8,
+    'model.n_heads': 8,
+    'model.n_kv_heads': 8,
+    'train.seq_len': 64,
+    'train.remat': 'full',
+    'hardware.memory_gb': 0.3,
+    'log.every': 1,
+    'log.progress': False,
+  }
+  refused = Trainer(config_lib.load_config('tiny', big), workdir=str(tmp_path / 'off'), console=False)
+  with pytest.raises(config_lib.ConfigError, match=r'hardware\.memory_gb=0\.3 allows.*ZeRO-3'):
+    refused.compile()
+  refused.close()
+  on = config_lib.load_config('tiny', {**big, 'train.shard_params': True})
+  t = Trainer(on, workdir=str(tmp_path / 'on'), console=False)
+  t.train(steps=2)
+  assert set(losses(str(tmp_path / 'on'))) == {1, 2}
+  t.close()

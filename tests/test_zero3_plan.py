@@ -103,7 +103,6 @@ def test_estimate_and_dp_bytes_against_the_compiled_step(layout, mode, remat, to
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason='ZeRO-3 at tp>1 gathers tp-whole layers over dp (core, zero3.py)')
 def test_dp_bytes_at_tp2():
   r, _ = _inspect((4, 1, 2, 1), _zero3('layer', **{'train.remat': 'full'}))
   _dp_checks_hold(r)

@@ -17,10 +17,9 @@ norm), both in their tp/pp layout (what a device holds without ZeRO-3):
            and pp at once (2(dp*pp-1)/(dp*pp) S) where the batch outside the loop is split over pp:
            XLA sums these small gradients whole, then keeps the slice.
 
-REGATHERS was read off the compiled HLO (tiny, 8-1-1, 2-2-2 and 2-4-1): remat 'none' keeps what
-the layer computes from its gathered weights (casts, reshapes) for the backward pass, so nothing is
-gathered again; 'dots', 'attn' and 'full' recompute the layer once; 'stage' recomputes the
-iteration and, inside it, each checkpointed layer: twice. 1F1B's backward recomputes its chunk
+REGATHERS was read off the compiled HLO (tiny, 8-1-1, 2-2-2 and 2-4-1): 'none' (under the layer
+gather the layer keeps what 'dots' keeps, zero3.Gather.layer), 'dots', 'attn' and 'full' recompute
+the layer once; 'stage' recomputes the iteration and, inside it, each checkpointed layer: twice. 1F1B's backward recomputes its chunk
 from the stashed input, one gather more.
 """
 
@@ -36,7 +35,7 @@ from jax3d.parallel import schedule_1f1b
 if TYPE_CHECKING:
   from jax3d.record import Setup
 
-REGATHERS = {'none': 0, 'dots': 1, 'attn': 1, 'full': 1, 'stage': 2}
+REGATHERS = {'none': 1, 'dots': 1, 'attn': 1, 'full': 1, 'stage': 2}
 
 
 def regathers(policy: str, one_f_one_b: bool) -> int:

@@ -274,8 +274,8 @@ def _zero3(local: dict, pb: int, plan: RunPlan, mode: str, n_layers: int) -> dic
     'layer'  one layer's weights and the embedding/head gathered; in the loop the gradient carry
              and each iteration's fresh one are slices, plus one layer's whole gradient before its
              reduce-scatter, and the embedding/head's whole gradient.
-  (Under remat 'none' what a layer computes from its gathered weights is kept per iteration: the
-  activations already count it.)"""
+  (Under remat 'none' the layer gather keeps what 'dots' keeps, zero3.Gather.layer; the
+  activations count 'none''s residuals: an upper bound there.)"""
   stored = sum(local.values()) * pb / plan.dp
   layers, shared = local['layers'] * pb, local['embed_head'] * pb
   slices = stored * (2 if plan.grad_accum > 1 else 1)
