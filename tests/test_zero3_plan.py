@@ -57,12 +57,12 @@ def test_dp_bytes_by_hand():
   assert dp_comm.dp_bytes('step', gathers_back=1, **kw)['wire'] == pytest.approx(
     2 * r * 4 * LAYER + 3 * r * SHARED
   )
-  # A stage of one layer: its gather is loop-invariant, hoisted out of the loop (once per step).
-  hoisted = dp_comm.dp_bytes(
-    'layer', **kw | {'layers': LAYER, 'layers_per_stage': 1, 'uses': 7}, gathers_back=1
-  )
-  assert hoisted['wire'] == pytest.approx(r * LAYER + 7 * r * LAYER + 3 * r * SHARED)
-  assert dp_comm.regathers('none', False) == 0 and dp_comm.regathers('stage', False) == 2
+  # A stage of one layer: the same weights every iteration, still gathered per use (tied to the
+  # layer's input, so not hoisted out of the loop)
+  one = dp_comm.dp_bytes('layer', **kw | {'layers': LAYER, 'layers_per_stage': 1, 'uses': 7}, gathers_back=1)
+  assert one['wire'] == pytest.approx(7 * 3 * r * LAYER + 3 * r * SHARED)
+  # 'none' keeps what 'dots' keeps under the layer gather: one gather again in the backward
+  assert dp_comm.regathers('none', False) == 1 and dp_comm.regathers('stage', False) == 2
   assert dp_comm.regathers('full', True) == 2  # 1F1B's backward recomputes its chunk
   # the time model prices the same bytes
   e = _estimate('tiny', DP8 | _zero3('layer', **{'train.remat': 'full'}), hw=CPU)
@@ -84,10 +84,12 @@ def _dp_checks_hold(r):
       assert c['measured'] == pytest.approx(c['spmd'], rel=0.05, abs=1.0), (c['what'], c)
 
 
+# 8-1-1: the estimate's activations are ~10 MB over XLA's with or without ZeRO-3 (+15% of the
+# replicated step's 67 MB); against ZeRO-3's 21 MB that bias is +30%.
 CASES = [
-  ((8, 1, 1, 1), 'layer', 'full', 0.25),
+  ((8, 1, 1, 1), 'layer', 'full', 0.35),
   pytest.param((8, 1, 1, 1), 'step', 'full', 0.3, marks=pytest.mark.slow),
-  pytest.param((8, 1, 1, 1), 'layer', 'none', 0.25, marks=pytest.mark.slow),
+  pytest.param((8, 1, 1, 1), 'layer', 'none', 0.35, marks=pytest.mark.slow),
   pytest.param((2, 4, 1, 4), 'layer', 'full', 0.25, marks=pytest.mark.slow),
   pytest.param((2, 4, 1, 4), 'step', 'full', 0.25, marks=pytest.mark.slow),
 ]

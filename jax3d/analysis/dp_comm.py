@@ -67,14 +67,13 @@ def dp_bytes(
   reduction (reduce-scatter operands, all-reduce buffers), 'gathered': the all-gathers' wire
   bytes}. `layers`/`shared`: L and S in bytes; `shared_group`: the group S's gradient is summed
   over (dp, or dp*pp). Gathers of loop-invariant weights are hoisted out of the loops by XLA: the
-  'step' gather, S's, and 'layer' gathers where a stage holds one layer (the same weights in every
-  iteration); reductions are not (one per grad_accum chunk, or per use)."""
+  'step' gather and S's; reductions are not (one per grad_accum chunk, or per use). A 'layer'
+  gather is tied to its layer's input (zero3.Gather.layer), so it runs per use even where a stage
+  holds one layer (the same weights in every iteration)."""
   r = (dp - 1) / dp
   g = shared_group
   if mode == 'step':
     gathered, reduced = r * layers, grad_accum * layers
-  elif layers_per_stage == 1:  # hoisted: gathered once, reduce-scattered per use
-    gathered, reduced = r * layers, uses * layers
   else:
     one = layers / layers_per_stage
     gathered, reduced = uses * (1 + gathers_back) * r * one, uses * one

@@ -197,7 +197,9 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool)
   if one_f_one_b(cfg, plan):
     return _activations_1f1b(cfg, plan, lc, res)
   if t.remat != 'stage':
-    return plan.iterations * lc * res(policy=t.remat) + res(policy='none')
+    # under ZeRO-3's layer gather, 'none' keeps what 'dots' keeps (jax3d/parallel/zero3.py)
+    kept = 'dots' if t.remat == 'none' and gather_mode(cfg, plan) == 'layer' else t.remat
+    return plan.iterations * lc * res(policy=kept) + res(policy='none')
   # 'stage': per iteration its carry (input and, with pp > 1, the stage-0 queue of m micro-batches),
   # plus one iteration recomputed in the backward pass
   sp = plan.tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
