@@ -39,7 +39,6 @@ from jax3d.parallel import (
   microbatch,
   placement,
   sharding,
-  zero3,
 )
 from jax3d.record import Setup
 from jax3d.training import optim, step as step_lib
@@ -92,10 +91,7 @@ def _with_state(s: Setup) -> Setup:
   zero = data_parallel.zero_shardings(shapes['params'], compute, s.mesh, s.plan.dp)
   gather = None
   if s.zero3:  # ZeRO-3: stored in the ZeRO layout, gathered where used (jax3d/parallel/zero3.py)
-    layers, layers_sh = shapes['params']['layers'], compute['layers']
-    tp = data_parallel.manual_specs(layers, layers_sh, {sharding.TP}) if s.plan.tp > 1 else None
-    dims = data_parallel.dims_tree(layers, layers_sh, s.plan.dp)
-    gather = zero3.Gather(dims, data_parallel.gather_mode(s.cfg, s.plan), tp)
+    gather = data_parallel.layer_gather(shapes['params']['layers'], compute['layers'], s.cfg, s.plan)
     s = dataclasses.replace(s, param_shardings=zero)
   # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
   moments = zero if s.zero1 else s.param_shardings

@@ -141,6 +141,15 @@ def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
   return mode
 
 
+def layer_gather(
+  layers: PyTree, layers_sh: PyTree, cfg: ml_collections.ConfigDict, plan: RunPlan
+) -> zero3.Gather:
+  """ZeRO-3's gather of the stacked layers (abstract `layers` in their tp/pp shardings
+  `layers_sh`): each leaf's ZeRO dimension, the gather mode, and with tp > 1 the tp specs."""
+  tp = manual_specs(layers, layers_sh, {TP}) if plan.tp > 1 else None
+  return zero3.Gather(dims_tree(layers, layers_sh, plan.dp), gather_mode(cfg, plan), tp)
+
+
 def has_residual(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """int8 error feedback keeps a residual per dp rank in the train state."""
   return plan.dp > 1 and cfg.train.grad_reduce_dtype == 'int8'
