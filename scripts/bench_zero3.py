@@ -1,7 +1,7 @@
 """ZeRO-3 (train.shard_params) and the chunked head (train.loss_chunks): bytes per device against dp,
 compiled temp memory against loss_chunks, and step time of each option against its baseline.
 
-  python scripts/bench_zero3.py [--only=bytes,chunks,time] [--rounds=3] [--steps=4]
+  python scripts/bench_zero3.py [--only=bytes,chunks,time] [--rounds=3] [--steps=3]
                                 [--out=bench_zero3.json] [--plot=PNG]
 
 bytes   dp = 1, 2, 4, 8 (pp = tp = 1), shard_params off and on. Parameter and optimizer bytes per
@@ -15,8 +15,8 @@ chunks  compiled temp memory against loss_chunks = 1, 2, 4, 8, 16 for a 32K voca
         (CHUNKS_SHAPE: 2 layers, d_model 256, 2 rows), on 1 device and on 1x1x2 (tp), with the
         planner's head and activation estimates.
 time    step time, side by side: shard_params 'layer' and 'step' against off at 8x1x1, 2x2x2 m2
-        and 4x1x2 (TIME_SHAPE: 4 layers, d_model 256, vocab 1024, seq 128, 8 rows); loss_chunks 8
-        against 1 at CHUNKS_SHAPE on 1 device. The programs of a case run in alternation,
+        and 4x1x2 (TIME_SHAPE: 4 layers, d_model 256, vocab 1024, seq 64, 8 rows); loss_chunks 8
+        against 1 at CHUNKS_SHAPE on 1 device, 1 row. The programs of a case run in alternation,
         `--rounds` rounds of `--steps` steps each (the first step of a round dropped); each
         figure is the median of all kept steps, and the ratio is of medians from the same run.
 
@@ -80,7 +80,7 @@ TIME_SHAPE = COMMON | {
   'model.n_kv_heads': 4,
   'model.d_ff': 1024,
   'model.vocab_size': 1024,
-  'train.seq_len': 128,
+  'train.seq_len': 64,
   'train.global_batch_size': 8,
 }
 LAYOUTS = {  # dp x pp x tp [m micro-batches]
@@ -109,7 +109,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   ap = _Parser(prog='bench_zero3.py', description=__doc__.split('\n')[0])
   ap.add_argument('--only', default=','.join(PARTS), help='comma-separated parts: ' + ', '.join(PARTS))
   ap.add_argument('--rounds', type=int, default=3)
-  ap.add_argument('--steps', type=int, default=4, help='steps per round and program (the first dropped)')
+  ap.add_argument('--steps', type=int, default=3, help='steps per round and program (the first dropped)')
   ap.add_argument('--out', default='bench_zero3.json', help='JSON path')
   ap.add_argument('--plot', default='', help='PNG path (optional)')
   a = ap.parse_args(argv)
@@ -153,7 +153,7 @@ def estimate(s: assemble.Setup) -> dict:
 def bytes_rows() -> list[dict]:
   rows = []
   for dp in DPS:
-    for on in (False, True):
+    for on in (False, True) if dp > 1 else (False,):  # at dp = 1 shard_params is off
       s = make_setup(BYTES_SHAPE, '1x1x1', **{'mesh.dp': dp, 'train.shard_params': on})
       c = assemble.compile_train_step(s)
       (state_sh, batch_sh), _ = c.executable.input_shardings
@@ -175,9 +175,9 @@ def bytes_rows() -> list[dict]:
         'est_activations_head_mib': (est['activations'] + est['head']) / MiB,
       }
       rows.append(r)
-  base = {r['shard_params']: r['params_mib'] + r['optimizer_mib'] for r in rows if r['dp'] == 1}
+  base = next(r['params_mib'] + r['optimizer_mib'] for r in rows if r['dp'] == 1)
   for r in rows:
-    r['state_vs_dp1'] = (r['params_mib'] + r['optimizer_mib']) / base[r['shard_params']]
+    r['state_vs_dp1'] = (r['params_mib'] + r['optimizer_mib']) / base
   return rows
 
 
@@ -271,21 +271,19 @@ def side_by_side(setups: dict[str, assemble.Setup], rounds: int, steps: int) -> 
 
 
 def time_rows(rounds: int, steps: int) -> list[dict]:
-  cases = [(layout, TIME_SHAPE, {k: dict(v) for k, v in ZERO3.items()}, 'off') for layout in ZERO3_LAYOUTS]
-  cases.append(
-    (
-      '1x1x1',
-      CHUNKS_SHAPE,
-      {'chunks 1': {'train.loss_chunks': 1}, 'chunks 8': {'train.loss_chunks': 8}},
-      'chunks 1',
-    )
-  )
-  rows = []
+  """The side-by-side cases: ZeRO-3's gathers against off at ZERO3_LAYOUTS (TIME_SHAPE), and
+  loss_chunks 8 against 1 at CHUNKS_SHAPE on one device (one row: the head's FLOPs dominate)."""
+  chunks = {'chunks 1': {'train.loss_chunks': 1}, 'chunks 8': {'train.loss_chunks': 8}}
+  chunks = {k: v | {'train.global_batch_size': 1} for k, v in chunks.items()}
+  cases = [(layout, TIME_SHAPE, ZERO3, 'off') for layout in ZERO3_LAYOUTS]
+  cases.append(('1x1x1', CHUNKS_SHAPE, chunks, 'chunks 1'))
+  rows: list[dict] = []
+  print('\n'.join(format_time([])), flush=True)
   for layout, shape, variants, base in cases:
     times = side_by_side({k: make_setup(shape, layout, **v) for k, v in variants.items()}, rounds, steps)
-    rows.extend(summarize_times(layout, times, base))
-    for line in format_time(rows[-(len(variants) - 1) :]):
-      print('  ' + line, flush=True)
+    new = summarize_times(layout, times, base)
+    print('\n'.join(format_time(new)[2:]), flush=True)
+    rows.extend(new)
   return rows
 
 
@@ -348,7 +346,6 @@ def main(argv: Sequence[str] | None = None) -> None:
   if 'time' in a.only:
     print(f'\nstep time, side by side ({a.rounds} rounds x {a.steps - 1} kept steps, medians)', flush=True)
     report['time'] = time_rows(a.rounds, a.steps)
-    print('\n'.join(format_time(report['time'])))
   with open(a.out, 'w') as f:
     json.dump(report, f, indent=1)
   print(f'wrote {a.out}')
