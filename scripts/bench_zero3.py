@@ -368,7 +368,7 @@ def plot(report: dict, path: str) -> None:
     rows = report[p]
     if p == 'bytes':
       for on, style in ((False, 'o-'), (True, 's-')):
-        rs = [r for r in rows if r['shard_params'] == on]
+        rs = [r for r in rows if r['shard_params'] == on or r['dp'] == 1]  # dp = 1: the same
         lab = 'shard_params' if on else 'off'
         ax.plot(
           [r['dp'] for r in rs],
@@ -386,6 +386,10 @@ def plot(report: dict, path: str) -> None:
         rs = [r for r in rows if r['layout'] == layout]
         ax.plot(
           [r['loss_chunks'] for r in rs], [r['temp_mib'] for r in rs], 'o-', label=f'{layout}: compiled temp'
+        )
+        est = [r['est_head_mib'] + r['est_activations_mib'] + r['est_grads_mib'] for r in rs]
+        ax.plot(
+          [r['loss_chunks'] for r in rs], est, 'o:', alpha=0.6, label=f'{layout}: planner act+grads+head'
         )
       ax.set_xlabel('train.loss_chunks')
       ax.set_ylabel('temp memory per device (MiB)')
