@@ -164,3 +164,66 @@ def test_cpu_profile_breakdown():
   rows = [{'spec': '4x1x2', 'dtype': 'float32', 'trainer': t, 'cpu_ms': got} for t in ('jax3d', 'maxtext')]
   table = bvm.format_cpu(rows)
   assert table[-2].startswith('| 4x1x2 | float32 | maxtext | 200 | 100 |') and table[-1].endswith('| 900 |')
+
+
+# scripts/bench_zero3.py: its flags, the bytes of a sharded tree and the tables, nothing compiled
+_spec_z3 = importlib.util.spec_from_file_location(
+  'bench_zero3', os.path.join(ROOT, 'scripts', 'bench_zero3.py')
+)
+bz3 = importlib.util.module_from_spec(_spec_z3)
+_spec_z3.loader.exec_module(bz3)
+
+
+def test_zero3_flags(capsys):
+  a = bz3.parse_args([])
+  assert a.only == list(bz3.PARTS) and a.rounds >= 1 and a.steps >= 2
+  assert bz3.parse_args(['--only=chunks,time']).only == ['chunks', 'time']
+  for bad in (
+    ['--only=bytes,memory'],
+    ['--only='],
+    ['--steps=1'],
+    ['--rounds=0'],
+    ['--rounds=x'],
+    ['--dp=2'],
+  ):
+    with pytest.raises(SystemExit) as e:
+      bz3.parse_args(bad)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'error' in err  # one line
+
+
+def test_zero3_shard_bytes():
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((2,), ('dp',), devices=jax.devices()[:2])
+  tree = {'w': jax.ShapeDtypeStruct((8, 6), 'float32'), 'b': jax.ShapeDtypeStruct((6,), 'bfloat16')}
+  sh = {'w': NamedSharding(mesh, P('dp')), 'b': NamedSharding(mesh, P())}
+  assert bz3.shard_bytes(tree, sh) == 4 * 6 * 4 + 6 * 2
+
+
+def test_zero3_tables():
+  b = dict(params_mib=96.0, optimizer_mib=192.0, argument_mib=288.1, argument_check=True, temp_mib=400.0)
+  b |= dict(est_params_mib=96.0, est_optimizer_mib=192.0, est_grads_mib=160.0, est_activations_head_mib=465.7)
+  rows = [b | {'dp': 1, 'shard_params': False, 'gather': None, 'state_vs_dp1': 1.0}]
+  rows.append(
+    b | {'dp': 8, 'shard_params': True, 'gather': 'layer', 'params_mib': 12.0, 'state_vs_dp1': 0.125}
+  )
+  lines = bz3.format_bytes(rows)
+  assert len(lines) == 4 and '| 8 | layer | 12.0 (96.0) | 192.0 (192.0) | 0.125 |' in lines[3]
+  c = {
+    'layout': '1x1x1',
+    'temp_mib': 100.0,
+    'est_head_mib': 50.0,
+    'est_activations_mib': 20.0,
+    'est_grads_mib': 5.0,
+  }
+  lines = bz3.format_chunks(
+    [c | {'loss_chunks': 1, 'temp_vs_1': 1.0}, c | {'loss_chunks': 8, 'temp_vs_1': 0.5}]
+  )
+  assert lines[3] == '| 1x1x1 | 8 | 100.0 | 0.500 | 50.0 | 75.0 |'
+  times = {'off': [[0.1, 0.3], [0.2, 0.2]], 'layer': [[0.2, 0.2], [0.1, 0.1]]}
+  (row,) = bz3.summarize_times('8x1x1', times, 'off')
+  assert row['ratio'] == pytest.approx(0.15 / 0.2) and row['round_ratios'] == pytest.approx([1.0, 0.5])
+  assert bz3.format_time([row])[2] == '| 8x1x1 | layer / off | 200.0 | 150.0 | 0.75 | 0.50-1.00 |'
