@@ -15,7 +15,7 @@ import ml_collections
 
 from jax3d.config import ConfigError, RunPlan, validate
 from jax3d.planning.costmodel import GB, Estimate, Hardware, estimate
-from jax3d.planning.planner import search, with_overrides
+from jax3d.planning.planner import more_loss_chunks, search, with_overrides
 
 if TYPE_CHECKING:
   import jax
@@ -112,11 +112,10 @@ def _loss_chunks_rung(ladder: _Ladder) -> str:
   """Rung 1b, where the head's fp32 logits outweigh the layers' activations (a large vocabulary at
   small tp): the head and loss in pieces of the sequence, 8 times as many as now where seq_len has
   such a divisor (else the most it has)."""
-  seq, now = ladder.plan.seq_len, ladder.cfg.train.loss_chunks
-  more = [d for d in range(now + 1, seq + 1) if seq % d == 0]
-  if not more:
+  now = ladder.cfg.train.loss_chunks
+  chunks = more_loss_chunks(ladder.plan.seq_len, now)
+  if chunks is None:
     return f'1b. the head and loss are already in {now} pieces, one position each'
-  chunks = next((d for d in more if d >= 8 * now), more[-1])
   head = lambda e: f' (head {ladder.base.breakdown["head"] / GB:.2f} -> {e.breakdown["head"] / GB:.2f} GB)'
   return ladder.rung('1b. the head and loss in pieces (logits dominate)', {'train.loss_chunks': chunks}, head)
 
