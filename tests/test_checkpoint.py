@@ -260,6 +260,7 @@ def test_residual_is_restarted_when_the_reduction_or_dp_changes(tmp_path, capsys
   t.close()
 
 
+@pytest.mark.slow  # the default suite keeps the NaN stop's exit status (test_nan_stop_exit_status_is_3)
 def test_nan_steps_are_skipped_logged_and_stop_the_run(tmp_path):
   t = Trainer(
     cfg_for(2, 2, 2, m=2, train__inject_nan_at='3', checkpoint__every=2), workdir=str(tmp_path), console=False

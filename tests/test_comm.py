@@ -48,9 +48,8 @@ def dp_wire_bytes(r) -> float:
 
 
 # --- ZeRO-1 ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-  'layout', [LAYOUT_222, pytest.param({'mesh__dp': 8}, marks=pytest.mark.slow)], ids=['2-2-2', '8-1-1']
-)
+@pytest.mark.parametrize('layout', [LAYOUT_222, {'mesh__dp': 8}], ids=['2-2-2', '8-1-1'])
+@pytest.mark.slow  # ZeRO-1 against one device stays in the default suite: test_equivalence (8-1-1-zero1)
 def test_zero1_equals_plain_run(layout):
   plain_losses, plain_params = train_steps(small_cfg(**layout))
   zero_losses, zero_params = train_steps(small_cfg(**layout, train__shard_optimizer=True))
@@ -99,7 +98,8 @@ def test_zero1_optimizer_memory_falls_by_dp():
 
 
 # --- compressed dp reduction ---------------------------------------------------------------------
-@pytest.mark.parametrize('dtype', [pytest.param('bfloat16', marks=pytest.mark.slow), 'int8'])
+@pytest.mark.slow  # the default suite keeps the int8 wire bytes (test_dp_reduction_bytes)
+@pytest.mark.parametrize('dtype', ['bfloat16', 'int8'])
 def test_compressed_reduction_trains_like_float32(dtype):
   """3 steps under 2-2-2: the same losses within the rounding of the wire format."""
   ref, _ = train_steps(small_cfg(**LAYOUT_222))

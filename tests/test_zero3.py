@@ -50,7 +50,7 @@ def test_shard_params_equal_one_device(name, mode):
 @pytest.mark.parametrize(
   'name,over',
   [
-    ('2-4-1-m4', {'train__grad_accum': 2}),
+    pytest.param('2-4-1-m4', {'train__grad_accum': 2}, marks=pytest.mark.slow),
     pytest.param(
       '4-1-2', {'train__grad_accum': 2, 'train__shard_params_gather': 'step'}, marks=pytest.mark.slow
     ),
