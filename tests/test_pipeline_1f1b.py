@@ -170,7 +170,7 @@ def test_planner_searches_1f1b_and_the_ladder_offers_it():
   hw = costmodel.Hardware(
     nodes=1, gpus_per_node=8, memory_gb=gpipe.total_bytes * 0.6 / 1e9, flash_attention=False
   )
-  ranked = planner.search(cfg, hw, policies=('none',), zero1=(False,))
+  ranked = planner.search(cfg, hw, policies=('none',), zero=('off',))
   assert {c.overrides['pipeline.schedule'] for c in ranked if c.plan.pp > 1} >= {'gpipe', '1f1b'}
   fits = [c for c in ranked if c.est.fits and c.plan.pp > 1]
   assert fits and fits[0].overrides['pipeline.schedule'] == '1f1b', [c.overrides for c in fits[:3]]
