@@ -86,7 +86,7 @@ def dp_comm(s: Setup) -> dict:
   """expected_comm's dp part: {'wire': wire bytes over groups with dp, 'shared_wire': those of the
   weights every pp stage holds, 'grads': the gradient bytes entering the dp reduction, 'p_local'
   and 'layers_local': the parameter bytes this device holds in the layers' own (tp, pp) layout
-  (all, the layers'): under ZeRO-3 it stores 1/dp of them and gathers them, `_zero3_comm`)."""
+  (all, the layers'): under ZeRO-3 it stores 1/dp of them and gathers them, `zero3_bytes`)."""
   plan = s.plan
   p, d = plan.pp, plan.dp
   params = s.abstract_state['params']
@@ -106,7 +106,17 @@ def dp_comm(s: Setup) -> dict:
   dp_wire = ring / 2 * n_local * (reduce_b + gather_b)
   split = p > 1 and plan.pp_batch_split is not None
   if s.zero3 and not explicit:
-    z = _zero3_comm(s, layers_local, p_local - layers_local, d * p if split else d)
+    cfg = s.cfg
+    z = zero3_bytes(
+      s.gather.mode,
+      plan,
+      s.dims.n_layers,
+      cfg.train.remat,
+      cfg.pipeline.schedule,
+      layers_local,
+      p_local - layers_local,
+      d * p if split else d,
+    )
     return {'wire': z['wire'], 'shared_wire': 0.0, 'grads': z['reduced']} | {
       'p_local': p_local,
       'layers_local': layers_local,
@@ -135,19 +145,28 @@ def _leaves(tree: Any, shardings: Any) -> tuple[list, list]:
   )
 
 
-def _zero3_comm(s: Setup, layers: float, shared: float, shared_group: int) -> dict:
-  """ZeRO-3's dp bytes on the compiler's path (jax3d/analysis/py) for Setup `s`."""
-  plan, cfg = s.plan, s.cfg
-  one_f = cfg.pipeline.schedule == '1f1b' and plan.pp > 1
+def zero3_bytes(
+  mode: str,
+  plan: Any,
+  n_layers: int,
+  remat: str,
+  schedule: str,
+  layers: float,
+  shared: float,
+  shared_group: int,
+) -> dict:
+  """`dp_bytes` of ZeRO-3 on the compiler's path for a layout (`plan`: a RunPlan), the loop's
+  steps and uses from its schedule: what `jax3d.inspect` checks and the time model prices."""
+  one_f = schedule == '1f1b' and plan.pp > 1
   steps = schedule_1f1b.ticks(plan.pp, plan.repeats, plan.microbatches) if one_f else plan.iterations
   return dp_bytes(
-    s.gather.mode,
+    mode,
     dp=plan.dp,
     layers=layers,
     shared=shared,
-    layers_per_stage=s.dims.n_layers // plan.pp,
-    uses=layer_uses(s.dims.n_layers, plan.pp, plan.repeats, steps, plan.grad_accum),
-    gathers_back=regathers(cfg.train.remat, one_f),
+    layers_per_stage=n_layers // plan.pp,
+    uses=layer_uses(n_layers, plan.pp, plan.repeats, steps, plan.grad_accum),
+    gathers_back=regathers(remat, one_f),
     shared_group=shared_group,
     grad_accum=plan.grad_accum,
   )

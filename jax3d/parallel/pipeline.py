@@ -136,7 +136,7 @@ def run(
   dtype = x_mbtd.dtype
 
   if gather is not None:
-    layer_fn = gather.layer(layer_fn, policy, carry is not None)
+    layer_fn = gather.layer(layer_fn, policy)
 
   def stage_loop(layers_local, x_mbtd, side_m):
     if gather is not None:
@@ -256,7 +256,7 @@ def run_loss(
   rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
 
   if gather is not None:
-    layer_fn = gather.layer(layer_fn, policy, rows_sp is not None)
+    layer_fn = gather.layer(layer_fn, policy)
 
   def stage_loss(layers_local, head, x_mbtd, side_m):
     if gather is not None:

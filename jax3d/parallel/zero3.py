@@ -31,15 +31,11 @@ import dataclasses
 from typing import Any
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jax3d.parallel import remat
 from jax3d.parallel.ring import LayerFn
 from jax3d.parallel.sharding import DP, TP
-
-GATHERED = 'zero3_gathered'  # checkpoint name of a layer's gathered weights (in the HLO's metadata)
-MODES = ('layer', 'step')
 
 
 def gather_leaf(a: jax.Array, k: int) -> jax.Array:
@@ -86,7 +82,7 @@ class Gather:
     """The stage's layers as the loop runs them: gathered here ('step') or left as slices."""
     return gather_tree(layers, self.dims, self.tp_specs) if self.mode == 'step' else layers
 
-  def layer(self, layer_fn: LayerFn, policy: str, sequence_parallel: bool) -> LayerFn:
+  def layer(self, layer_fn: LayerFn, policy: str) -> LayerFn:
     """`layer_fn` gathering its layer's weights first ('layer'; unchanged under 'step'). One
     layer's weights have the stacked dimension minus the layer axis.
 
@@ -107,8 +103,7 @@ class Gather:
       # around the layers' scan (pp=1) would otherwise have JAX compute every layer's gather
       # once, before it, and keep them all for the backward pass.
       p, h = jax.lax.optimization_barrier((p, h))
-      whole = jax.tree.map(lambda a: checkpoint_name(a, GATHERED), gather_tree(p, one, one_tp))
-      return layer_fn(whole, h, side)
+      return layer_fn(gather_tree(p, one, one_tp), h, side)
 
     if policy != 'none':
       return gathered

@@ -85,19 +85,15 @@ def dp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> tuple[float, fl
   pb = BYTES[t.param_dtype]
   if data_parallel.explicit(cfg, plan):
     return ring / 2 * n_local * (BYTES[t.grad_reduce_dtype] + pb), ring / 2 * n_local * pb
-  one_f = memory_model.one_f_one_b(cfg, plan)
-  steps = _ticks(plan) if one_f else plan.iterations
-  n_layers = cfg.model.n_layers
-  z = dp_comm.dp_bytes(
+  z = dp_comm.zero3_bytes(
     mode,
-    dp=dp,
-    layers=local['layers'] * pb,
-    shared=local['embed_head'] * pb,
-    layers_per_stage=n_layers // plan.pp,
-    uses=dp_comm.layer_uses(n_layers, plan.pp, plan.repeats, steps, plan.grad_accum),
-    gathers_back=dp_comm.regathers(t.remat, one_f),
-    shared_group=dp,
-    grad_accum=plan.grad_accum,
+    plan,
+    cfg.model.n_layers,
+    t.remat,
+    cfg.pipeline.schedule,
+    local['layers'] * pb,
+    local['embed_head'] * pb,
+    dp,
   )
   return z['wire'], z['gathered'] if mode == 'step' else ring / 2 * local['embed_head'] * pb
 
