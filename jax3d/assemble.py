@@ -31,7 +31,7 @@ from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config
-from jax3d.model import llama
+from jax3d.model import llama, lora
 from jax3d.parallel import (
   cpu,
   data_parallel,
@@ -94,7 +94,7 @@ def _with_state(s: Setup) -> Setup:
     gather = data_parallel.layer_gather(shapes['params']['layers'], compute['layers'], s.cfg, s.plan)
     s = dataclasses.replace(s, param_shardings=zero)
   # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
-  moments = zero if s.zero1 else s.param_shardings
+  moments = lora.trainable(s.dims, zero if s.zero1 else s.param_shardings)[0]  # LoRA: the adapters'
   opt = {}
 
   def opt_shardings() -> tuple:  # traced, not run: the optimizer's placeholder init stays abstract
@@ -106,7 +106,7 @@ def _with_state(s: Setup) -> Setup:
   jax.eval_shape(opt_shardings)
   state_sh = {'step': replicated, 'params': s.param_shardings, 'opt_state': opt['tree']}
   if s.has_residual:
-    state_sh['grad_residual'] = data_parallel.residual_shardings(compute, s.mesh)
+    state_sh['grad_residual'] = data_parallel.residual_shardings(lora.trainable(s.dims, compute)[0], s.mesh)
   abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, state_sh)
   shape = (s.plan.global_batch, s.plan.seq_len)
   batch = {

@@ -13,9 +13,11 @@ from jax3d.config.rules import (
   ATTENTION_IMPLS,
   DTYPES,
   GRAD_REDUCE_DTYPES,
+  LORA_TARGETS,
   REMAT_POLICIES,
   SCHEDULES,
   SWITCH,
+  lora_targets,
   padded_vocab,
 )
 from jax3d.config.validate import RunPlan, resolve_mesh, validate
@@ -25,6 +27,7 @@ __all__ = [
   'ATTENTION_IMPLS',
   'DTYPES',
   'GRAD_REDUCE_DTYPES',
+  'LORA_TARGETS',
   'REMAT_POLICIES',
   'SCHEDULES',
   'SWITCH',
@@ -34,6 +37,7 @@ __all__ = [
   'configs_dir',
   'default_config_path',
   'load_config',
+  'lora_targets',
   'padded_vocab',
   'resolve_mesh',
   'set_key',

@@ -112,6 +112,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.hardware.peak_tflops = 0.0  # per device; 0 = look it up from the device kind (unknown on CPU)
   c.hardware.memory_gb = 0.0  # GB per device the compiled step must fit (any backend); 0 = the device's limit
 
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = (
+    0  # LoRA adapters' rank r: the base frozen, only the adapters trained; 0 = off (full fine-tune)
+  )
+  c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+  c.lora.targets = 'q,k,v,o,gate,up,down'  # the projections adapted: a comma list of q,k,v,o,gate,up,down
+  c.lora.dropout = 0.0  # dropout on the adapters' input (PEFT's lora_dropout); only 0 is supported
+  c.lora.base_dtype = ''  # the frozen base's storage: '' = train.param_dtype | float32 | bfloat16
+  c.lora.init_from = (
+    ''  # a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from
+  )
+
   c.sample = ml_collections.ConfigDict()
   c.sample.prompt = 'def '  # prompt of the text sample at the end of a run
   c.sample.tokens = 200  # tokens generated

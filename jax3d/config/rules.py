@@ -23,6 +23,7 @@ ATTENTION_IMPLS = ('auto', 'xla', 'cudnn')
 PACKINGS = ('auto', 'concat', 'pack')  # data.packing (jax3d/data/packing.py)
 SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
 ROPE_SCALINGS = ('none', 'linear', 'llama3')  # jax3d/model/rope.py
+LORA_TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')  # lora.targets (jax3d/model/lora.py)
 # model.hf_model_type: the architectures export writes, and the features each can hold
 HF_MODEL_TYPES = {
   '': 'the one the features need',
@@ -58,6 +59,15 @@ def _is_step_list(value: Any) -> bool:
   except ValueError:
     return False
   return True
+
+
+def lora_targets(value: Any) -> tuple[str, ...]:  # lora.targets: 'q, v' -> ('q', 'v')
+  return tuple(x.strip() for x in str(value).split(',') if x.strip())
+
+
+def _is_target_list(value: Any) -> bool:
+  got = lora_targets(value)
+  return bool(got) and set(got) <= set(LORA_TARGETS) and len(set(got)) == len(got)
 
 
 def step_list(value: Any) -> tuple[int, ...]:  # train.inject_nan_at: '3,4' -> (3, 4)
@@ -106,6 +116,14 @@ SETTINGS: tuple[tuple[str, Rule], ...] = (
     ),
   ),
   ('log.every', Rule(lambda v: not v < 1, 'an integer >= 1')),
+  ('lora.rank', int_at_least(0, 'an integer >= 0 (0 = no LoRA: a full fine-tune)')),
+  ('lora.alpha', Rule(lambda v: isinstance(v, int | float) and v > 0, 'a number > 0')),
+  ('lora.targets', Rule(_is_target_list, f'a comma list of distinct names from {",".join(LORA_TARGETS)}')),
+  ('lora.dropout', Rule(lambda v: v == 0, '0.0 (dropout on the adapters is not implemented)')),
+  (
+    'lora.base_dtype',
+    Rule(lambda v: v in ('', *DTYPES), f"'' (= train.param_dtype) or one of {', '.join(DTYPES)}"),
+  ),
 )
 
 
@@ -207,6 +225,21 @@ def _layer_gather_on_compiler_path(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
+def _lora_settings_need_rank(cfg: ml_collections.ConfigDict) -> Failure:
+  lo = cfg.lora
+  if lo.rank == 0 and lo.init_from:
+    return 'lora.rank', lo.rank, f"the adapters' rank (> 0) with lora.init_from={lo.init_from!r}"
+  if lo.rank == 0 and lo.base_dtype:
+    return 'lora.rank', lo.rank, f"the adapters' rank (> 0) with lora.base_dtype={lo.base_dtype!r}"
+  if lo.init_from and not cfg.checkpoint.init_from.startswith('hf:'):
+    return (
+      'checkpoint.init_from',
+      cfg.checkpoint.init_from,
+      f'hf:PATH, the base model the adapter of lora.init_from={lo.init_from!r} was trained on',
+    )
+  return None
+
+
 MODEL_CHECKS: tuple[Callable[[ml_collections.ConfigDict], Failure], ...] = (
   _heads_divide_d_model,
   _head_size_even,
@@ -216,6 +249,7 @@ MODEL_CHECKS: tuple[Callable[[ml_collections.ConfigDict], Failure], ...] = (
   _layer_gather_on_compiler_path,
   _llama3_frequencies,
   _hf_model_type_holds_features,
+  _lora_settings_need_rank,
 )
 
 

@@ -32,6 +32,18 @@ class Dims:
   qk_norm: bool = False  # per-head RMSNorm of queries and keys before the rotation (Qwen3)
   tie_embeddings: bool = False  # the head is the embedding table (one parameter)
   rope_scaling: RopeScaling = RopeScaling()
+  lora_rank: int = 0  # lora.rank: adapters on `lora_targets` (jax3d/model/lora.py); 0 = none
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
+  lora_dtype: Any = jnp.float32  # the adapters' (train.param_dtype; param_dtype is the base's)
+
+  @property
+  def lora_scale(self) -> float:
+    return self.lora_alpha / self.lora_rank
+
+  def adapted(self, target: str) -> bool:
+    """Whether projection `target` (q, k, v, o, gate, up, down) carries a LoRA adapter."""
+    return self.lora_rank > 0 and target in self.lora_targets
 
   @property
   def head_dim(self) -> int:
@@ -53,7 +65,7 @@ class Dims:
       rope_theta=m.rope_theta,
       norm_eps=m.norm_eps,
       dtype=jnp.dtype(cfg.train.compute_dtype),
-      param_dtype=jnp.dtype(cfg.train.param_dtype),
+      param_dtype=jnp.dtype((cfg.lora.rank and cfg.lora.base_dtype) or cfg.train.param_dtype),
       attention=cfg.train.attention,
       head_size=m.head_dim,
       qkv_bias=m.qkv_bias,
@@ -66,6 +78,10 @@ class Dims:
         m.rope_high_freq_factor,
         m.rope_original_max_seq_len,
       ),
+      lora_rank=cfg.lora.rank,
+      lora_alpha=float(cfg.lora.alpha),
+      lora_targets=config_lib.lora_targets(cfg.lora.targets),
+      lora_dtype=jnp.dtype(cfg.train.param_dtype),
     )
 
   def param_count(self) -> int:

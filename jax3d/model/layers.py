@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jax3d.model import rope as rope_lib
+from jax3d.model import lora, rope as rope_lib
 from jax3d.model.dims import Dims
 from jax3d.parallel import tensor
 from jax3d.parallel.sharding import constrain
@@ -242,9 +242,13 @@ class Block(nn.Module):
     names = ('embed', 'kv_heads', 'qkv', 'head_dim')
     qkv_rkch = self._dense((k, g + 2, h), -1, names, 0.02, 'qkv', bias=dm.qkv_bias)(a_rd)
     qkv_rkch = constrain(qkv_rkch, ('batch', 'kv_heads', 'qkv', 'head_dim'))
-    q_btnh = qkv_rkch[:, :, :g].reshape(b, t, n, h)  # query head i belongs to KV head i // g
-    k_btkh = qkv_rkch[:, :, g].reshape(b, t, k, h)
-    v_btkh = qkv_rkch[:, :, g + 1].reshape(b, t, k, h)
+    col = (('embed',), 'batch')
+    q_rkgh = self._adapt('q', a_rd, qkv_rkch[:, :, :g], *col, ('kv_heads', 'qkv', 'head_dim'))
+    k_rkh = self._adapt('k', a_rd, qkv_rkch[:, :, g], *col, ('kv_heads', 'head_dim'))
+    v_rkh = self._adapt('v', a_rd, qkv_rkch[:, :, g + 1], *col, ('kv_heads', 'head_dim'))
+    q_btnh = q_rkgh.reshape(b, t, n, h)  # query head i belongs to KV head i // g
+    k_btkh = k_rkh.reshape(b, t, k, h)
+    v_btkh = v_rkh.reshape(b, t, k, h)
     if dm.qk_norm:
       q_btnh = RMSNorm(dm, 'head_dim', name='q_norm')(q_btnh)
       k_btkh = RMSNorm(dm, 'head_dim', name='k_norm')(k_btkh)
@@ -263,6 +267,7 @@ class Block(nn.Module):
     o_names = ('batch', 'heads', 'head_dim') if sp else ('batch', 'seq', 'heads', 'head_dim')
     o = checkpoint_name(constrain(o_btnh.reshape(r, n, h) if sp else o_btnh, o_names), 'attn_out')
     o_rd = self._dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), self._out_std, 'o')(o).reshape(r, d)
+    o_rd = self._adapt('o', o, o_rd, ('heads', 'head_dim'), self._rows, ('embed',))
     return constrain(o_rd, (self._rows, 'embed'))
 
   def _mlp(self, x_rd: jax.Array, d: int) -> jax.Array:
@@ -273,9 +278,45 @@ class Block(nn.Module):
       self._dense((2, dm.d_ff), -1, ('embed', 'gate_up', 'mlp'), 0.02, 'gate_up')(m_rd),
       ('batch', 'gate_up', 'mlp'),
     )
+    if dm.adapted('gate') or dm.adapted('up'):
+      g_rf, u_rf = (
+        self._adapt(x, m_rd, gu_r2f[:, i], ('embed',), 'batch', ('mlp',))
+        for i, x in enumerate(('gate', 'up'))
+      )
+      gu_r2f = jnp.stack([g_rf, u_rf], axis=1)
     h_rf = constrain(swiglu(gu_r2f).astype(dm.dtype), ('batch', 'mlp'))
     y_rd = self._dense(d, -1, ('mlp', 'embed'), self._out_std, 'down')(h_rf)
+    y_rd = self._adapt('down', h_rf, y_rd, ('mlp',), self._rows, ('embed',))
     return constrain(checkpoint_name(y_rd, 'mlp_out'), (self._rows, 'embed'))
+
+  def _adapt(
+    self,
+    target: str,
+    x: jax.Array,
+    y: jax.Array,
+    in_names: tuple[str, ...],
+    xa_rows: str,
+    out_names: tuple[str, ...],
+  ) -> jax.Array:
+    """`y`, the output of projection `target` of `x`, plus its LoRA adapter's (jax3d/model/lora.py)
+    when it has one: x's last len(in_names) axes in, y's last len(out_names) out; `xa_rows` the
+    logical name of the low-rank activation's rows (see lora.Adapter)."""
+    dm = self.dims
+    if not dm.adapted(target):
+      return y
+    n_in, n_out = len(in_names), len(out_names)
+    adapter = lora.Adapter(
+      x.shape[-n_in:],
+      y.shape[-n_out:],
+      in_names,
+      out_names,
+      dm.lora_rank,
+      dm.lora_scale,
+      dm.dtype,
+      dm.lora_dtype,
+      name=lora.PREFIX + target,
+    )
+    return y + adapter(x, (xa_rows, 'lora')).reshape(y.shape).astype(y.dtype)
 
   @property
   def _out_std(self) -> float:

@@ -169,6 +169,7 @@ def value_and_grad(
   dtype: str,
   shard: bool,
   gather: bool = False,
+  frozen: tuple[Any, Any, Any] | None = None,
 ) -> tuple:
   """Loss, dp-reduced gradients and the new int8 residual (or None), by hand.
 
@@ -180,7 +181,9 @@ def value_and_grad(
   fp32). `grads_sh` is the layout the gradients leave in (ZeRO-1's when `shard`). `params_sh` is
   the layers' own (tp, pp) layout; with `gather` (ZeRO-3) the parameters arrive in the ZeRO layout
   (`grads_sh`) and are all-gathered over dp once, at the entry (the 'step' gather: this path reduces
-  each rank's whole gradient once per step)."""
+  each rank's whole gradient once per step). `frozen` (LoRA's base): (the parameters that get no
+  gradient, their layers' layout, their ZeRO layout), passed to `local_grads(params, frozen, batch,
+  scale)` as they are (gathered too under `gather`), never reduced."""
   dp = mesh.shape[DP]
   manual = {ax for ax in (DP, PP) if mesh.shape[ax] > 1}
   dims = dims_tree(params, params_sh, dp)
@@ -193,17 +196,26 @@ def value_and_grad(
     tp_specs = (tp_params, manual_specs(params, grads_sh, {TP}), r_tp)
   reduce_dp = lambda g, r: compression.reduce(g, r, dims, dtype, dp, shard)
   reduce_fn = functools.partial(_reduce_own_tp_blocks, reduce_dp, tp_specs)
+  fixed, fixed_sh, fixed_zero_sh = frozen if frozen is not None else ({}, {}, {})
+  gathers = None
+  if gather:
+    tp_fixed = manual_specs(fixed, fixed_sh, {TP}) if mesh.shape[TP] > 1 else None
+    gathers = ((dims, tp_params), (dims_tree(fixed, fixed_sh, dp), tp_fixed))
   fn = jax.shard_map(
-    functools.partial(
-      _local_value_and_grad, local_grads, reduce_fn, manual, (dims, tp_params) if gather else None
-    ),
+    functools.partial(_local_value_and_grad, local_grads, reduce_fn, manual, gathers),
     mesh=mesh,
-    in_specs=(manual_specs(params, grads_sh if gather else params_sh, manual), P(DP), r_specs, P()),
+    in_specs=(
+      manual_specs(params, grads_sh if gather else params_sh, manual),
+      manual_specs(fixed, fixed_zero_sh if gather else fixed_sh, manual),
+      P(DP),
+      r_specs,
+      P(),
+    ),
     out_specs=(P(), manual_specs(params, grads_sh, manual), r_specs),
     axis_names=manual,
     check_vma=True,
   )
-  return fn(params, batch, residual, scale)
+  return fn(params, fixed, batch, residual, scale)
 
 
 def _local_value_and_grad(
@@ -212,6 +224,7 @@ def _local_value_and_grad(
   manual: set,
   gather: tuple | None,
   params: Any,
+  frozen: Any,
   batch: dict,
   residual: Any,
   scale: jax.Array,
@@ -222,15 +235,15 @@ def _local_value_and_grad(
   The weights every stage holds (embedding, head) are made varying over pp too, and their gradient
   sum over pp is done here in float32: for bf16 weights the automatic sum would be a bf16
   all-reduce in a shard_map, which XLA:CPU aborts on (its reducer ends in a sharding copy).
-  `gather` (ZeRO-3): (dims, tp specs) of `zero3.gather_tree`, the parameters arrive as dp shards
-  and are gathered here (outside the differentiated function: the gradients stay per-rank for
-  `reduce_fn`)."""
+  `gather` (ZeRO-3): (dims, tp specs) of `zero3.gather_tree` for the parameters and for `frozen`,
+  which arrive as dp shards and are gathered here (outside the differentiated function: the
+  gradients stay per-rank for `reduce_fn`). `frozen` is passed on, not differentiated."""
   if gather is not None:
-    params = zero3.gather_tree(params, *gather)
+    params, frozen = zero3.gather_tree(params, *gather[0]), zero3.gather_tree(frozen, *gather[1])
   leaves, tdef = jax.tree.flatten(params)
   over_pp = [PP in manual and PP not in jax.typeof(a).manual_axis_type.varying for a in leaves]
   varied = [vary(a, (DP, PP) if o else (DP,)) for a, o in zip(leaves, over_pp, strict=True)]
-  loss, grads = local_grads(tdef.unflatten(varied), batch, scale)
+  loss, grads = local_grads(tdef.unflatten(varied), frozen, batch, scale)
   grads = tdef.unflatten(
     [
       jax.lax.psum(g.astype(jnp.float32), PP).astype(g.dtype) if o else g

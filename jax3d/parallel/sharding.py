@@ -3,7 +3,7 @@
   batch      micro-batch rows inside the pipeline          -> dp
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
              (microbatch.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
-  seq, embed, head_dim, norm, qkv, gate_up                -> replicated
+  seq, embed, head_dim, norm, qkv, gate_up, lora          -> replicated (lora: an adapter's rank)
   micro      the micro-batch axis outside the pipeline's loop -> replicated, or pp where whole
              micro-batches are split over it (microbatch.micro_axes)
   heads, kv_heads    attention heads (Megatron column/row)  -> tp
@@ -64,6 +64,7 @@ def logical_rules(
     ('micro', micro),
     ('qkv', None),
     ('gate_up', None),
+    ('lora', None),
   )
 
 

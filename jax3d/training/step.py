@@ -22,7 +22,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d.data import corpus
-from jax3d.model import llama
+from jax3d.model import llama, lora
 from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
 from jax3d.training import optim
 
@@ -171,15 +171,17 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
   micro-batch, accumulation chunk and dp shard divides by the same number, so the loss and its
   gradient are the same on every layout."""
   norm = weight_sum(batch)  # global
+  params, frozen = lora.trainable(s.dims, params)  # LoRA: only the adapters are differentiated
   if not s.explicit_dp:
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(p, b, s) / norm)
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(lora.merge(p, frozen), b, s) / norm)
     return (*accumulate(grad_fn, params, batch, s.plan.grad_accum), residual)
 
-  def local_grads(params, batch, norm):  # one device's rows: the mesh axes dp and pp are manual here
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(p, b, s, manual=True) / norm)
+  def local_grads(params, frozen, batch, norm):  # one device's rows: dp and pp are manual here
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(lora.merge(p, frozen), b, s, manual=True) / norm)
     with sharding.use_rules(sharding.without_dp_pp(s.rules)):
       return accumulate(grad_fn, params, batch, s.plan.grad_accum, first_outside=True)
 
+  compute, zero = lora.trainable(s.dims, s.compute_shardings), lora.trainable(s.dims, s.zero_shardings)
   return data_parallel.value_and_grad(
     local_grads,
     params,
@@ -187,11 +189,12 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
     residual,
     norm,
     mesh=s.mesh,
-    params_sh=s.compute_shardings,
-    grads_sh=s.zero_shardings if s.zero1 else s.compute_shardings,
+    params_sh=compute[0],
+    grads_sh=zero[0] if s.zero1 else compute[0],
     dtype=s.cfg.train.grad_reduce_dtype,
     shard=s.zero1,
     gather=s.zero3,
+    frozen=(frozen, compute[1], zero[1]),
   )
 
 
@@ -203,9 +206,10 @@ def init_state(key: jax.Array, s: Setup) -> State:
 
 def state_from_params(params: Any, s: Setup) -> State:
   """The train state at step 0 around given parameters (an import, a warm start, or a seed's)."""
-  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': s.tx.init(params)}
+  train = lora.trainable(s.dims, params)[0]
+  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': s.tx.init(train)}
   if s.has_residual:  # int8 error feedback: one residual per dp rank (jax3d/parallel/data_parallel.py)
-    state['grad_residual'] = data_parallel.init_residual(params, s.plan.dp)
+    state['grad_residual'] = data_parallel.init_residual(train, s.plan.dp)
   return state
 
 
@@ -221,12 +225,10 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
   )
   with sharding.use_rules(s.rules):
     loss, grads, residual = loss_and_grads(state['params'], batch, state.get('grad_residual'), s)
-  params = state['params']
-  if s.zero1:
-    # ZeRO-1: gradients in the moments' layout (the explicit path already delivered the slices),
-    # the update on each rank's slice only.
-    grads = jax.lax.with_sharding_constraint(grads, s.zero_shardings)
-    params = jax.lax.with_sharding_constraint(params, s.zero_shardings)
+  params, frozen = lora.trainable(s.dims, state['params'])  # the base (LoRA) passes through unchanged
+  if s.zero1:  # ZeRO-1: gradients in the moments' layout, the update on each rank's slice only
+    zero = lora.trainable(s.dims, s.zero_shardings)[0]  # (the explicit path delivered the slices)
+    grads, params = jax.lax.with_sharding_constraint((grads, params), (zero, zero))
   if s.plan.nan_steps:
     loss, grads = _fault_drill(state['step'] + 1, loss, grads, s.plan.nan_steps)
   grad_norm = optax.tree.norm(grads)
@@ -249,8 +251,8 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
     ok, update, skip, (grads, state['opt_state'], params, state.get('grad_residual'), residual)
   )
   if s.zero1:  # all-gather the updated slices back to the parameters' own layout
-    new_params = jax.lax.with_sharding_constraint(new_params, s.param_shardings)
-  new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
+    new_params = jax.lax.with_sharding_constraint(new_params, lora.trainable(s.dims, s.param_shardings)[0])
+  new_state = {'step': state['step'] + 1, 'params': lora.merge(new_params, frozen), 'opt_state': opt_state}
   if residual is not None:
     new_state['grad_residual'] = residual
   # The rate the optimizer used: its schedule count (frozen on skipped steps), not the step counter.

@@ -1,0 +1,112 @@
+"""LoRA (jax3d/model/lora.py): adapters trained, the base frozen; every layout gives the one-device
+losses and adapter gradients, from adapters whose B is not zero (so A gets a gradient too)."""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jax3d import assemble
+from jax3d.errors import ConfigError
+from jax3d.model import lora
+from jax3d.parallel import placement
+from jax3d.training import step as step_lib
+
+from helpers import canonical, fixed_batches, setup_for, small_cfg
+
+RTOL, ATOL = 1e-5, 1e-7
+LORA = {'lora__rank': 4, 'lora__alpha': 8.0, 'model__n_layers': 4}
+
+
+def with_nonzero_b(s, params, seed=1):
+  """`params` with every adapter's B drawn from a normal(0.05), in canonical layer order (the same
+  values on every layout), in the setup's shardings."""
+  host = canonical(s, params)
+  rng = np.random.default_rng(seed)
+  host['layers'] = jax.tree_util.tree_map_with_path(
+    lambda p, a: (0.05 * rng.standard_normal(a.shape)).astype(a.dtype) if p[-1].key == 'b' else a,
+    host['layers'],
+  )
+  host['layers'] = placement.from_canonical(host['layers'], s.dims.n_layers, s.plan.pp, s.plan.repeats)
+  return jax.device_put(host, s.param_shardings)
+
+
+def run_lora(cfg, n_steps=3):
+  """Losses of n steps, the step-1 adapter gradients (Adam's mu / (1 - b1)), the base before and
+  after (canonical, on the host)."""
+  s = setup_for(cfg)
+  state = step_lib.make_init(s)(cfg.train.seed)
+  state = step_lib.make_init_from_params(s)(with_nonzero_b(s, state['params']))
+  base0 = lora.split(canonical(s, state['params']), True)[1]
+  train = assemble.compile_train_step(s)
+  losses, grads = [], None
+  for b in fixed_batches(cfg, n_steps):
+    state, m = train(state, {k: jax.device_put(v, s.batch_sharding) for k, v in b.items()})
+    losses.append(float(m['loss']))
+    if grads is None:
+      mu = optax.tree.get(state['opt_state'], 'mu')
+      grads = jax.tree.map(lambda x: x / (1 - cfg.train.b1), canonical(s, mu))
+  return np.array(losses), grads, base0, lora.split(canonical(s, state['params']), True)[1]
+
+
+_REF = {}
+
+
+def reference():
+  if not _REF:
+    _REF['r'] = run_lora(small_cfg(**LORA))
+  return _REF['r']
+
+
+def check(over):
+  losses, grads, base0, base1 = run_lora(small_cfg(**LORA, **over))
+  r_losses, r_grads, r_base0, _ = reference()
+  chex.assert_trees_all_close(base0, r_base0, rtol=0, atol=0)  # init is layout-independent
+  chex.assert_trees_all_equal(base1, base0)  # the base is frozen: bit for bit
+  np.testing.assert_allclose(losses, r_losses, rtol=RTOL)
+  chex.assert_trees_all_close(grads, r_grads, rtol=RTOL, atol=ATOL)
+  assert set(jax.tree.leaves(jax.tree.map(lambda *_: 1, grads))) == {1}
+  assert all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0])
+  assert losses[2] < losses[0]
+
+
+def test_only_adapters_train_and_base_is_frozen():
+  losses, grads, base0, base1 = reference()
+  chex.assert_trees_all_equal(base1, base0)
+  leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+  assert {p[-2].key for p, _ in leaves} == {f'lora_{t}' for t in lora.MODULES}
+  # A gets a gradient because B starts non-zero, B because A does
+  assert all(np.abs(g).max() > 0 for _, g in leaves)
+  assert losses[2] < losses[0]
+
+
+@pytest.mark.parametrize(
+  'over',
+  [
+    {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2},
+    {'mesh__pp': 2, 'mesh__tp': 4, 'pipeline__microbatches': 2, 'train__sequence_parallel': 'true'},
+    {
+      'mesh__dp': 2,
+      'mesh__pp': 2,
+      'mesh__tp': 2,
+      'pipeline__microbatches': 2,
+      'pipeline__schedule': '1f1b',
+      'train__shard_optimizer': True,
+    },
+  ],
+  ids=['2-2-2', '1-2-4-sp', '2-2-2-1f1b-zero1'],
+)
+def test_layouts_equal_one_device(over):
+  check(over)
+
+
+def test_config_errors_name_the_setting():
+  for over, key in [
+    ({'lora__targets': 'q,x'}, 'lora.targets'),
+    ({'lora__dropout': 0.1}, 'lora.dropout'),
+    ({'lora__rank': -1}, 'lora.rank'),
+    ({'lora__rank': 0, 'lora__base_dtype': 'bfloat16'}, 'lora.rank'),
+  ]:
+    with pytest.raises(ConfigError, match=key.replace('.', r'\.')):
+      assemble.build(small_cfg(**over), jax.devices()[:1])
