@@ -30,7 +30,7 @@ from jax3d import config as config_lib
 from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
-from jax3d.hf import config as hf_config
+from jax3d.hf import config as hf_config, peft
 from jax3d.model import llama, lora
 from jax3d.parallel import (
   cpu,
@@ -151,6 +151,8 @@ def _resolve(cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict,
       config_lib.set_key(cfg, 'data.tokenizer', hf.path)
   else:
     cfg = copy.deepcopy(cfg)
+  if cfg.lora.init_from:  # lora.rank, alpha and targets from the PEFT adapter's own config
+    peft.with_lora(cfg, cfg.lora.init_from)
   if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(cfg.data.path):
     made_with = shards.read_index(cfg.data.path).get('tokenizer', {}).get('path', tok_lib.BYTES)
     if made_with != tok_lib.BYTES and os.path.exists(made_with):  # the shards' own tokenizer

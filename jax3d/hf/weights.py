@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jax3d.hf import safetensors_io
+from jax3d.hf import peft, safetensors_io
 from jax3d.hf.config import HFModel
+from jax3d.model import llama, lora
 
 if TYPE_CHECKING:
   from jax3d.record import Setup
@@ -140,7 +141,21 @@ def load_params(setup: Setup) -> Any:
       del block
     return jax.make_array_from_single_device_arrays(a.shape, a.sharding, shards)
 
-  return jax.tree_util.tree_map_with_path(make, setup.abstract_state['params'])
+  adapters, base = lora.trainable(setup.dims, setup.abstract_state['params'])
+  params = jax.tree_util.tree_map_with_path(make, base)
+  if setup.dims.lora_rank == 0:
+    return params
+  return lora.merge(params, _adapters(setup, adapters))
+
+
+def _adapters(setup: Setup, abstract: Any) -> Any:
+  """The LoRA adapters over an imported base: lora.init_from's PEFT folder, or fresh ones from
+  train.seed (those of a run initialised from the seed: B zero, so the model is the base's)."""
+  if setup.cfg.lora.init_from:
+    return peft.load(setup.cfg.lora.init_from, setup, abstract)
+  dims, order = setup.dims, setup.layer_order
+  init = lambda: lora.trainable(dims, llama.init_params(jax.random.key(setup.cfg.train.seed), dims, order))[0]
+  return jax.jit(init, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
 
 
 # --- export ----------------------------------------------------------------------------------
