@@ -16,6 +16,10 @@ Qwen3ForCausalLM) or the one its features need, tied where the run's embeddings 
 logits with jax3d's on the run's first held-out batch: it prints the largest relative difference
 and exits 3 above 1e-4.
 
+A LoRA run (lora.rank > 0) is written as a PEFT adapter folder (adapter_config.json,
+adapter_model.safetensors) for its hf: base, which `peft.PeftModel.from_pretrained(base_model, DIR)`
+loads (--verify: through peft); --merge writes the whole model with the adapters merged instead.
+
 Exit status: 0 written (and verified); 2 bad flags or no checkpoint in the workdir (one line on
 stderr); 3 a checkpoint that does not match its config, or an export that fails --verify.
 """
@@ -31,6 +35,7 @@ FLAGS = {
   'out': cli.Flag(str, None, 'the Hugging Face folder to write', required=True),
   'max_shard_mb': cli.Flag(int, 2048, 'largest safetensors file, in MiB', cli.POSITIVE),
   'verify': cli.Flag(bool, False, "load the export in transformers and compare its logits with jax3d's"),
+  'merge': cli.Flag(bool, False, 'a LoRA run: the whole model with the adapters merged, not a PEFT adapter'),
 }
 
 
@@ -45,7 +50,12 @@ def _export(args: cli.Args) -> int:
 
   f = args.flags
   files = export_workdir(
-    f['workdir'], f['out'], args.overrides, max_shard_bytes=f['max_shard_mb'] << 20, verify=f['verify']
+    f['workdir'],
+    f['out'],
+    args.overrides,
+    max_shard_bytes=f['max_shard_mb'] << 20,
+    verify=f['verify'],
+    merge=f['merge'],
   )
   print(f'wrote {f["out"]}: {", ".join(files)}')
   return 0

@@ -148,3 +148,15 @@ def jax3d_logits(s: object, params: object, toks: np.ndarray) -> np.ndarray:
 def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
   """max |a - ref| / max |ref|: the error relative to the logits' scale."""
   return float(np.max(np.abs(a - ref)) / np.max(np.abs(ref)))
+
+
+def trained_logits(cfg: object, workdir: str, toks: np.ndarray) -> np.ndarray:
+  """Train a Trainer of `cfg` in `workdir` for its train.steps; jax3d's logits of `toks` after."""
+  from jax3d.trainer.trainer import Trainer
+
+  t = Trainer(cfg, workdir=workdir, console=False)
+  try:
+    t.train()
+    return jax3d_logits(t.setup, t.state['params'], toks)
+  finally:
+    t.close()

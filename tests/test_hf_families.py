@@ -185,19 +185,13 @@ def test_fine_tune_exported_gives_jax3d_logits_in_transformers(families, family,
   """3 steps on (2,2,2), exported through `export_workdir(verify=True)` onto another layout: the
   export loads in transformers in its own architecture and gives jax3d's logits."""
   from jax3d.trainer import workdir
-  from jax3d.trainer.trainer import Trainer
 
   path, model = families[family]
   text = tmp_path / 'corpus.txt'
   text.write_text('def f(x):\n  return x + 1\n' * 400)
   cfg = H.jax3d_cfg(path, (2, 2, 2), **{'data.path': str(text), 'train.steps': 3, 'eval.every': 0})
-  t = Trainer(cfg, workdir=str(tmp_path / 'run'), console=False)
-  try:
-    t.train()
-    toks = H.tokens(4, 256)
-    ours = H.jax3d_logits(t.setup, t.state['params'], toks)
-  finally:
-    t.close()
+  toks = H.tokens(4, 256)
+  ours = H.trained_logits(cfg, str(tmp_path / 'run'), toks)
   out = str(tmp_path / 'hf_out')
   workdir.export_workdir(str(tmp_path / 'run'), out, {'mesh.dp': 1, 'mesh.pp': 4, 'mesh.tp': 2}, verify=True)
   back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -29,7 +29,7 @@ def make_adapter(base: str, out: str, rank: int = 4, alpha: float = 8.0, seed: i
   `out`; returns the peft model (train mode, dropout 0)."""
   from transformers import AutoModelForCausalLM
 
-  model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+  model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
   conf = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=MODULES, lora_dropout=0.0)
   pm = peft.get_peft_model(model, conf)
   torch.manual_seed(seed)
@@ -111,7 +111,7 @@ def make_adapter_model(base: str, adapter: str) -> object:
   """The saved adapter loaded by peft onto the base, trainable (what a user fine-tunes in torch)."""
   from transformers import AutoModelForCausalLM
 
-  model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+  model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
   return peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
 
 
@@ -131,3 +131,78 @@ def test_three_adamw_steps_equal_peft_one_device(llama):
 )
 def test_three_adamw_steps_equal_peft_on_layouts(llama, layout, over):
   compare(*llama, layout, **over)
+
+
+# --- checkpoints, resume, export ----------------------------------------------------------------
+def run_cfg(base: str, adapter: str, tmp_path: object, layout: tuple = (1, 1, 1), **over: object) -> object:
+  text = tmp_path / 'corpus.txt'
+  text.write_text('def f(x):\n  return x + 1\n' * 400)
+  over = {'lora.init_from': adapter, 'data.path': str(text), 'train.steps': 4, 'eval.every': 0, **over}
+  return H.jax3d_cfg(base, layout, **{**TRAIN, 'train.steps': 4, **over})
+
+
+def test_checkpoint_holds_the_adapters_and_resumes_exactly(llama, tmp_path):
+  """A checkpoint holds the adapters and their optimizer state (and where the base came from); a
+  run resumed from it continues bit for bit; a resume onto another base is refused."""
+  import orbax.checkpoint as ocp
+
+  from jax3d.errors import CheckpointError
+  from jax3d.trainer import readonly
+  from jax3d.trainer.trainer import Trainer
+
+  base, adapter = llama
+  one = jax.devices()[:1]
+  straight = Trainer(run_cfg(base, adapter, tmp_path), str(tmp_path / 'a'), one, console=False)
+  straight.train(steps=4)
+  want = jax.device_get(straight.state)
+  straight.close()
+  first = Trainer(run_cfg(base, adapter, tmp_path), str(tmp_path / 'b'), one, console=False)
+  first.train(steps=2)
+  first.close()
+  mgr = readonly.manager(str(tmp_path / 'b' / 'checkpoints'))
+  meta = mgr.restore(2, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  mgr.close()
+  assert meta['lora_base'] == f'hf:{base}'
+  saved = [k for k in meta['arrays'] if k.startswith('params/')]
+  assert saved and all('/lora_' in k for k in saved)  # no base weights in the checkpoint
+  second = Trainer(run_cfg(base, adapter, tmp_path), str(tmp_path / 'b'), one, console=False)
+  assert 'resumed' in second.init_state()
+  second.train(steps=2)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(second.state), want)
+  second.close()
+  other = str(tmp_path / 'other')
+  H.make_hf_model(other, tied=False, seed=5)
+  moved = Trainer(run_cfg(other, adapter, tmp_path), str(tmp_path / 'b'), one, console=False)
+  with pytest.raises(CheckpointError, match='holds LoRA adapters of the base'):
+    moved.init_state()
+  moved.close()
+
+
+def test_exported_adapter_and_merge_give_jax3d_logits(llama, tmp_path):
+  """Train 2 steps on 2-2-2; the exported PEFT adapter loaded by peft onto the base, and the merged
+  export loaded by transformers, give jax3d's logits; the merge is W + B A alpha/r."""
+  from transformers import AutoModelForCausalLM
+
+  from jax3d.hf import safetensors_io
+  from jax3d.trainer import workdir
+
+  base, adapter = llama
+  run, toks = str(tmp_path / 'run'), H.tokens(4, 256)
+  ours = H.trained_logits(run_cfg(base, adapter, tmp_path, (2, 2, 2), **{'train.steps': 2}), run, toks)
+  one = {'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 1}
+  out, merged = str(tmp_path / 'adapter_out'), str(tmp_path / 'merged_out')
+  workdir.export_workdir(run, out, one, jax.devices()[:1], verify=True)
+  four = {'mesh.dp': 1, 'mesh.pp': 2, 'mesh.tp': 2}
+  workdir.export_workdir(run, merged, four, jax.devices()[:4], merge=True, verify=True)
+  with_peft = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out).eval()
+  assert H.rel_err(H.hf_logits(with_peft, toks), ours) < TOL
+  assert H.rel_err(H.hf_logits(AutoModelForCausalLM.from_pretrained(merged).eval(), toks), ours) < TOL
+  assert H.rel_err(ours, H.hf_logits(make_adapter_model(base, adapter).eval(), toks)) > 1e-4  # it trained
+  read = lambda folder, file, name: safetensors_io.Reader().read(f'{folder}/{file}', name).astype(np.float64)
+  scale = 8.0 / 4
+  for i in range(H.TINY['num_hidden_layers']):
+    for module in ('self_attn.q_proj', 'self_attn.o_proj', 'mlp.up_proj', 'mlp.down_proj'):
+      p = f'model.layers.{i}.{module}'
+      a, b = (read(out, peft_io.WEIGHTS, f'base_model.model.{p}.lora_{x}.weight') for x in 'AB')
+      want = read(base, 'model.safetensors', f'{p}.weight') + scale * b @ a
+      np.testing.assert_allclose(read(merged, 'model.safetensors', f'{p}.weight'), want, rtol=0, atol=1e-6)

@@ -17,11 +17,13 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from jax3d.data import tokenizer as tok_lib
-from jax3d.hf import families, safetensors_io, weights
-from jax3d.model import rope
+from jax3d.errors import ConfigError
+from jax3d.hf import families, peft, safetensors_io, weights
+from jax3d.model import lora, rope
 
 if TYPE_CHECKING:
   from jax3d.record import Setup
@@ -128,3 +130,26 @@ def export(params: Any, setup: Setup, out: str, max_shard_bytes: int = 2 << 30) 
   with open(os.path.join(out, 'generation_config.json'), 'w') as f:
     json.dump(gen, f, indent=2)
   return written + ['config.json', 'generation_config.json'] + _copy_tokenizer(tok, out)
+
+
+def export_run(params: Any, setup: Setup, out: str, merge: bool, max_shard_bytes: int, run: str) -> tuple:
+  """Writes the run `run`'s parameters to `out`: a LoRA run's adapters as a PEFT folder for its
+  hf: base, or with `merge` the whole model with the adapters merged (jax3d/model/lora.py); any
+  other run as a Hugging Face model (`export`). Returns (the files written, the base
+  folder the adapter loads onto, or None). ConfigError for `merge` without LoRA, or an adapter
+  whose base is not a Hugging Face folder."""
+  lora_run = setup.dims.lora_rank > 0
+  if merge and not lora_run:
+    raise ConfigError(f'--merge: the run {run} has no LoRA adapters (lora.rank=0); export it without --merge')
+  if lora_run and not merge:
+    if setup.hf is None:
+      raise ConfigError(
+        f'the LoRA run {run} trained on the base {setup.cfg.checkpoint.init_from or "of train.seed"!r}, not a '
+        'Hugging Face folder (checkpoint.init_from=hf:PATH): a PEFT adapter has no base to load onto; '
+        'pass --merge to write the whole model'
+      )
+    return peft.write(params, setup, out, setup.hf.path), setup.hf.path
+  if merge:
+    shardings = lora.trainable(setup.dims, setup.param_shardings)[1]
+    params = jax.jit(lambda p: lora.merged(setup.dims, p), out_shardings=shardings)(params)
+  return export(params, setup, out, max_shard_bytes), None

@@ -121,7 +121,16 @@ def _keys(path: tuple) -> tuple[str, ...]:
 def load_params(setup: Setup) -> Any:
   """The weights of the Hugging Face folder setup was built from (`setup.hf`, read once by
   assemble.build) as jax3d parameters, each created in its target sharding from the blocks its
-  devices hold (see the module docstring), in setup's pipeline layer order and dtype."""
+  devices hold (see the module docstring), in setup's pipeline layer order and dtype. With LoRA,
+  the adapters too: lora.init_from's PEFT folder, or fresh ones from train.seed."""
+  params = load_base(setup)
+  if setup.dims.lora_rank == 0:
+    return params
+  return lora.merge(params, _adapters(setup, lora.trainable(setup.dims, setup.abstract_state['params'])[0]))
+
+
+def load_base(setup: Setup) -> Any:
+  """`load_params` without the LoRA adapters (the frozen base; all of it without LoRA)."""
   if setup.hf is None:
     raise ValueError('load_params: the setup was not built from an hf: import (checkpoint.init_from)')
   blocks = _Blocks(setup.hf, setup)
@@ -141,11 +150,7 @@ def load_params(setup: Setup) -> Any:
       del block
     return jax.make_array_from_single_device_arrays(a.shape, a.sharding, shards)
 
-  adapters, base = lora.trainable(setup.dims, setup.abstract_state['params'])
-  params = jax.tree_util.tree_map_with_path(make, base)
-  if setup.dims.lora_rank == 0:
-    return params
-  return lora.merge(params, _adapters(setup, adapters))
+  return jax.tree_util.tree_map_with_path(make, lora.trainable(setup.dims, setup.abstract_state['params'])[1])
 
 
 def _adapters(setup: Setup, abstract: Any) -> Any:

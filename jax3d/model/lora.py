@@ -121,6 +121,41 @@ def merge(a: Any, b: Any) -> Any:
   return out
 
 
+def _delta(adapter: dict, scale: float) -> jax.Array:
+  """A B alpha/r of one stacked adapter: [layers, in..., out...] in float32."""
+  a, b = adapter['a'].astype(jnp.float32), adapter['b'].astype(jnp.float32)
+  flat = jnp.einsum(
+    'lir,lro->lio', a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], b.shape[1], -1)
+  )
+  return (flat * scale).reshape(a.shape[:-1] + b.shape[2:])
+
+
+# target -> (the base kernel it adds to, the index of its block there given g = n_heads / n_kv_heads)
+_IN_KERNEL = {
+  'q': ('qkv', lambda g: (slice(None),) * 3 + (slice(0, g),)),  # qkv [L, d, k, g+2, h]
+  'k': ('qkv', lambda g: (slice(None),) * 3 + (g,)),
+  'v': ('qkv', lambda g: (slice(None),) * 3 + (g + 1,)),
+  'o': ('o', lambda g: ()),
+  'gate': ('gate_up', lambda g: (slice(None),) * 2 + (0,)),  # gate_up [L, d, 2, f]
+  'up': ('gate_up', lambda g: (slice(None),) * 2 + (1,)),
+  'down': ('down', lambda g: ()),
+}
+
+
+def merged(dims: Any, params: Any) -> Any:
+  """The base parameters with every adapter merged into its kernel, W + A B alpha/r (summed in
+  float32, stored in the base's dtype), and no adapters: the model the adapted one computes."""
+  train, base = trainable(dims, params)
+  layers = dict(base['layers'])
+  g = dims.n_heads // dims.n_kv_heads
+  for name, adapter in train.get('layers', {}).items():
+    kernel, index = _IN_KERNEL[name.removeprefix(PREFIX)]
+    w = layers[kernel]['kernel']
+    new = w.astype(jnp.float32).at[index(g)].add(_delta(adapter, dims.lora_scale))
+    layers[kernel] = {**layers[kernel], 'kernel': new.astype(w.dtype)}
+  return {**base, 'layers': layers}
+
+
 def _empty(t: Any) -> bool:
   return t is None or (isinstance(t, dict) and not t)
 

@@ -9,13 +9,21 @@
 
 2 and 3 build the state from their parameters (`step_lib.make_init_from_params`: fresh optimizer
 moments, step 0) without a random init first.
+
+With LoRA (lora.rank > 0) a checkpoint holds the adapters and their optimizer state only (`saved`),
+and its meta where the frozen base came from (`base_source`): a resume reads the adapters and
+builds the base again from there (`base_params`: the hf: import, the warm start's run, or the
+seed), the same bits every time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+from jax3d.errors import CheckpointError
 from jax3d.hf import weights as hf_weights
+from jax3d.model import lora
 from jax3d.record import Setup
 from jax3d.trainer import checkpoint as ckpt_lib
 from jax3d.training import step as step_lib
@@ -37,17 +45,57 @@ def initial_state(
   return step_lib.make_init(setup)(seed), f'initialised from seed {seed}'
 
 
+def saved(setup: Setup, state: dict) -> dict:
+  """What a checkpoint holds of the train state `state` (or of its abstract form): all of it, but
+  with LoRA only the adapters of the parameters (the base is rebuilt on resume, `base_params`)."""
+  return {**state, 'params': lora.trainable(setup.dims, state['params'])[0]}
+
+
+def base_source(cfg: Any) -> str:
+  """Where a LoRA run's frozen base comes from, as its checkpoints record it."""
+  return cfg.checkpoint.init_from or f'seed:{cfg.train.seed}'
+
+
+def base_params(setup: Setup, warn: Callable[[str], None]) -> Any:
+  """LoRA's frozen base, sharded: the hf: import's weights, the warm start's parameters, or the
+  seed's initialisation (`base_source`)."""
+  if setup.hf is not None:
+    return hf_weights.load_base(setup)
+  init_from = setup.cfg.checkpoint.init_from
+  if init_from:
+    base = lora.trainable(setup.dims, setup.abstract_state['params'])[1]
+    return ckpt_lib.load_params(init_from, base, setup.layout, warn=warn)[0]
+  return lora.trainable(setup.dims, step_lib.make_init(setup)(setup.cfg.train.seed)['params'])[1]
+
+
+def checkpoint_params(setup: Setup, directory: str, warn: Callable[[str], None]) -> tuple[Any, int]:
+  """(parameters, step) of the newest good checkpoint in `directory` (a run's checkpoints), in
+  setup's layout; a LoRA run's adapters over its base (`base_params`)."""
+  abstract = saved(setup, setup.abstract_state)['params']
+  params, step = ckpt_lib.load_params(directory, abstract, setup.layout, warn=warn)
+  if setup.dims.lora_rank:
+    params = lora.merge(params, base_params(setup, warn))
+  return params, step
+
+
 def _restore(
   setup: Setup, checkpointer: ckpt_lib.Checkpointer, warn: Callable[[str], None]
 ) -> tuple[dict, str] | None:
   """The newest good checkpoint in this run's workdir; None when none of them can be used."""
-  state, meta = checkpointer.restore_latest(setup.abstract_state, setup.layout, warn=warn)
+  state, meta = checkpointer.restore_latest(saved(setup, setup.abstract_state), setup.layout, warn=warn)
   if state is None:
     return None
-  saved = meta['layout']
+  if setup.dims.lora_rank:
+    if meta.get('lora_base') != base_source(setup.cfg):
+      raise CheckpointError(
+        f'checkpoint {checkpointer.directory}/{meta["step"]} holds LoRA adapters of the base '
+        f"{meta.get('lora_base')!r}; this run's base is {base_source(setup.cfg)!r} (checkpoint.init_from)"
+      )
+    state['params'] = lora.merge(state['params'], base_params(setup, warn))
+  saved_layout = meta['layout']
   return state, (
-    f'resumed from {checkpointer.directory}/{meta["step"]} (saved under dp={saved["dp"]} '
-    f'pp={saved["pp"]} tp={saved["tp"]} repeats={saved["repeats"]}), next step {meta["step"]}'
+    f'resumed from {checkpointer.directory}/{meta["step"]} (saved under dp={saved_layout["dp"]} '
+    f'pp={saved_layout["pp"]} tp={saved_layout["tp"]} repeats={saved_layout["repeats"]}), next step {meta["step"]}'
   )
 
 
@@ -64,6 +112,11 @@ def _import_hf(setup: Setup) -> tuple[dict, str]:
 def _warm_start(setup: Setup, warn: Callable[[str], None]) -> tuple[dict, str]:
   """The parameters of checkpoint.init_from's newest good checkpoint, re-laid out to this run's."""
   init_from = setup.cfg.checkpoint.init_from
+  if setup.dims.lora_rank:  # the base from the run, fresh adapters from the seed
+    base = base_params(setup, warn)
+    fresh = step_lib.make_init(setup)(setup.cfg.train.seed)['params']
+    state = step_lib.make_init_from_params(setup)(lora.merge(lora.trainable(setup.dims, fresh)[0], base))
+    return state, f'initialised, LoRA adapters on the parameters of {init_from}'
   params, step = ckpt_lib.load_params(init_from, setup.abstract_state['params'], setup.layout, warn=warn)
   state = step_lib.make_init_from_params(setup)(params)
   return state, f'initialised, parameters warm-started from {init_from} (step {step})'

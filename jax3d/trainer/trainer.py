@@ -135,7 +135,7 @@ class Trainer:
       'seed': self.cfg.train.seed,
       'layout': self.layout,
       'config': self.cfg.to_dict(),
-    }
+    } | ({'lora_base': state_lib.base_source(self.cfg)} if self.setup.dims.lora_rank else {})
 
   def save(self, force: bool = True) -> str | None:
     if not self.checkpointer:
@@ -143,7 +143,7 @@ class Trainer:
     step = self.step
     if step in self.checkpointer.steps():
       return os.path.join(self.checkpointer.directory, str(step))
-    self.checkpointer.save(step, self.state, self.meta(), force=force)
+    self.checkpointer.save(step, state_lib.saved(self.setup, self.state), self.meta(), force=force)
     return os.path.join(self.checkpointer.directory, str(step))
 
   # ------------------------------------------------------------------ evaluation and text

@@ -37,14 +37,22 @@ def jax3d_logits(setup: Setup, params: Any, tokens_bt: np.ndarray) -> np.ndarray
   return np.asarray(jax.device_get(out))[..., : setup.dims.vocab_size]
 
 
-def transformers_logits(folder: str, tokens_bt: np.ndarray) -> np.ndarray:
-  """fp32 logits of `tokens_bt` from the Hugging Face folder, loaded by transformers on the CPU."""
+def transformers_logits(folder: str, tokens_bt: np.ndarray, adapter: str | None = None) -> np.ndarray:
+  """fp32 logits of `tokens_bt` from the Hugging Face folder, loaded by transformers on the CPU
+  (with the PEFT adapter folder `adapter` loaded onto it by peft, when given)."""
   try:
     import torch
     import transformers
+
+    if adapter is not None:
+      import peft
   except ImportError as e:
-    raise CheckpointError(f'--verify needs transformers and torch ({e}); pip install jax3d[test]') from None
+    raise CheckpointError(
+      f'--verify needs transformers, torch and peft ({e}); pip install jax3d[test]'
+    ) from None
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  if adapter is not None:
+    model = peft.PeftModel.from_pretrained(model, adapter).eval()
   with torch.no_grad():
     return model(torch.as_tensor(np.asarray(tokens_bt), dtype=torch.long)).logits.float().numpy()
 
@@ -54,10 +62,14 @@ def relative_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
   return float(np.max(np.abs(ours - theirs)) / max(float(np.max(np.abs(theirs))), 1e-30))
 
 
-def verify(setup: Setup, params: Any, folder: str, tokens_bt: np.ndarray) -> float:
-  """The relative difference of the export at `folder` from jax3d on `tokens_bt`;
-  CheckpointError (exit 3) above TOLERANCE."""
-  diff = relative_difference(jax3d_logits(setup, params, tokens_bt), transformers_logits(folder, tokens_bt))
+def verify(
+  setup: Setup, params: Any, folder: str, tokens_bt: np.ndarray, adapter: str | None = None
+) -> float:
+  """The relative difference of the export at `folder` (with the PEFT adapter folder `adapter` on
+  it, for a LoRA run's adapter export) from jax3d on `tokens_bt`; CheckpointError (exit 3) above
+  TOLERANCE."""
+  theirs = transformers_logits(folder, tokens_bt, adapter)
+  diff = relative_difference(jax3d_logits(setup, params, tokens_bt), theirs)
   if not diff <= TOLERANCE:
     raise CheckpointError(
       f"--verify: the export at {folder} gives logits {diff:.3g} off jax3d's (relative, largest), "

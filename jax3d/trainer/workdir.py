@@ -54,7 +54,7 @@ def checkpoint_steps(workdir: str) -> list[int]:
 def saved_config(workdir: str) -> ml_collections.ConfigDict:
   """The config the run trained with, from its newest checkpoint's meta JSON, over the defaults of
   this version (keys this version does not know are skipped, so older runs stay readable), without
-  its `checkpoint.init_from`."""
+  its `checkpoint.init_from` (but for a LoRA run, whose base is read from there again)."""
   import orbax.checkpoint as ocp
 
   from jax3d import config as config_lib
@@ -83,8 +83,10 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
       continue
   # The saved config is the resolved one (an import's model.*, the tokenizer's path) and the
   # parameters come from the checkpoint: building it must not read the imported folder again,
-  # which may be gone.
-  cfg.checkpoint.init_from = ''
+  # which may be gone; but a LoRA run's checkpoints hold only the adapters (state.base_params).
+  if not cfg.lora.rank:
+    cfg.checkpoint.init_from = ''
+  cfg.lora.init_from = ''
   cfg.lock()
   return cfg
 
@@ -130,16 +132,11 @@ def load_params(
 ) -> tuple[Setup, Any, int]:
   """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout."""
   from jax3d import assemble
-  from jax3d.trainer import checkpoint as ckpt_lib
+  from jax3d.trainer import state as state_lib
 
   setup = assemble.build(cfg, devices)
-  params, step = ckpt_lib.load_params(
-    checkpoint_dir(workdir),
-    setup.abstract_state['params'],
-    setup.layout,
-    warn=lambda m: print(f'warning: {m}', file=sys.stderr),
-  )
-  return setup, params, step
+  warn = lambda m: print(f'warning: {m}', file=sys.stderr)
+  return setup, *state_lib.checkpoint_params(setup, checkpoint_dir(workdir), warn)
 
 
 def sample_workdir(
@@ -284,12 +281,13 @@ def export_workdir(
   devices: list | None = None,
   max_shard_bytes: int = 2 << 30,
   verify: bool = False,
+  merge: bool = False,
 ) -> list[str]:
   """Exports the newest good checkpoint of a run (its saved config, read onto this machine's
   devices in the saved layout or the one `overrides` sets) to `out`; returns the files written.
   With `verify`, the export is then loaded in transformers and its logits on the run's first
   held-out batch compared with jax3d's (jax3d/trainer/verify.py): one line with the largest
-  relative difference, CheckpointError (exit 3) above the tolerance."""
+  relative difference, CheckpointError (exit 3) above the tolerance. A LoRA run: see hf.export.export_run."""
   import jax
 
   from jax3d.hf import export as hf_export
@@ -298,12 +296,12 @@ def export_workdir(
   devices = list(devices if devices is not None else jax.devices())
   cfg = sampling_config(saved_config(workdir), len(devices), overrides)
   setup, params, _ = load_params(workdir, cfg, devices[: _n_devices(cfg, len(devices))])
-  files = hf_export.export(params, setup, out, max_shard_bytes)
+  files, base = hf_export.export_run(params, setup, out, merge, max_shard_bytes, workdir)
   if verify:
     from jax3d.trainer import verify as verify_lib
 
     tokens = held_out_tokens(setup)
-    diff = verify_lib.verify(setup, params, out, tokens)
+    diff = verify_lib.verify(setup, params, base or out, tokens, out if base else None)
     print(
       f"verified {out}: transformers gives jax3d's logits on {tokens.shape[0]}x{tokens.shape[1]} "
       f'held-out tokens within {diff:.2e} (relative, largest; tolerance {verify_lib.TOLERANCE:g})'
