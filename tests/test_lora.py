@@ -14,6 +14,7 @@ from jax3d.parallel import placement
 from jax3d.training import step as step_lib
 
 from helpers import canonical, fixed_batches, setup_for, small_cfg
+from test_documents import weighted_batches
 
 RTOL, ATOL = 1e-5, 1e-7
 LORA = {'lora__rank': 4, 'lora__alpha': 8.0, 'model__n_layers': 4}
@@ -32,16 +33,16 @@ def with_nonzero_b(s, params, seed=1):
   return jax.device_put(host, s.param_shardings)
 
 
-def run_lora(cfg, n_steps=3):
-  """Losses of n steps, the step-1 adapter gradients (Adam's mu / (1 - b1)), the base before and
-  after (canonical, on the host)."""
+def run_lora(cfg, n_steps=3, batches=None):
+  """Losses of n steps (on `batches`, or fixed ones), the step-1 adapter gradients (Adam's
+  mu / (1 - b1)), the base before and after (canonical, on the host)."""
   s = setup_for(cfg)
   state = step_lib.make_init(s)(cfg.train.seed)
   state = step_lib.make_init_from_params(s)(with_nonzero_b(s, state['params']))
   base0 = lora.split(canonical(s, state['params']), True)[1]
   train = assemble.compile_train_step(s)
   losses, grads = [], None
-  for b in fixed_batches(cfg, n_steps):
+  for b in batches or fixed_batches(cfg, n_steps):
     state, m = train(state, {k: jax.device_put(v, s.batch_sharding) for k, v in b.items()})
     losses.append(float(m['loss']))
     if grads is None:
@@ -53,15 +54,16 @@ def run_lora(cfg, n_steps=3):
 _REF = {}
 
 
-def reference():
-  if not _REF:
-    _REF['r'] = run_lora(small_cfg(**LORA))
-  return _REF['r']
+def reference(documents=False):
+  if documents not in _REF:
+    _REF[documents] = run_lora(small_cfg(**LORA), batches=weighted_batches() if documents else None)
+  return _REF[documents]
 
 
-def check(over):
-  losses, grads, base0, base1 = run_lora(small_cfg(**LORA, **over))
-  r_losses, r_grads, r_base0, _ = reference()
+def check(over, documents=False):
+  batches = weighted_batches() if documents else None
+  losses, grads, base0, base1 = run_lora(small_cfg(**LORA, **over), batches=batches)
+  r_losses, r_grads, r_base0, _ = reference(documents)
   chex.assert_trees_all_close(base0, r_base0, rtol=0, atol=0)  # init is layout-independent
   chex.assert_trees_all_equal(base1, base0)  # the base is frozen: bit for bit
   np.testing.assert_allclose(losses, r_losses, rtol=RTOL)
@@ -99,6 +101,44 @@ def test_only_adapters_train_and_base_is_frozen():
 )
 def test_layouts_equal_one_device(over):
   check(over)
+
+
+D222 = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}
+VARIANTS = {
+  'remat-full': {**D222, 'train__remat': 'full'},
+  'remat-dots': {**D222, 'train__remat': 'dots'},
+  'remat-attn': {**D222, 'train__remat': 'attn'},
+  'remat-stage': {**D222, 'train__remat': 'stage'},
+  'circular': {**D222, 'model__n_layers': 8, 'pipeline__repeats': 2},
+  'zero3-layer': {**D222, 'train__shard_params': True, 'train__shard_params_gather': 'layer'},
+  'zero3-step-bf16-wire': {**D222, 'train__shard_params': True, 'train__grad_reduce_dtype': 'bfloat16'},
+  'loss-chunks-accum': {**D222, 'train__loss_chunks': 4, 'train__grad_accum': 2},
+  'zero1-1f1b-interleaved': {
+    **D222,
+    'model__n_layers': 8,
+    'pipeline__repeats': 2,
+    'pipeline__schedule': '1f1b',
+    'train__shard_optimizer': True,
+  },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', list(VARIANTS))
+def test_schedules_remat_zero_and_loss_chunks_equal_one_device(name):
+  over = VARIANTS[name]
+  if over.get('model__n_layers') == 8:  # its own one-device reference
+    r = run_lora(small_cfg(**LORA, model__n_layers=8))
+    losses, grads, _, _ = run_lora(small_cfg(**LORA, **over))
+    np.testing.assert_allclose(losses, r[0], rtol=RTOL)
+    chex.assert_trees_all_close(grads, r[1], rtol=RTOL, atol=ATOL)
+    return
+  check(over)
+
+
+def test_documents_with_weights_equal_one_device():
+  """Rows of documents (segment mask, positions, loss weights) with ZeRO-3 on 2-2-2."""
+  check({**D222, 'train__shard_params': True}, documents=True)
 
 
 def test_config_errors_name_the_setting():

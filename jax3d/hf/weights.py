@@ -150,7 +150,7 @@ def load_base(setup: Setup) -> Any:
       del block
     return jax.make_array_from_single_device_arrays(a.shape, a.sharding, shards)
 
-  return jax.tree_util.tree_map_with_path(make, lora.trainable(setup.dims, setup.abstract_state['params'])[1])
+  return jax.tree_util.tree_map_with_path(make, lora.split(setup.abstract_state['params'], True)[1])
 
 
 def _adapters(setup: Setup, abstract: Any) -> Any:
