@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from test_documents import weighted_batches
 
 from jax3d import assemble
 from jax3d.errors import ConfigError
@@ -14,7 +15,6 @@ from jax3d.parallel import placement
 from jax3d.training import step as step_lib
 
 from helpers import canonical, fixed_batches, setup_for, small_cfg
-from test_documents import weighted_batches
 
 RTOL, ATOL = 1e-5, 1e-7
 LORA = {'lora__rank': 4, 'lora__alpha': 8.0, 'model__n_layers': 4}
