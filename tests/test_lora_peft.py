@@ -119,6 +119,14 @@ def test_three_adamw_steps_equal_peft_one_device(llama):
   compare(*llama, (1, 1, 1))
 
 
+def test_qwen25_three_adamw_steps_equal_peft(tmp_path):
+  """Qwen2.5 style (q/k/v biases, tied embeddings, GQA) on 2-2-2."""
+  base, adapter = str(tmp_path / 'base'), str(tmp_path / 'adapter')
+  H.make_family_model(base, 'qwen2.5')
+  make_adapter(base, adapter)
+  compare(base, adapter, (2, 2, 2))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
   'layout,over',
