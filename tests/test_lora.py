@@ -33,12 +33,17 @@ def with_nonzero_b(s, params, seed=1):
   return jax.device_put(host, s.param_shardings)
 
 
-def run_lora(cfg, n_steps=3, batches=None):
+def run_lora(cfg, n_steps=3, batches=None, start=None):
   """Losses of n steps (on `batches`, or fixed ones), the step-1 adapter gradients (Adam's
-  mu / (1 - b1)), the base before and after (canonical, on the host)."""
+  mu / (1 - b1)), the base before and after (canonical, on the host); from the seed's parameters
+  with a non-zero B, or from `start` (host parameters of a one-device run, cast to cfg's dtypes)."""
   s = setup_for(cfg)
-  state = step_lib.make_init(s)(cfg.train.seed)
-  state = step_lib.make_init_from_params(s)(with_nonzero_b(s, state['params']))
+  if start is None:
+    params = with_nonzero_b(s, step_lib.make_init(s)(cfg.train.seed)['params'])
+  else:
+    to = lambda a, t: jax.device_put(np.asarray(a).astype(t.dtype), t.sharding)
+    params = jax.tree.map(to, start, s.abstract_state['params'])
+  state = step_lib.make_init_from_params(s)(params)
   base0 = lora.split(canonical(s, state['params']), True)[1]
   train = assemble.compile_train_step(s)
   losses, grads = [], None
@@ -172,3 +177,49 @@ def test_config_errors_name_the_setting():
   ]:
     with pytest.raises(ConfigError, match=key.replace('.', r'\.')):
       assemble.build(small_cfg(**over), jax.devices()[:1])
+
+
+def _local_bytes(tree):
+  return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize('over', [{}, {'lora__base_dtype': 'bfloat16', 'train__shard_optimizer': True}])
+def test_planner_prices_lora_state_as_built(over):
+  """The memory model's LoRA parameters (base in its dtype plus adapters) and Adam moments (the
+  adapters' only) equal the built state's bytes per device, on 2-2-2."""
+  from jax3d.planning import memory_model
+
+  s = setup_for(small_cfg(**{**LORA, **D222, **over}))
+  b = memory_model.breakdown(s.cfg, s.plan, flash=False)
+  assert b['params'] == pytest.approx(_local_bytes(s.abstract_state['params']), rel=1e-6)
+  mu_nu = [optax.tree.get(s.abstract_state['opt_state'], k) for k in ('mu', 'nu')]
+  assert b['optimizer'] == pytest.approx(_local_bytes(mu_nu), rel=1e-6)
+  full = memory_model.breakdown(small_cfg(**D222, model__n_layers=4), s.plan, flash=False)
+  assert b['optimizer'] < full['optimizer'] / 5 and b['grads'] < full['grads'] / 5
+
+
+def test_oom_ladder_offers_lora_where_a_full_fine_tune_does_not_fit():
+  from jax3d import config
+  from jax3d.planning import costmodel, oom
+
+  over = {'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 8, 'train.remat': 'full', 'train.global_batch_size': 8}
+  cfg = config.load_config('llama3_8b', over | {'train.seq_len': 1024})
+  node = costmodel.Hardware(nodes=1, gpus_per_node=8, memory_gb=16)
+  lines = oom.oom_ladder(cfg, config.validate(cfg, 8), 16e9, node)
+  rung = next(x for x in lines if x.startswith('7. LoRA'))
+  assert '--config.lora.rank=16' in rung and 'FITS' in rung, rung
+
+
+def test_bf16_base_is_stored_bf16_frozen_and_trains_like_float32():
+  """lora.base_dtype=bfloat16: the base's weights are bf16 (the adapters and their moments stay
+  float32), unchanged by training, and the losses those of the float32 base within bf16 rounding."""
+  s = setup_for(small_cfg(**LORA, lora__base_dtype='bfloat16'))
+  adapters, base = lora.split(s.abstract_state['params'], True)
+  assert {str(a.dtype) for a in jax.tree.leaves(base)} == {'bfloat16'}
+  assert {str(a.dtype) for a in jax.tree.leaves(adapters)} == {'float32'}
+  s32 = setup_for(small_cfg(**LORA))
+  start = jax.device_get(with_nonzero_b(s32, step_lib.make_init(s32)(0)['params']))  # the reference's
+  losses, _, base0, base1 = run_lora(small_cfg(**LORA, lora__base_dtype='bfloat16'), start=start)
+  chex.assert_trees_all_equal(base1, base0)
+  np.testing.assert_allclose(losses, reference()[0], rtol=2e-3)
+  assert losses[2] < losses[0]

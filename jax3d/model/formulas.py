@@ -83,6 +83,16 @@ def layer_params(dims: Dims, tp: int = 1) -> int:
   return (matrices + biases) // tp + 2 * d + (2 * hd if dims.qk_norm else 0)
 
 
+def lora_layer_params(dims: Dims, tp: int = 1) -> float:
+  """LoRA adapter parameters of one decoder layer on one of `tp` shards (jax3d/model/lora.py): per
+  target r (in + out), the column-parallel projections' B and the row-parallel ones' A split."""
+  d, hd, n, k, f, r = dims.d_model, dims.head_dim, dims.n_heads, dims.n_kv_heads, dims.d_ff, dims.lora_rank
+  # target -> (in, out, column-parallel)
+  shapes = {'q': (d, n * hd, 1), 'k': (d, k * hd, 1), 'v': (d, k * hd, 1), 'o': (n * hd, d, 0)}
+  shapes |= {'gate': (d, f, 1), 'up': (d, f, 1), 'down': (f, d, 0)}
+  return sum(r * (i + o / tp if col else i / tp + o) for t, (i, o, col) in shapes.items() if dims.adapted(t))
+
+
 def embed_head_params(dims: Dims, tp: int = 1, padded: bool = False) -> int:
   """Embedding table, output projection (vocabulary rows split over `tp`) and the final norm; with
   `padded` the padded vocabulary (what is stored), else the real one."""

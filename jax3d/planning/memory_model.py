@@ -19,6 +19,7 @@ for activations), modelling what jax3d's step really does:
     iteration's input only (the queue, where v > 1, is a carry updated in place). Under 1F1B
     (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the stages instead
     (`_activations_1f1b`), whatever the number of micro-batches.
+  - LoRA (lora.rank > 0): the base in lora.base_dtype, gradients and moments of the adapters only.
   - the head: fp32 logits, their exp and the one-hot targets (vocab over tp), and the embedding's
     output, for the rows outside the pipeline's loop; the logits for 1/train.loss_chunks of them.
 """
@@ -264,7 +265,30 @@ def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dic
     'head': head_bytes(cfg, plan),
   }
   mode = gather_mode(cfg, plan)
+  if cfg.lora.rank:
+    return out | _lora(cfg, plan, local, mode)
   return out if mode is None else out | _zero3(local, pb, plan, mode, cfg.model.n_layers)
+
+
+def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str | None) -> dict:
+  """LoRA (jax3d/model/lora.py): the base in lora.base_dtype with no gradient or moments; the
+  adapters' parameters, gradients (the loop's carry and each iteration's, as above, and the
+  accumulator) and moments in train.param_dtype. Under ZeRO-3 everything stored is 1/dp and the
+  base gathered as `_zero3` gathers it."""
+  t = cfg.train
+  pb, bb = BYTES[t.param_dtype], BYTES[cfg.lora.base_dtype or t.param_dtype]
+  dims = model_dims(cfg, plan)
+  adapters = dims.n_layers // plan.pp * formulas.lora_layer_params(dims, plan.tp) * pb
+  stored = (sum(local.values()) * bb + adapters) / (plan.dp if mode else 1)
+  out = {
+    'params': stored,
+    'grads': adapters * (3 if plan.grad_accum > 1 else 2),
+    'optimizer': 2 * adapters / (plan.dp if t.shard_optimizer or mode else 1),
+  }
+  if mode:
+    layers = local['layers'] * bb / (dims.n_layers // plan.pp if mode == 'layer' else 1)
+    out['gathered'] = layers + local['embed_head'] * bb
+  return out
 
 
 def _zero3(local: dict, pb: int, plan: RunPlan, mode: str, n_layers: int) -> dict:

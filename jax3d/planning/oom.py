@@ -57,6 +57,9 @@ def oom_ladder(
     lines.append(ladder.rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
   if plan.dp > 1:
     lines += _zero3_rungs(ladder)
+  if not cfg.lora.rank:
+    lora = {'lora.rank': 16, 'lora.alpha': 32.0, 'lora.base_dtype': 'bfloat16'}
+    lines.append(ladder.rung('7. LoRA: fine-tune the adapters only (rank 16, the base frozen in bf16)', lora))
   lines.append(smallest_cluster(cfg, hw))
   return lines
 

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jax3d.analysis.memory import fmt_bytes
-from jax3d.model import formulas
+from jax3d.model import formulas, lora
 from jax3d.parallel import pipeline, schedule_1f1b
 
 
@@ -163,6 +163,20 @@ def summary_lines(s: Any, data: str) -> list[str]:
     f'GFLOP forward per step (equal for every stage)',
     f'  tokens per step: {p.tokens_per_step:,} ({p.global_batch} x {p.seq_len}), grad_accum {p.grad_accum}',
     f'  data: {data}',
+  ] + lora_lines(s)
+
+
+def lora_lines(s: Any) -> list[str]:
+  """The LoRA start-up line (none without LoRA): the adapters, the trainable and frozen counts."""
+  d = s.dims
+  if not d.lora_rank:
+    return []
+  trainable = lora.count(lora.trainable(d, s.abstract_state['params'])[0])
+  frozen = formulas.param_count(d)
+  return [
+    f'  LoRA: rank {d.lora_rank}, alpha {d.lora_alpha:g} on {",".join(d.lora_targets)}: '
+    f'{trainable:,} trainable parameters ({trainable / frozen:.2%}), {frozen:,} frozen '
+    f'(the base, {np.dtype(d.param_dtype).name}; no gradients, no optimizer state)'
   ]
 
 
