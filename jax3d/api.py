@@ -153,17 +153,22 @@ def build(
   return t
 
 
-def export_hf(source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30) -> list[str]:
+def export_hf(
+  source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30, merge: bool = False
+) -> list[str]:
   """Writes a Hugging Face Llama folder (config.json, safetensors, tokenizer files) that
   `transformers.AutoModelForCausalLM.from_pretrained(out)` loads, from a Trainer's current
   parameters or a run's workdir (its newest checkpoint); returns the files written. Importing is
-  `build(load_config(..., checkpoint__init_from='hf:PATH'))`."""
+  `build(load_config(..., checkpoint__init_from='hf:PATH'))`. A LoRA run is written as a PEFT
+  adapter folder, or with `merge` as the whole model with the adapters merged (hf.export.export_run)."""
   from jax3d.hf import export
   from jax3d.trainer import workdir
 
   if isinstance(source, str | os.PathLike):
-    return workdir.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes)
-  return export.export(source.state['params'], source.setup, out, max_shard_bytes)
+    return workdir.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes, merge=merge)
+  return export.export_run(
+    source.state['params'], source.setup, out, merge, max_shard_bytes, 'of this Trainer'
+  )[0]
 
 
 def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:

@@ -223,3 +223,42 @@ def test_bf16_base_is_stored_bf16_frozen_and_trains_like_float32():
   chex.assert_trees_all_equal(base1, base0)
   np.testing.assert_allclose(losses, reference()[0], rtol=2e-3)
   assert losses[2] < losses[0]
+
+
+@pytest.mark.slow
+def test_a_seed_base_run_exports_merged_samples_and_refuses_an_adapter(tmp_path):
+  """A LoRA run on a base from train.seed: its checkpoint holds the adapters only, yet sampling
+  and `export --merge` read it whole (the base rebuilt from the seed); a PEFT adapter export is
+  refused with one line (exit 2): it would have no base to load onto."""
+  import subprocess
+  import sys
+
+  from jax3d.trainer import workdir
+  from jax3d.trainer.trainer import Trainer
+
+  cfg = small_cfg(**LORA, train__steps=2, eval__every=0, log__every=1, train__global_batch_size=4)
+  t = Trainer(cfg, str(tmp_path / 'run'), jax.devices()[:1], console=False)
+  t.train()
+  t.close()
+  one = {'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 1}
+  assert workdir.sample_workdir(
+    str(tmp_path / 'run'), 'def ', 4, 0.0, overrides=one, devices=jax.devices()[:1]
+  )
+  files = workdir.export_workdir(
+    str(tmp_path / 'run'), str(tmp_path / 'merged'), one, jax.devices()[:1], merge=True
+  )
+  assert 'model.safetensors' in files
+  r = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'jax3d.export',
+      f'--workdir={tmp_path / "run"}',
+      f'--out={tmp_path / "a"}',
+      '--config.mesh.dp=-1',
+    ],
+    capture_output=True,
+    text=True,
+  )
+  assert r.returncode == 2 and r.stderr.strip().startswith('error:') and '--merge' in r.stderr, r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1
