@@ -210,6 +210,24 @@ def test_oom_ladder_offers_lora_where_a_full_fine_tune_does_not_fit():
   assert '--config.lora.rank=16' in rung and 'FITS' in rung, rung
 
 
+def test_time_model_prices_lora_without_base_weight_gradients():
+  """LoRA's compute is the forward and input gradients of the base (4 FLOPs per weight and token,
+  not 6) plus the adapters'; its dp all-reduce carries the adapters' gradients only."""
+  from jax3d import config
+  from jax3d.planning import costmodel, memory_model, time_model
+
+  over = {'mesh.dp': 8, 'mesh.pp': 1, 'mesh.tp': 1, 'pipeline.microbatches': 1, 'train.global_batch_size': 8}
+  over |= {'train.seq_len': 256, 'train.remat': 'none'}  # the attention core small beside the matmuls
+  full = config.load_config('llama3_8b', over)
+  lo = config.load_config('llama3_8b', over | {'lora.rank': 16})
+  plan, node = config.validate(full, 8), costmodel.Hardware(nodes=1, gpus_per_node=8, memory_gb=80)
+  ratio = time_model.compute_seconds(lo, plan, node) / time_model.compute_seconds(full, plan, node)
+  assert 4 / 6 < ratio < 0.7
+  dp_bytes = time_model.dp_traffic(lo, plan)[0]
+  assert dp_bytes == pytest.approx(2 * 7 / 8 * memory_model.lora_local_params(lo, plan) * 4)
+  assert dp_bytes < time_model.dp_traffic(full, plan)[0] / 100
+
+
 def test_bf16_base_is_stored_bf16_frozen_and_trains_like_float32():
   """lora.base_dtype=bfloat16: the base's weights are bf16 (the adapters and their moments stay
   float32), unchanged by training, and the losses those of the float32 base within bf16 rounding."""

@@ -166,6 +166,12 @@ def local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   }
 
 
+def lora_local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+  """LoRA adapter parameters held by one device (0 without LoRA): the layers' over pp, part over tp."""
+  dims = model_dims(cfg, plan)
+  return dims.n_layers // plan.pp * formulas.lora_layer_params(dims, plan.tp)
+
+
 def micro_rows(plan: RunPlan) -> int:
   """Rows of one micro-batch on one device."""
   return plan.micro_batch // plan.dp
@@ -278,7 +284,7 @@ def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str 
   t = cfg.train
   pb, bb = BYTES[t.param_dtype], BYTES[cfg.lora.base_dtype or t.param_dtype]
   dims = model_dims(cfg, plan)
-  adapters = dims.n_layers // plan.pp * formulas.lora_layer_params(dims, plan.tp) * pb
+  adapters = lora_local_params(cfg, plan) * pb
   stored = (sum(local.values()) * bb + adapters) / (plan.dp if mode else 1)
   out = {
     'params': stored,

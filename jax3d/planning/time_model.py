@@ -33,14 +33,18 @@ def compute_seconds(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware)
   # 'attn' the matmuls.
   fwd = 2 * p_layers + attn / 3
   extra = {'none': 0, 'dots': attn / 3, 'attn': 2 * p_layers, 'full': fwd, 'stage': 2 * fwd}
-  layer_flops = 6 * p_layers + attn + extra[t.remat]
+  # LoRA: the frozen base gets no weight gradients (forward and input gradients: 4, not 6, per
+  # weight), the adapters their 6 each
+  wg = 4 if cfg.lora.rank else 6
+  adapters = 6 * m.n_layers * formulas.lora_layer_params(dims)
+  layer_flops = wg * p_layers + attn + extra[t.remat] + adapters
   waste = plan.iterations / (plan.repeats * plan.microbatches)  # bubble iterations compute too
   if memory_model.one_f_one_b(cfg, plan):  # the backward recomputes its chunk from the stashed input
-    layer_flops = 6 * p_layers + attn + fwd + extra['full' if t.remat == 'stage' else t.remat]
+    layer_flops = wg * p_layers + attn + fwd + extra['full' if t.remat == 'stage' else t.remat] + adapters
     waste = _ticks(plan) / (plan.repeats * plan.microbatches)  # idle halves computed (accelerators)
   peak = hw.peak_tflops * 1e12 * (1.0 if t.compute_dtype == 'bfloat16' else 0.5)
   tokens = plan.tokens_per_step
-  return tokens * (layer_flops * waste + 6 * (dims_p - p_layers)) / plan.n_devices / (peak * hw.efficiency)
+  return tokens * (layer_flops * waste + wg * (dims_p - p_layers)) / plan.n_devices / (peak * hw.efficiency)
 
 
 def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
@@ -80,8 +84,9 @@ def dp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> tuple[float, fl
   n_local = sum(local.values())
   ring = 2 * (dp - 1) / dp
   mode = memory_model.gather_mode(cfg, plan)
-  if mode is None:
-    return ring * n_local * BYTES[t.grad_reduce_dtype], 0.0
+  if mode is None:  # LoRA: the adapters' gradients only
+    n_grads = memory_model.lora_local_params(cfg, plan) if cfg.lora.rank else n_local
+    return ring * n_grads * BYTES[t.grad_reduce_dtype], 0.0
   pb = BYTES[t.param_dtype]
   if data_parallel.explicit(cfg, plan):
     return ring / 2 * n_local * (BYTES[t.grad_reduce_dtype] + pb), ring / 2 * n_local * pb
