@@ -228,6 +228,10 @@ def explain(
   p, e, m, n = best.plan, best.est, cfg.model, hw.n_devices
   where = 'on NVLink inside one node' if p.tp <= hw.gpus_per_node else 'ACROSS nodes'
   weights = costmodel.param_count(cfg) * costmodel.BYTES[cfg.train.param_dtype] * 4
+  what = 'weights, gradients and Adam state'
+  if cfg.lora.rank:  # LoRA: the base alone in its dtype (the adapters and their state are small)
+    weights = costmodel.param_count(cfg) * costmodel.BYTES[cfg.lora.base_dtype or cfg.train.param_dtype]
+    what = "the frozen base (LoRA: the adapters' gradients and Adam state are small)"
   lines = [
     f'Why dp={p.dp}, pp={p.pp}, tp={p.tp} (the tutorial: fill a node with tp, give the rest to pp, fill with dp):',
     f'  tp = {p.tp}: at most the {hw.gpus_per_node} GPUs per node, so its 4 all-reduces per layer '
@@ -239,7 +243,7 @@ def explain(
     f'{p.microbatches}+{p.pp - 1}) = {p.bubble:.1%}.',
     f'  dp = {n}/(tp*pp) = {n}/({p.tp}*{p.pp}) = {p.dp} fills the rest: each replica takes '
     f'{p.global_batch // p.dp} of the {p.global_batch} sequences per step.',
-    f'  Memory: weights, gradients and Adam state ({weights / GB:.0f} GB in all) over tp*pp = '
+    f'  Memory: {what} ({weights / GB:.0f} GB in all) over tp*pp = '
     f'{p.tp * p.pp} shards{_over_dp(e)}, activations with remat={e.remat}'
     f'{f", the head and loss in {e.loss_chunks} pieces" if e.loss_chunks > 1 else ""}: '
     f'{e.total_bytes / GB:.1f} of {hw.memory_gb:g} GB.',
