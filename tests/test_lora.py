@@ -280,3 +280,12 @@ def test_a_seed_base_run_exports_merged_samples_and_refuses_an_adapter(tmp_path)
   )
   assert r.returncode == 2 and r.stderr.strip().startswith('error:') and '--merge' in r.stderr, r.stderr
   assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_inspection_counts_the_adapters_gradients_on_the_dp_wire():
+  """The compiled step's dp collectives carry the adapters' gradients only, as jax3d.inspect's
+  formula says (2-2-2, and ZeRO-1's explicit reduce-scatter + all-gather)."""
+  for over in ({}, {'train__shard_optimizer': True}):
+    r = assemble.inspect(small_cfg(**{**LORA, **D222, **over}), jax.devices())
+    dp = [c for c in r['checks'] if c['axis'] == 'dp']
+    assert all(c['ratio'] == pytest.approx(1.0, rel=0.02) for c in dp), dp

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jax3d.model import lora
 from jax3d.parallel import schedule_1f1b
 
 if TYPE_CHECKING:
@@ -96,9 +97,11 @@ def dp_comm(s: Setup) -> dict:
   layers_local = sum(
     elems(x, sh) * x.dtype.itemsize for x, sh in zip(*_leaves(params['layers'], own['layers']), strict=True)
   )
-  n_local = sum(elems(x, sh) for x, sh in zip(*_leaves(params, own), strict=True))
+  # the gradients reduced over dp: every parameter's, or with LoRA the adapters' (jax3d/model/lora.py)
+  trained, trained_own = lora.trainable(s.dims, params)[0], lora.trainable(s.dims, own)[0]
+  n_local = sum(elems(x, sh) for x, sh in zip(*_leaves(trained, trained_own), strict=True))
   ring = 2 * (d - 1) / d
-  pb = p_local // n_local  # one param_dtype for every parameter
+  pb = jax.tree.leaves(trained)[0].dtype.itemsize  # one param_dtype for every trained parameter
   explicit = s.explicit_dp
   reduce_b = {'float32': 4, 'bfloat16': 2, 'int8': 1}[s.cfg.train.grad_reduce_dtype] if explicit else pb
   gather_b = pb if s.zero1 else reduce_b
@@ -125,7 +128,7 @@ def dp_comm(s: Setup) -> dict:
   # rank when the batch outside the loop is split over pp: XLA sums those over dp and pp at once
   # (in a group with dp when dp > 1, else over pp alone).
   shared_wire = 0.0
-  if not explicit and split:
+  if not explicit and split and not s.dims.lora_rank:  # (LoRA: the shared weights are frozen)
     shared_wire = 2 * (d * p - 1) / (d * p) * (p_local - layers_local)
     if d > 1:
       dp_wire += shared_wire - ring * (p_local - layers_local)
