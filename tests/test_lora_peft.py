@@ -4,6 +4,8 @@ gradient norms agree within 1e-4, the adapters within a small fraction of one le
 
 from __future__ import annotations
 
+import re
+
 import hf_helpers as H
 import jax
 import numpy as np
@@ -214,3 +216,46 @@ def test_exported_adapter_and_merge_give_jax3d_logits(llama, tmp_path):
       a, b = (read(out, peft_io.WEIGHTS, f'base_model.model.{p}.lora_{x}.weight') for x in 'AB')
       want = read(base, 'model.safetensors', f'{p}.weight') + scale * b @ a
       np.testing.assert_allclose(read(merged, 'model.safetensors', f'{p}.weight'), want, rtol=0, atol=1e-6)
+
+
+def test_adapters_jax3d_cannot_represent_are_refused_naming_the_entry(llama, tmp_path):
+  """rsLoRA, another module, a missing or misshapen tensor: ConfigError (exit 2) naming the entry."""
+  import json
+  import shutil
+
+  from safetensors.numpy import load_file, save_file
+
+  from jax3d.errors import ConfigError
+
+  base, adapter = llama
+
+  def edited(
+    name: str, config: dict | None = None, drop: str | None = None, shape: tuple | None = None
+  ) -> str:
+    out = str(tmp_path / name)
+    shutil.copytree(adapter, out)
+    if config:
+      with open(f'{out}/{peft_io.CONFIG}') as f:
+        c = json.load(f) | config
+      with open(f'{out}/{peft_io.CONFIG}', 'w') as f:
+        json.dump(c, f)
+    if drop or shape:
+      t = load_file(f'{out}/{peft_io.WEIGHTS}')
+      if drop:
+        del t[drop]
+      else:
+        t[peft_io.key(1, 'v', 'b')] = np.zeros(shape, np.float32)
+      save_file(t, f'{out}/{peft_io.WEIGHTS}', metadata={'format': 'pt'})
+    return out
+
+  cases = [
+    (edited('rs', {'use_rslora': True}), 'use_rslora=True'),
+    (edited('mods', {'target_modules': ['q_proj', 'lm_head']}), "target_modules=['q_proj', 'lm_head']"),
+    (edited('miss', drop=peft_io.key(2, 'down', 'a')), 'layers.2.mlp.down_proj.lora_A.weight is missing'),
+    (edited('shape', shape=(8, 3)), 'layers.1.self_attn.v_proj.lora_B.weight is shape (8, 3)'),
+  ]
+  for path, words in cases:
+    cfg = H.jax3d_cfg(base, (1, 1, 1), **{'lora.init_from': path})
+    with pytest.raises(ConfigError, match=re.escape(words)):
+      s = assemble.build(cfg, jax.devices()[:1])
+      hf_weights.load_params(s)
