@@ -150,11 +150,12 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
   return float(np.max(np.abs(a - ref)) / np.max(np.abs(ref)))
 
 
-def trained_logits(cfg: object, workdir: str, toks: np.ndarray) -> np.ndarray:
-  """Train a Trainer of `cfg` in `workdir` for its train.steps; jax3d's logits of `toks` after."""
+def trained_logits(cfg: object, workdir: str, toks: np.ndarray, devices: object = None) -> np.ndarray:
+  """Train a Trainer of `cfg` in `workdir` for its train.steps (on `devices`, default all);
+  jax3d's logits of `toks` after."""
   from jax3d.trainer.trainer import Trainer
 
-  t = Trainer(cfg, workdir=workdir, console=False)
+  t = Trainer(cfg, workdir=workdir, devices=devices, console=False)
   try:
     t.train()
     return jax3d_logits(t.setup, t.state['params'], toks)
