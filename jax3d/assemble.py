@@ -31,7 +31,7 @@ from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config
-from jax3d.model import llama
+from jax3d.model import attention, llama
 from jax3d.parallel import (
   cpu,
   data_parallel,
@@ -60,6 +60,9 @@ def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
   mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
   cpu.retain_freed_memory(devices)  # XLA:CPU only: no page faults on every step's buffers
   dims = llama.Dims.from_config(cfg, plan)
+  dims = dataclasses.replace(
+    dims, attention=attention.resolve(cfg.train.attention, devices, cfg.train.compute_dtype, dims.head_dim)
+  )
   rules = sharding.logical_rules(
     microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan)
   )
