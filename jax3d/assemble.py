@@ -201,11 +201,13 @@ def inspect(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None
   return compile_train_step(build(cfg, devices)).analysis()
 
 
-def compile_train_step(s: Setup) -> CompiledStep:
+def compile_train_step(s: Setup, compiler_options: dict | None = None) -> CompiledStep:
   """The one compile path: the real train step lowered for the abstract state and batch (nothing
-  is allocated) and compiled ahead of time."""
+  is allocated) and compiled ahead of time. `compiler_options`: XLA options for this compile
+  alone (a compile-only GPU target's, jax3d/parallel/gpu_target.py)."""
   t0 = time.perf_counter()
-  executable = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch).compile()
+  lowered = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch)
+  executable = lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
   return CompiledStep(s, executable, time.perf_counter() - t0)
 
 

@@ -42,6 +42,12 @@ POSITIVE = Check(lambda v: v > 0, 'must be positive')
 NON_NEGATIVE = Check(lambda v: v >= 0, 'must be >= 0')
 
 
+def _target_check() -> Check:
+  from jax3d.parallel import gpu_target  # no jax: the GPU target descriptions and their form
+
+  return Check(lambda v: v == '' or gpu_target.is_target(v), gpu_target.FORM)
+
+
 def one_of(*values: str) -> Check:
   """A Check that the value is one of `values` (compared in lower case)."""
   return Check(lambda v: str(v).lower() in values, ', '.join(values))
@@ -56,6 +62,14 @@ class Flag(NamedTuple):
   help: str = ''
   check: Check | None = None
   required: bool = False
+
+
+TARGET = Flag(
+  str,
+  '',
+  'compile for GPUs that are not attached: KINDxN, e.g. h100x8, h200x16, a100x8 (needs jax3d[cuda12])',
+  _target_check(),
+)
 
 
 @dataclasses.dataclass
@@ -227,7 +241,9 @@ def prepare_devices(n: int = 8) -> None:
   """Call before jax starts its backend. On a machine without an accelerator, exposes n fake CPU
   devices unless XLA_FLAGS is set; on a GPU machine, adds the communication-overlap XLA flags
   (jax3d/parallel/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
-  from jax3d.parallel import gpu
+  from jax3d.parallel import gpu, gpu_target
+
+  gpu_target.hide_unusable_plugin()  # before jax is imported: it reads JAX_PLATFORMS then
   from jax3d.parallel.mesh import use_fake_cpu_devices
 
   use_fake_cpu_devices(n)
