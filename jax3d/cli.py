@@ -110,6 +110,9 @@ def run_command(body: Callable[[Args], int], args: Args | int, *also: type[Excep
   becomes its one `error:` line on stderr and the exit status of its type (`fail`)."""
   if isinstance(args, int):
     return args
+  from jax3d.parallel import gpu_target
+
+  gpu_target.hide_unusable_plugin()  # before the body imports jax, which reads JAX_PLATFORMS once
   try:
     return body(args)
   except (errors.Jax3dError, *also) as e:
@@ -241,9 +244,7 @@ def prepare_devices(n: int = 8) -> None:
   """Call before jax starts its backend. On a machine without an accelerator, exposes n fake CPU
   devices unless XLA_FLAGS is set; on a GPU machine, adds the communication-overlap XLA flags
   (jax3d/parallel/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
-  from jax3d.parallel import gpu, gpu_target
-
-  gpu_target.hide_unusable_plugin()  # before jax is imported: it reads JAX_PLATFORMS then
+  from jax3d.parallel import gpu
   from jax3d.parallel.mesh import use_fake_cpu_devices
 
   use_fake_cpu_devices(n)

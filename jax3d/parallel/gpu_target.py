@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -106,14 +107,21 @@ def devices(target: Target) -> list[jax.Device]:
       f"--target={target.name} needs JAX's CUDA plugin to compile for GPUs: pip install 'jax3d[cuda12]' "
       "(or 'jax[cuda12]'); no GPU is needed"
     )
+  hide_unusable_plugin()
   from jax.experimental import topologies
 
-  topo = topologies.get_topology_desc(
-    target.kind,
-    'cuda',
-    target_config=target.spec_text(),
-    topology=f'1x{target.nodes}x{target.per_node}',
-  )
+  try:
+    topo = topologies.get_topology_desc(
+      target.kind,
+      'cuda',
+      target_config=target.spec_text(),
+      topology=f'1x{target.nodes}x{target.per_node}',
+    )
+  except NotImplementedError as e:  # the plugin tried to start its GPU backend and failed
+    raise ConfigError(
+      f'--target={target.name}: the CUDA plugin for jax started without a GPU and cannot compile ({e}); '
+      'set JAX_PLATFORMS=cpu before jax starts (the jax3d commands do)'
+    ) from None
   return list(topo.devices)
 
 
@@ -133,4 +141,6 @@ def hide_unusable_plugin(env: dict | None = None) -> bool:
   if env.get('JAX_PLATFORMS') or not plugin_installed() or gpu.gpu_present(env):
     return False
   env['JAX_PLATFORMS'] = 'cpu'
+  if 'jax' in sys.modules:  # imported, perhaps not started: its setting, read from the environment once
+    sys.modules['jax'].config.update('jax_platforms', 'cpu')
   return True
