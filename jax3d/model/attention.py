@@ -30,8 +30,10 @@ from jax3d.parallel import sharding
 CHOICES = ('auto', 'xla', 'cudnn')
 KERNELS = ('xla', 'cudnn')
 FUSED_DTYPES = ('bfloat16', 'float16')
-# The bias of a masked-out key (jax's cudnn wrapper's own values: cuDNN mishandles -inf - -inf).
-CUDNN_NEG = {'bfloat16': -float(2 << 40), 'float16': -float(2 << 14)}
+# The bias of a masked-out key: jax's cudnn wrapper's own values (cuDNN mishandles -inf - -inf);
+# fp16's range is smaller. exp of it is exactly 0 in every dtype, as a masked key's weight is.
+CUDNN_NEG = {'float16': -float(2 << 14)}
+CUDNN_NEG_DEFAULT = -float(2 << 40)
 CUDNN_MAX_HEAD_DIM = 256  # Hopper (sm_90) and later; 128 before (jax's check_is_flash_attention)
 
 
@@ -93,7 +95,11 @@ def attend(
 
   # The documents as the additive bias cuDNN takes (the values jax's wrapper would use), made
   # outside the per-device region: an input there, never a value made inside it.
-  bias = None if mask is None else jnp.where(mask, 0, CUDNN_NEG[q_btnh.dtype.name]).astype(q_btnh.dtype)
+  bias = (
+    None
+    if mask is None
+    else jnp.where(mask, 0, CUDNN_NEG.get(q_btnh.dtype.name, CUDNN_NEG_DEFAULT)).astype(q_btnh.dtype)
+  )
   names = (('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim'))
   operands = (q_btnh, k_btkh, v_btkh) + (() if bias is None else (bias,))
   in_logical = (names[0], names[1], names[1]) + (() if bias is None else (('batch', None, 'seq', None),))
