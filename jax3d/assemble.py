@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import os
+import re
 import resource
 import time
 from collections.abc import Sequence
@@ -207,7 +208,16 @@ def compile_train_step(s: Setup, compiler_options: dict | None = None) -> Compil
   alone (a compile-only GPU target's, jax3d/parallel/gpu_target.py)."""
   t0 = time.perf_counter()
   lowered = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch)
-  executable = lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
+  options = dict(compiler_options or {})
+  while True:
+    try:
+      executable = lowered.compile(compiler_options=options) if options else lowered.compile()
+      break
+    except jax.errors.JaxRuntimeError as e:  # an option this XLA does not have (XLA renames them)
+      unknown = re.search(r"No such compile option: '(\w+)'", str(e))
+      if not unknown or unknown.group(1) not in options:
+        raise
+      del options[unknown.group(1)]
   return CompiledStep(s, executable, time.perf_counter() - t0)
 
 
