@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import os
+import re
 import resource
 import time
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config, peft
-from jax3d.model import llama, lora
+from jax3d.model import attention, llama, lora
 from jax3d.parallel import (
   cpu,
   data_parallel,
@@ -60,6 +61,9 @@ def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
   mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
   cpu.retain_freed_memory(devices)  # XLA:CPU only: no page faults on every step's buffers
   dims = llama.Dims.from_config(cfg, plan)
+  dims = dataclasses.replace(
+    dims, attention=attention.resolve(cfg.train.attention, devices, cfg.train.compute_dtype, dims.head_dim)
+  )
   rules = sharding.logical_rules(
     microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan)
   )
@@ -200,11 +204,22 @@ def inspect(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None
   return compile_train_step(build(cfg, devices)).analysis()
 
 
-def compile_train_step(s: Setup) -> CompiledStep:
+def compile_train_step(s: Setup, compiler_options: dict | None = None) -> CompiledStep:
   """The one compile path: the real train step lowered for the abstract state and batch (nothing
-  is allocated) and compiled ahead of time."""
+  is allocated) and compiled ahead of time. `compiler_options`: XLA options for this compile
+  alone (a compile-only GPU target's, jax3d/parallel/gpu_target.py)."""
   t0 = time.perf_counter()
-  executable = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch).compile()
+  lowered = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch)
+  options = dict(compiler_options or {})
+  while True:
+    try:
+      executable = lowered.compile(compiler_options=options) if options else lowered.compile()
+      break
+    except jax.errors.JaxRuntimeError as e:  # an option this XLA does not have (XLA renames them)
+      unknown = re.search(r"No such compile option: '(\w+)'", str(e))
+      if not unknown or unknown.group(1) not in options:
+        raise
+      del options[unknown.group(1)]
   return CompiledStep(s, executable, time.perf_counter() - t0)
 
 

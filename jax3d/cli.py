@@ -42,6 +42,12 @@ POSITIVE = Check(lambda v: v > 0, 'must be positive')
 NON_NEGATIVE = Check(lambda v: v >= 0, 'must be >= 0')
 
 
+def _target_check() -> Check:
+  from jax3d.parallel import gpu_target  # no jax: the GPU target descriptions and their form
+
+  return Check(lambda v: v == '' or gpu_target.is_target(v), gpu_target.FORM)
+
+
 def one_of(*values: str) -> Check:
   """A Check that the value is one of `values` (compared in lower case)."""
   return Check(lambda v: str(v).lower() in values, ', '.join(values))
@@ -56,6 +62,14 @@ class Flag(NamedTuple):
   help: str = ''
   check: Check | None = None
   required: bool = False
+
+
+TARGET = Flag(
+  str,
+  '',
+  'compile for GPUs that are not attached: KINDxN, e.g. h100x8, h200x16, a100x8 (needs jax3d[cuda12])',
+  _target_check(),
+)
 
 
 @dataclasses.dataclass
@@ -96,6 +110,9 @@ def run_command(body: Callable[[Args], int], args: Args | int, *also: type[Excep
   becomes its one `error:` line on stderr and the exit status of its type (`fail`)."""
   if isinstance(args, int):
     return args
+  from jax3d.parallel import gpu_target
+
+  gpu_target.hide_unusable_plugin()  # before the body imports jax, which reads JAX_PLATFORMS once
   try:
     return body(args)
   except (errors.Jax3dError, *also) as e:

@@ -17,6 +17,7 @@ from typing import Any
 
 from jax3d import cli
 from jax3d.config import ConfigError, validate
+from jax3d.parallel import gpu_target
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
 from jax3d.planning.oom import oom_ladder
@@ -50,7 +51,10 @@ FLAGS = {
   'fixed': cli.Flag(bool, False, 'price only the layout the config sets (no search)'),
   'json': cli.Flag(bool, False, 'print the layouts as JSON'),
   'emit': cli.Flag(bool, False, 'print the --config overrides of the best layout for jax3d.train'),
-  'verify': cli.Flag(bool, False, "compile the best layout on fake CPU devices; print XLA's memory"),
+  'verify': cli.Flag(
+    bool, False, "compile the best layout (on fake CPU devices, or --target's GPUs); print XLA's memory"
+  ),
+  'target': cli.TARGET,
 }
 
 
@@ -60,7 +64,8 @@ def run(args: cli.Args) -> int:
 
   # The model the trainer would train: an hf: import's config.json, a tokenizer's vocabulary.
   f, cfg = args.flags, assemble.resolve(args.cfg)
-  hw = _hardware(f)
+  target = gpu_target.parse(f['target']) if f['target'] else None
+  hw = _hardware(f, target)
   if f['verify']:  # before jax starts a backend: n fake CPU devices (unless XLA_FLAGS is set)
     cli.prepare_devices(hw.n_devices)
   ranked = _fixed(cfg, hw) if f['fixed'] else search(cfg, hw)
@@ -69,7 +74,7 @@ def run(args: cli.Args) -> int:
   if f['json']:  # stdout is exactly one JSON document; --verify adds XLA's figures to rank 1
     rows = [dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] + [dict(c.row(), rank=None) for c in misfits]
     if f['verify'] and fit:
-      rows[0].update(verify_memory(with_overrides(cfg, fit[0].overrides), fit[0].plan))
+      rows[0].update(verify_memory(with_overrides(cfg, fit[0].overrides), fit[0].plan, target))
     print(json.dumps(rows, indent=1))
   elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
@@ -87,15 +92,16 @@ def run(args: cli.Args) -> int:
     )
   if f['verify'] and not f['json']:
     best = fit[0]
-    print('\n' + '\n'.join(verify(with_overrides(cfg, best.overrides), best.plan)))
+    print('\n' + '\n'.join(verify(with_overrides(cfg, best.overrides), best.plan, target)))
   return 0
 
 
-def _hardware(f: dict) -> Hardware:
+def _hardware(f: dict, target: gpu_target.Target | None = None) -> Hardware:
+  """The cluster of the flags; `--target` sets its nodes, GPUs per node, memory and fused attention."""
   return Hardware(
-    nodes=f['nodes'],
-    gpus_per_node=f['gpus_per_node'],
-    memory_gb=f['gpu_memory_gb'],
+    nodes=target.nodes if target else f['nodes'],
+    gpus_per_node=target.per_node if target else f['gpus_per_node'],
+    memory_gb=target.memory_bytes / GB if target else f['gpu_memory_gb'],
     peak_tflops=f['peak_tflops'],
     efficiency=f['efficiency'],
     intra_gbps=f['intra_node_gbps'],
