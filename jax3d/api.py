@@ -233,16 +233,14 @@ def compiled_memory(
     source.compile()
     return dict(source.compiled.memory)
   gpus = gpu_target.parse(target, 'target') if target else None
-  if gpus is not None:
-    devices = gpu_target.devices(gpus)
-  elif devices is None and cfg is not source:
+  if devices is None and cfg is not source:
     devices = list(source.mesh.devices.flat)
   cfg = _with(cfg, **overrides) if overrides else cfg
-  options = gpu_target.compiler_options() if gpus else None
-  out = dict(assemble.compile_train_step(assemble.build(cfg, devices), options).memory)
-  if gpus is not None:
-    out |= {'device_memory': gpus.memory_bytes, 'fits': out['total'] <= gpus.memory_bytes}
-  return out
+  s = assemble.build(cfg, gpu_target.devices(gpus) if gpus else devices)
+  out = dict(assemble.compile_train_step(s, gpu_target.compiler_options() if gpus else None).memory)
+  return out | (
+    {'device_memory': gpus.memory_bytes, 'fits': out['total'] <= gpus.memory_bytes} if gpus else {}
+  )
 
 
 # ---------------------------------------------------------------------------------------------

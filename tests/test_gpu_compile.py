@@ -68,7 +68,14 @@ def test_inspect_target_h100x8(capsys, tmp_path):
 
 LAYOUTS = {
   '2-2-2 auto': dict(mesh__dp=2, mesh__pp=2, mesh__tp=2, pipeline__microbatches=2),
-  '8-1-1 zero3 cudnn': dict(mesh__dp=8, train__shard_params=True, train__attention='cudnn'),
+  '8-1-1 zero3 cudnn': dict(
+    mesh__dp=8,
+    mesh__pp=1,
+    mesh__tp=1,
+    pipeline__microbatches=1,
+    train__shard_params=True,
+    train__attention='cudnn',
+  ),
   '1-2-4 sp 1f1b': dict(
     mesh__dp=1,
     mesh__pp=2,
@@ -103,9 +110,13 @@ def test_cudnn_attention_compiles_on_every_layout(name):
 @needs_plugin
 def test_xla_attention_and_fp32_have_no_cudnn_kernel():
   """`xla` is XLA's attention on a GPU too; `auto` in float32 is XLA's (cuDNN takes bf16/fp16)."""
-  s, c = compile_for('h100x8', mesh__dp=8, train__attention='xla')
+  s, c = compile_for(
+    'h100x8', mesh__dp=8, mesh__pp=1, mesh__tp=1, pipeline__microbatches=1, train__attention='xla'
+  )
   assert s.dims.attention == 'xla' and kernels(c) == set()
-  s, c = compile_for('a100x8', mesh__dp=8, train__compute_dtype='float32')
+  s, c = compile_for(
+    'a100x8', mesh__dp=8, mesh__pp=1, mesh__tp=1, pipeline__microbatches=1, train__compute_dtype='float32'
+  )
   assert s.dims.attention == 'xla' and kernels(c) == set()
   assert s.mesh.devices.flat[0].device_kind == 'NVIDIA A100-SXM4-80GB'
 

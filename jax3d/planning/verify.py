@@ -65,7 +65,11 @@ def verify(
   cfg: ml_collections.ConfigDict, plan: RunPlan, target: gpu_target.Target | None = None
 ) -> list[str]:
   """`verify_memory` as text lines: XLA's bytes per device beside the estimate's."""
-  v = verify_memory(cfg, plan, target)
+  return render(verify_memory(cfg, plan, target), target)
+
+
+def render(v: dict, target: gpu_target.Target | None = None) -> list[str]:
+  """A `verify_memory` result as text lines."""
   b = v['compiled_breakdown_gb']
   lines = [f'({v["bf16_note"]})'] if v['bf16_note'] else []
   lines += [
