@@ -129,6 +129,7 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   * `checkpoint.init_from=hf:PATH`: model.* from PATH/config.json, its tensors checked (names and
     shapes, from the safetensors headers), and PATH's own tokenizer when data.tokenizer is 'bytes';
+    any other init_from (a run to warm-start from): its absolute path;
   * token shards (data.path) made with a subword tokenizer: that one when data.tokenizer is 'bytes';
   * a subword `data.tokenizer`: its absolute path (recorded in checkpoints, so that jax3d.sample
     finds it) and model.vocab_size from it, or, when an import fixes the vocabulary, a check that
@@ -151,6 +152,8 @@ def _resolve(cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict,
       config_lib.set_key(cfg, 'data.tokenizer', hf.path)
   else:
     cfg = copy.deepcopy(cfg)
+    if cfg.checkpoint.init_from:  # a warm start's workdir: absolute, as Orbax reads it
+      config_lib.set_key(cfg, 'checkpoint.init_from', os.path.abspath(cfg.checkpoint.init_from))
   if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(cfg.data.path):
     made_with = shards.read_index(cfg.data.path).get('tokenizer', {}).get('path', tok_lib.BYTES)
     if made_with != tok_lib.BYTES and os.path.exists(made_with):  # the shards' own tokenizer

@@ -34,8 +34,9 @@ def _flatten(d: dict, prefix: str = '') -> dict:
 
 
 def checkpoint_dir(workdir: str) -> str:
-  """WORKDIR/checkpoints, or WORKDIR itself when it is the checkpoints folder."""
-  workdir = os.path.normpath(workdir)
+  """WORKDIR/checkpoints, or WORKDIR itself when it is the checkpoints folder, as an absolute path
+  (Orbax reads only absolute ones): every read of a workdir goes through here."""
+  workdir = os.path.abspath(workdir)
   return workdir if os.path.basename(workdir) == 'checkpoints' else os.path.join(workdir, 'checkpoints')
 
 
@@ -69,8 +70,8 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
       try:
         meta = reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
         break
-      except Exception:  # noqa: BLE001, S112 - any unreadable step falls back to an older one
-        continue
+      except Exception as e:  # noqa: BLE001 - damaged: an older one (load_params warns); else raised
+        readonly.skip_damaged(e, os.path.join(directory, str(step)), lambda _: None)
   finally:
     reader.close()
   if meta is None:
@@ -138,6 +139,7 @@ def load_params(
     setup.abstract_state['params'],
     setup.layout,
     warn=lambda m: print(f'warning: {m}', file=sys.stderr),
+    source=f'--workdir={workdir}',
   )
   return setup, params, step
 
