@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jax3d.errors import CheckpointError
+from jax3d.errors import CheckpointError, ConfigError
 from jax3d.parallel import placement
 from jax3d.trainer import readonly
 
@@ -103,6 +103,8 @@ class Checkpointer:
   the newest `keep` kept; restoring falls back to the previous step when one is damaged."""
 
   def __init__(self, directory: str, keep: int, async_save: bool = True):
+    if keep < 1:  # Orbax would delete every step, the ones it finds there too (checked: config rules)
+      raise ConfigError(f'checkpoint.keep={keep}: must be >= 1 (the newest checkpoints kept)')
     self.directory = os.path.abspath(directory)
     opts = ocp.CheckpointManagerOptions(
       max_to_keep=keep,
@@ -287,18 +289,10 @@ def relayout(state: PyTree, meta: dict, layout: dict, abstract_state: PyTree) ->
 
 
 def load_params(
-  path: str,
-  abstract_params: PyTree,
-  layout: dict,
-  warn: Callable[[str], None] = print,
-  source: str | None = None,
+  directory: str, abstract_params: PyTree, layout: dict, source: str, warn: Callable[[str], None] = print
 ) -> tuple[PyTree, int]:
-  """Warm start: (parameters, step) of the newest good step under `path` (a run's workdir or its
-  checkpoints folder, absolute), checked against this config's shapes, in this run's layer order.
-  `source` names the input in messages (default `checkpoint.init_from=PATH`)."""
-  source = source or f'checkpoint.init_from={path!r}'
-  is_ckpt_dir = os.path.basename(os.path.normpath(path)) == 'checkpoints'
-  directory = path if is_ckpt_dir else os.path.join(path, 'checkpoints')
+  """Warm start: (parameters, step) of the newest good step in the checkpoints folder `directory`
+  (absolute; `source` names it in messages), checked against this config, in this run's layer order."""
   if not os.path.isdir(directory):
     raise CheckpointError(f'{source}: no checkpoints folder at {directory}')
   mgr = readonly.manager(directory)
