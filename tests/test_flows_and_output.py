@@ -309,6 +309,8 @@ def test_only_a_read_error_of_the_files_is_called_damage(tmp_path):
   relative = ValueError('Checkpoint path should be absolute. Got runs/x/checkpoints/2/state')
   with pytest.raises(CheckpointError, match=f'could not read checkpoint {step}: ValueError: Checkpoint path'):
     readonly.skip_damaged(relative, step, warned.append)
+  with pytest.raises(CheckpointError, match='PermissionError'):  # the files may be whole
+    readonly.skip_damaged(PermissionError(13, 'Permission denied'), step, warned.append)
   os.remove(os.path.join(step, 'state', '_METADATA'))
   readonly.skip_damaged(ValueError('pytree structure error'), step, warned.append)
   assert len(warned) == 4 and 'state/_METADATA is missing' in warned[3]

@@ -1,10 +1,10 @@
 """Where an export is written: never over what it did not write, never anything stale left.
 
 `check(out, reads, overwrite)` runs before anything is read: `out` may not be, hold or lie inside
-a folder or file the run reads (its workdir, the model it was imported or warm-started from, its tokenizer,
-its data; `reads`), even with --overwrite; it may not be a file; a non-empty folder is replaced
-only when it is an earlier jax3d export (it holds MARKER and only the files MARKER lists) or with
---overwrite. UsageError (exit 2), one line naming --out.
+a folder or file the run reads (its workdir, the model it was imported or warm-started from, its
+tokenizer, its data; `reads`), even with --overwrite; it may not be a file; a non-empty folder is
+replaced only when it is an earlier jax3d export (it holds MARKER and only the files MARKER lists)
+or with --overwrite. UsageError (exit 2), one line naming --out.
 
 `staged(out)` gives a fresh folder beside `out` (`.NAME.partial`) to write into; on success it
 writes MARKER there (the files written) and renames it into place (the old `out`, if any, is
@@ -60,7 +60,8 @@ def check(out: str, reads: Sequence[tuple[str, str]], overwrite: bool) -> None:
     if p == real or inside(p, real) or inside(real, p):
       verb = 'is' if p == real else 'holds' if inside(p, real) else 'lies inside'
       raise UsageError(
-        f'--out={out} {verb} {what} ({path}): an export never replaces what the run reads; choose another folder'
+        f'--out={out} {verb} {what} ({path}): an export never replaces what the run reads; '
+        'choose another folder'
       )
   if os.path.exists(out) and not os.path.isdir(out):
     raise UsageError(f'--out={out} is a file: give a folder (new, empty, or an earlier jax3d export)')

@@ -8,10 +8,11 @@ the seed, and the shape and dtype of every saved array.
 Orbax writes a step into a temporary directory and renames it when complete, so a write killed
 with SIGKILL never becomes a step; a step past `keep` is renamed into `checkpoints/.deleted`, then
 removed, so neither leaves a torn step. A step whose files fail to read (missing, truncated) is
-reported with its path and the previous one is used; any other error is raised, not called damage. Shapes and dtypes are compared with the
-config before reading (Orbax would cast dtypes silently). Arrays are read straight into the
-target shardings; when the pipeline layer order differs (another pp or repeats), the layer axis
-is permuted on the devices, never through one host.
+reported with its path and the previous one is used; any other error is raised, not called damage
+(readonly.skip_damaged). Shapes and dtypes are compared with the config before reading (Orbax
+would cast dtypes silently). Arrays are read straight into the target shardings; when the pipeline
+layer order differs (another pp or repeats), the layer axis is permuted on the devices, never
+through one host.
 """
 
 from __future__ import annotations

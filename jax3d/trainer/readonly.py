@@ -4,6 +4,7 @@ whether an error raised reading a step means that its files are damaged (`skip_d
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -37,23 +38,25 @@ def manager(directory: str) -> ocp.CheckpointManager:
 # Tensorstore's statuses for a file that is missing, short or unparsable ('OUT_OF_RANGE: Error
 # reading "params.embed.embedding/7.0" in OCDBT database at local file ...' for a truncated one).
 _TENSORSTORE_READ = re.compile(
-  r'\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|INVALID_ARGUMENT): Error (reading|opening|decoding)'
+  r'\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|INVALID_ARGUMENT): '
+  r'Error (reading|opening|decoding)'
 )
 
 
 def skip_damaged(e: BaseException, step_dir: str, warn: Callable[[str], None]) -> None:
   """Warns that the checkpoint step `step_dir` is damaged, when `e` (raised reading it) says that
-  its files do not read: a file missing, short or unparsable (an OSError, a JSON or UTF-8 decode
-  error, an item Orbax does not find, a tensorstore read error, anywhere in e's chain; or the
-  state's `_METADATA` gone, which Orbax reports as a pytree mismatch). Any other error (a relative
-  path, the wrong devices, a bug) says nothing about the files: CheckpointError with that error,
-  and the step is not called damaged."""
+  its files do not read: a file missing, short or unparsable (FileNotFoundError, an I/O error, a
+  JSON or UTF-8 decode error, an item Orbax does not find, a tensorstore read error, anywhere in
+  e's chain; or the state's `_METADATA` gone, which Orbax reports as a pytree mismatch). Any other
+  error (a relative path, a permission, the wrong devices, a bug) says nothing about the files:
+  CheckpointError with that error, and the step is not called damaged."""
   seen, x, why = set(), e, None
   while x is not None and id(x) not in seen and why is None:
     seen.add(id(x))
     text = str(x)
     if (
-      isinstance(x, (OSError, json.JSONDecodeError, UnicodeDecodeError, EOFError))
+      isinstance(x, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, EOFError))
+      or (isinstance(x, OSError) and x.errno in (errno.EIO, errno.EISDIR, errno.ENOTDIR))
       or (isinstance(x, KeyError) and 'not found in the checkpoint' in text)
       or _TENSORSTORE_READ.search(text)
     ):
