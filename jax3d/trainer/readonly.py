@@ -43,15 +43,10 @@ _TENSORSTORE_READ = re.compile(
 )
 
 
-def skip_damaged(e: BaseException, step_dir: str, warn: Callable[[str], None]) -> None:
-  """Warns that the checkpoint step `step_dir` is damaged, when `e` (raised reading it) says that
-  its files do not read: a file missing, short or unparsable (FileNotFoundError, an I/O error, a
-  JSON or UTF-8 decode error, an item Orbax does not find, a tensorstore read error, anywhere in
-  e's chain; or the state's `_METADATA` gone, which Orbax reports as a pytree mismatch). Any other
-  error (a relative path, a permission, the wrong devices, a bug) says nothing about the files:
-  CheckpointError with that error, and the step is not called damaged."""
-  seen, x, why = set(), e, None
-  while x is not None and id(x) not in seen and why is None:
+def _read_error(e: BaseException) -> str | None:
+  """What in e's chain says that files do not read (see skip_damaged), as 'Type: first line'."""
+  seen, x = set(), e
+  while x is not None and id(x) not in seen:
     seen.add(id(x))
     text = str(x)
     if (
@@ -60,8 +55,19 @@ def skip_damaged(e: BaseException, step_dir: str, warn: Callable[[str], None]) -
       or (isinstance(x, KeyError) and 'not found in the checkpoint' in text)
       or _TENSORSTORE_READ.search(text)
     ):
-      why = f'{type(x).__name__}: {(text.splitlines() or [""])[0][:200]}'
+      return f'{type(x).__name__}: {(text.splitlines() or [""])[0][:200]}'
     x = x.__cause__ or x.__context__
+  return None
+
+
+def skip_damaged(e: BaseException, step_dir: str, warn: Callable[[str], None]) -> None:
+  """Warns that the checkpoint step `step_dir` is damaged, when `e` (raised reading it) says that
+  its files do not read: a file missing, short or unparsable (FileNotFoundError, an I/O error, a
+  JSON or UTF-8 decode error, an item Orbax does not find, a tensorstore read error, anywhere in
+  e's chain; or the state's `_METADATA` gone, which Orbax reports as a pytree mismatch). Any other
+  error (a relative path, a permission, the wrong devices, a bug) says nothing about the files:
+  CheckpointError with that error, and the step is not called damaged."""
+  why = _read_error(e)
   state = os.path.join(step_dir, 'state')
   if why is None and os.path.isdir(state) and not os.path.exists(os.path.join(state, '_METADATA')):
     why = 'state/_METADATA is missing'
