@@ -317,3 +317,32 @@ def test_only_a_read_error_of_the_files_is_called_damage(tmp_path):
   os.remove(os.path.join(step, 'state', '_METADATA'))
   readonly.skip_damaged(ValueError('pytree structure error'), step, warned.append)
   assert len(warned) == 4 and 'state/_METADATA is missing' in warned[3]
+
+
+def test_a_failed_export_leaves_out_as_it_was_and_an_added_file_is_kept(tmp_path):
+  """outdir.staged: an export that fails half-way (a --verify above tolerance, a full disk) leaves
+  the earlier export byte-identical and no temporary folder; outdir.check: a file added to an
+  earlier export makes it a folder that only --overwrite replaces."""
+  from jax3d.errors import UsageError
+  from jax3d.hf import outdir
+
+  out = str(tmp_path / 'hf')
+  with outdir.staged(out) as folder:
+    with open(os.path.join(folder, 'model.safetensors'), 'wb') as f:
+      f.write(b'first')
+  before = files(out)
+  assert json.loads(before[outdir.MARKER]) == {'files': ['model.safetensors']}
+  outdir.check(out, [], overwrite=False)  # an earlier export: replaced without --overwrite
+  with pytest.raises(RuntimeError, match='verify failed'):
+    with outdir.staged(out) as folder:
+      with open(os.path.join(folder, 'model.safetensors'), 'wb') as f:
+        f.write(b'second')
+      raise RuntimeError('verify failed')
+  assert files(out) == before and os.listdir(tmp_path) == ['hf']
+  with open(os.path.join(out, 'README.md'), 'w') as f:
+    f.write('my notes')
+  with pytest.raises(
+    UsageError, match=f'--out={out} is a folder that is not an earlier jax3d export .*README.md'
+  ):
+    outdir.check(out, [], overwrite=False)
+  outdir.check(out, [], overwrite=True)
