@@ -153,17 +153,25 @@ def build(
   return t
 
 
-def export_hf(source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30) -> list[str]:
+def export_hf(
+  source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30, overwrite: bool = False
+) -> list[str]:
   """Writes a Hugging Face Llama folder (config.json, safetensors, tokenizer files) that
   `transformers.AutoModelForCausalLM.from_pretrained(out)` loads, from a Trainer's current
-  parameters or a run's workdir (its newest checkpoint); returns the files written. Importing is
+  parameters or a run's workdir (its newest checkpoint); returns the files written. `out` is
+  written whole or not at all, never over a folder the run reads nor, unless `overwrite`, over a
+  non-empty folder that is not an earlier export (jax3d/hf/outdir.py). Importing is
   `build(load_config(..., checkpoint__init_from='hf:PATH'))`."""
-  from jax3d.hf import export
+  from jax3d.hf import export, outdir
   from jax3d.trainer import workdir
 
   if isinstance(source, str | os.PathLike):
-    return workdir.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes)
-  return export.export(source.state['params'], source.setup, out, max_shard_bytes)
+    return workdir.export_workdir(
+      os.fspath(source), out, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+    )
+  outdir.check(out, outdir.reads_of(source.cfg, source.workdir), overwrite)
+  with outdir.staged(out) as folder:
+    return export.export(source.state['params'], source.setup, folder, max_shard_bytes)
 
 
 def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:
