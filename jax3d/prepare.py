@@ -37,8 +37,12 @@ from jax3d import cli
 
 FORMATS = ('text', 'chat')
 FLAGS = {
-  'out': cli.Flag(str, None, 'the folder of the token shards (and a trained tokenizer)', required=True),
-  'input': cli.Flag(str, '', "text file, folder or .jsonl (default: the standard library's source)"),
+  'out': cli.Flag(
+    str, None, 'the folder of the token shards (and a trained tokenizer)', cli.ranges.NEW_OR_FOLDER, True
+  ),
+  'input': cli.Flag(
+    str, '', "text file, folder or .jsonl (default: the standard library's source)", cli.ranges.EXISTING
+  ),
   'tokenizer': cli.Flag(str, '', "tokenizer.json, SentencePiece .model, folder or 'bytes'"),
   'train_tokenizer': cli.Flag(
     int, 0, 'train a byte-level BPE tokenizer of this many tokens first', cli.NON_NEGATIVE
@@ -47,12 +51,12 @@ FLAGS = {
     str,
     'text',
     'text, or chat: .jsonl conversations ({"messages": [...]})',
-    cli.Check(lambda v: v in FORMATS, 'text or chat'),
+    cli.one_of(*FORMATS),
   ),
-  'field': cli.Flag(str, 'text', 'the text field of .jsonl records'),
+  'field': cli.Flag(str, 'text', 'the text field of .jsonl records', cli.ranges.text('a JSON key')),
   'workers': cli.Flag(int, 0, 'worker processes (0 = every core)', cli.NON_NEGATIVE),
   'eval_fraction': cli.Flag(
-    float, 0.05, 'held-out share of the documents', cli.Check(lambda v: 0 <= v < 1, 'in [0, 1)')
+    float, 0.05, 'held-out share of the documents', cli.ranges.between(0, 1, high_open=True)
   ),
   'shard_mb': cli.Flag(float, 64.0, 'text per shard (and per work unit), MB', cli.POSITIVE),
   'progress': cli.Flag(bool, True, 'show a progress bar'),
@@ -70,8 +74,6 @@ def _prepare(args: cli.Args) -> int:
   from jax3d.data import bpe, prepare, tokenizer as tok_lib
 
   f = args.flags
-  if f['input'] and not os.path.exists(f['input']):
-    return cli.fail(f'--input={f["input"]}: no such file or folder')
   if f['train_tokenizer'] and f['tokenizer']:
     return cli.fail(f'--tokenizer={f["tokenizer"]} and --train_tokenizer={f["train_tokenizer"]}: give one')
   if 0 < f['train_tokenizer'] < 257:
