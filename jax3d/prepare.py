@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 from jax3d import cli
 
@@ -45,7 +46,10 @@ FLAGS = {
   ),
   'tokenizer': cli.Flag(str, '', "tokenizer.json, SentencePiece .model, folder or 'bytes'"),
   'train_tokenizer': cli.Flag(
-    int, 0, 'train a byte-level BPE tokenizer of this many tokens first', cli.NON_NEGATIVE
+    int,
+    0,
+    'train a byte-level BPE tokenizer of this many tokens first',
+    cli.ranges.either(0, cli.ranges.at_least(257), '256 bytes + EOS at least; 0 = none'),
   ),
   'format': cli.Flag(
     str,
@@ -71,20 +75,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args: cli.Args) -> int:
-  from jax3d.data import bpe, prepare, tokenizer as tok_lib
+  from jax3d.data import bpe, prepare, reading, staging, tokenizer as tok_lib
 
   f = args.flags
+  staging.check(f['input'], f['out'])  # --out inside --input, or over what prepare did not write
   if f['train_tokenizer'] and f['tokenizer']:
     return cli.fail(f'--tokenizer={f["tokenizer"]} and --train_tokenizer={f["train_tokenizer"]}: give one')
-  if 0 < f['train_tokenizer'] < 257:
-    return cli.fail(f'--train_tokenizer={f["train_tokenizer"]} is invalid: at least 257 (256 bytes + EOS)')
   shard_bytes = int(f['shard_mb'] * 1e6)
   own = os.path.join(f['out'], 'tokenizer.json')
   try:
     if f['train_tokenizer'] and not os.path.exists(own):
       os.makedirs(f['out'], exist_ok=True)
-      texts = prepare.training_texts(f['input'], f['field'], f['eval_fraction'], shard_bytes)
-      bpe.train_tokenizer(texts, f['train_tokenizer'], own)
+      with tempfile.TemporaryDirectory(dir=f['out']) as scratch:  # decompressed inputs
+        texts = reading.training_texts(f['input'], f['field'], f['eval_fraction'], shard_bytes, scratch)
+        bpe.train_tokenizer(texts, f['train_tokenizer'], own)
       print(f'trained a BPE tokenizer: {tok_lib.load(own).describe()}')
     spec = f['tokenizer'] or (own if os.path.exists(own) else tok_lib.BYTES)
     tok = tok_lib.load(spec)
@@ -111,6 +115,12 @@ def _prepare(args: cli.Args) -> int:
     f'{r["units_done"]} shard(s) tokenized, {r["units_skipped"]} already done; '
     f'{r["bytes"] / 1e6:.1f} MB in {r["seconds"]:.1f} s = {r["mb_per_s"]:.2f} MB/s on {r["workers"]} worker(s)'
   )
+  if r['undecodable']:
+    where = ', '.join(f'{file} ({n})' for file, n in sorted(r['undecodable'].items())[:3])
+    print(
+      f'note: {sum(r["undecodable"].values()):,} byte(s) that are not UTF-8 replaced by U+FFFD: {where}',
+      file=sys.stderr,
+    )
   if f['format'] == 'chat':
     docs, sup = (
       n('train', 'documents') + n('val', 'documents'),
@@ -124,7 +134,8 @@ def _prepare(args: cli.Args) -> int:
 def _check_chat(f: dict, tok: object) -> None:
   """ValueError unless chat data can be made: a Hugging Face tokenizer.json whose folder has a
   chat template, and JSONL input."""
-  from jax3d.data import chat, tokenizer as tok_lib
+  from jax3d.data import chat, inputs, tokenizer as tok_lib
+  from jax3d.data.reading import JSONL_SUFFIXES
 
   if not isinstance(tok, tok_lib.HFTokenizer):
     raise ValueError(
@@ -132,7 +143,11 @@ def _check_chat(f: dict, tok: object) -> None:
       '(tokenizer.json and its chat template)'
     )
   chat.load_template(os.path.dirname(tok.path))
-  if f['input'] and not os.path.isdir(f['input']) and not f['input'].endswith('.jsonl'):
+  if (
+    f['input']
+    and not os.path.isdir(f['input'])
+    and not inputs.plain_name(f['input']).endswith(JSONL_SUFFIXES)
+  ):
     raise ValueError(f'--input={f["input"]}: --format=chat reads .jsonl files (one conversation a line)')
 
 
