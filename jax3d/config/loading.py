@@ -3,6 +3,7 @@ the type of its default."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import traceback
@@ -56,7 +57,8 @@ def _run_config_file(path: str) -> ml_collections.ConfigDict:
   if os.path.isdir(path):
     raise ConfigError(f'--config={path}: a folder, not a config file (a .py file with get_config())')
   try:
-    spec = importlib.util.spec_from_file_location('jax3d_user_config', path)
+    loader = importlib.machinery.SourceFileLoader('jax3d_user_config', path)  # whatever its suffix
+    spec = importlib.util.spec_from_file_location('jax3d_user_config', path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     get_config = getattr(module, 'get_config', None)
@@ -68,7 +70,8 @@ def _run_config_file(path: str) -> ml_collections.ConfigDict:
   except ConfigError:
     raise
   except SyntaxError as e:
-    raise ConfigError(f'--config={path}: line {e.lineno}: {e.msg} (a config file is Python)') from None
+    line = f'line {e.lineno}: ' if e.lineno else ''
+    raise ConfigError(f'--config={path}: {line}{e.msg} (a config file is Python)') from None
   except Exception as e:  # the file's own code failed: where, and how
     tb = traceback.extract_tb(e.__traceback__)
     line = next(
