@@ -47,6 +47,7 @@ from jax3d.config.rules import (
   SWITCH,
 )
 
+SHARE = between(0, 1, low_open=True, high_open=True)  # data.eval_fraction
 AXIS = either(-1, POSITIVE, 'all devices left over')  # mesh.dp, pp, tp; -1 on at most one
 
 
@@ -92,30 +93,22 @@ def declared() -> Declared:
   c.model.n_layers = 4, POSITIVE  # decoder layers; divisible by mesh.pp * pipeline.repeats
   c.model.d_model = 256, POSITIVE  # hidden size; divisible by n_heads, head size even (rotary)
   c.model.n_heads = 4, POSITIVE  # query heads; divisible by mesh.tp
-  c.model.n_kv_heads = (
-    4,
-    POSITIVE,
-  )  # key/value heads (grouped-query attention); divides n_heads, divisible by mesh.tp
+  # key/value heads (grouped-query attention); divides n_heads, divisible by mesh.tp
+  c.model.n_kv_heads = 4, POSITIVE
   c.model.d_ff = 1024, POSITIVE  # SwiGLU hidden size; divisible by mesh.tp
   c.model.vocab_size = 256, POSITIVE  # real vocabulary (256 for bytes); at least the data's
-  c.model.vocab_multiple = (
-    128,
-    POSITIVE,
-  )  # the vocabulary is padded to a multiple of this (layout-independent)
+  # the vocabulary is padded to a multiple of this (layout-independent)
+  c.model.vocab_multiple = 128, POSITIVE
   c.model.max_seq_len = 2048, POSITIVE  # longest train.seq_len allowed
   c.model.rope_theta = 10000.0, above(0)  # rotary embedding base
   c.model.norm_eps = 1e-5, between(0, 1, low_open=True)  # RMSNorm epsilon
-  c.model.head_dim = (
-    0,
-    at_least(0, '0 = d_model / n_heads'),
-  )  # size of one attention head; 0 = d_model / n_heads (Qwen3 sets its own)
+  # size of one attention head; 0 = d_model / n_heads (Qwen3 sets its own)
+  c.model.head_dim = 0, at_least(0, '0 = d_model / n_heads')
   c.model.qkv_bias = False, ANY  # biases on the query, key and value projections (Qwen2/2.5)
   c.model.qk_norm = False, ANY  # per-head RMSNorm of queries and keys before the rotation (Qwen3)
   c.model.tie_embeddings = False, ANY  # one array is the input embedding and the output head
-  c.model.rope_scaling = (
-    'none',
-    one_of(*ROPE_SCALINGS),
-  )  # none | linear | llama3 (Llama 3.1+): rotary frequencies scaled
+  # none | linear | llama3 (Llama 3.1+): rotary frequencies scaled
+  c.model.rope_scaling = 'none', one_of(*ROPE_SCALINGS)
   c.model.rope_factor = 1.0, at_least(1)  # linear and llama3: the context extension factor
   c.model.rope_low_freq_factor = 1.0, above(0)  # llama3: wavelengths above original/low are divided by factor
   c.model.rope_high_freq_factor = 4.0, above(0)  # llama3: wavelengths below original/high are kept
@@ -124,10 +117,8 @@ def declared() -> Declared:
   # qk_norm, qwen2 with qkv_bias, else llama); an import sets the one it read
   c.model.hf_model_type = '', one_of(*HF_MODEL_TYPES)
   c.train.steps = 1000, NON_NEGATIVE  # optimizer steps of the whole run (the schedule decays over them)
-  c.train.global_batch_size = (
-    32,
-    POSITIVE,
-  )  # sequences per optimizer step (all devices, all accumulation chunks)
+  # sequences per optimizer step (all devices, all accumulation chunks)
+  c.train.global_batch_size = 32, POSITIVE
   c.train.seq_len = 128, POSITIVE  # tokens per sequence
   c.train.seed = 0, SEED  # initialisation and data order; the batch of step i depends only on (seed, i)
   c.train.lr = 3e-3, NON_NEGATIVE  # peak learning rate (AdamW)
@@ -137,10 +128,8 @@ def declared() -> Declared:
   c.train.b1 = 0.9, between(0, 1, high_open=True)  # Adam beta1
   c.train.b2 = 0.95, between(0, 1, high_open=True)  # Adam beta2
   c.train.grad_clip = 1.0, at_least(0, '0 disables')  # global-norm clipping; 0 disables
-  c.train.remat = (
-    'none',
-    one_of(*REMAT_POLICIES),
-  )  # none | dots | attn | full | stage  (see jax3d/parallel/remat.py)
+  # none | dots | attn | full | stage  (see jax3d/parallel/remat.py)
+  c.train.remat = 'none', one_of(*REMAT_POLICIES)
   c.train.compute_dtype = 'float32', one_of(*DTYPES)  # float32 | bfloat16
   c.train.param_dtype = 'float32', one_of(*DTYPES)  # float32 | bfloat16 (master weights and optimizer state)
   # the head and cross-entropy in this many pieces of the sequence (a scan, each piece's logits
@@ -152,33 +141,21 @@ def declared() -> Declared:
   c.train.shard_optimizer = False, ANY  # ZeRO-1: shard Adam moments over dp
   # ZeRO-3: parameters, gradients and Adam moments sharded over dp, gathered where used
   c.train.shard_params = False, ANY
-  c.train.shard_params_gather = (
-    'auto',
-    one_of(*GATHERS),
-  )  # auto | layer | step: per layer in the loop, or once per step
-  c.train.grad_reduce_dtype = (
-    'float32',
-    one_of(*GRAD_REDUCE_DTYPES),
-  )  # float32 | bfloat16 | int8 for the dp gradient reduction
-  c.train.attention = (
-    'auto',
-    one_of(*ATTENTION_IMPLS),
-  )  # auto | xla | cudnn  (jax.nn.dot_product_attention implementation)
-  c.train.sequence_parallel = (
-    'false',
-    one_of(*SWITCH, fold_case=True),
-  )  # Megatron-SP with tp > 1: true | false | auto (on when rows divide)
+  # auto | layer | step: per layer in the loop, or once per step
+  c.train.shard_params_gather = 'auto', one_of(*GATHERS)
+  # float32 | bfloat16 | int8 for the dp gradient reduction
+  c.train.grad_reduce_dtype = 'float32', one_of(*GRAD_REDUCE_DTYPES)
+  # auto | xla | cudnn  (jax.nn.dot_product_attention implementation)
+  c.train.attention = 'auto', one_of(*ATTENTION_IMPLS)
+  # Megatron-SP with tp > 1: true | false | auto (on when rows divide)
+  c.train.sequence_parallel = 'false', one_of(*SWITCH, fold_case=True)
 
   c.data.path = '', ANY  # '' = the Python standard library's own source, as bytes
-  c.data.eval_fraction = (
-    0.05,
-    between(0, 1, low_open=True, high_open=True),
-  )  # held-out share (by file where the corpus has files)
+  # held-out share (by file where the corpus has files)
+  c.data.eval_fraction = 0.05, SHARE
   c.data.prefetch = 2, NON_NEGATIVE  # batches prepared ahead on a background thread
-  c.data.tokenizer = (
-    'bytes',
-    text('bytes, or a path'),
-  )  # bytes | a tokenizer.json | a SentencePiece .model | a folder with one
+  # bytes | a tokenizer.json | a SentencePiece .model | a folder with one
+  c.data.tokenizer = 'bytes', text('bytes, or a path')
   # auto | concat | pack: rows of documents (docs/data.md); auto = pack for chat data, else concat
   c.data.packing = 'auto', one_of(*PACKINGS)
 
@@ -188,15 +165,11 @@ def declared() -> Declared:
   c.log.leak_window = 20, at_least(3)  # logged steps the memory-leak detector fits its slope over
   c.log.leak_mb_per_step = 1.0, above(0)  # sustained growth above this (MB per step, any device) warns
 
-  c.eval.every = (
-    100,
-    at_least(0, '0 = only at the end'),
-  )  # steps between held-out evaluations (0 = only at the end)
+  # steps between held-out evaluations (0 = only at the end)
+  c.eval.every = 100, at_least(0, '0 = only at the end')
   c.eval.batches = 8, POSITIVE  # held-out batches per evaluation (fixed, the same for every layout)
-  c.checkpoint.every = (
-    200,
-    at_least(0, '0 = only at the end'),
-  )  # steps between checkpoints (also at the end and on SIGTERM)
+  # steps between checkpoints (also at the end and on SIGTERM)
+  c.checkpoint.every = 200, at_least(0, '0 = only at the end')
   c.checkpoint.keep = 3, POSITIVE  # newest checkpoints kept
   c.checkpoint.async_save = True, ANY  # write in the background while training continues
   # warm start: parameters of another run's WORKDIR, or hf:PATH (Llama safetensors)
@@ -204,14 +177,10 @@ def declared() -> Declared:
 
   c.profile.start = -1, either(-1, NON_NEGATIVE, 'no profile')  # first profiled step; -1 = no profile
   c.profile.steps = 3, POSITIVE  # steps traced
-  c.hardware.peak_tflops = (
-    0.0,
-    at_least(0, '0 = look it up'),
-  )  # per device; 0 = look it up from the device kind (unknown on CPU)
-  c.hardware.memory_gb = (
-    0.0,
-    at_least(0, "0 = the device's own limit"),
-  )  # GB per device the compiled step must fit (any backend); 0 = the device's limit
+  # per device; 0 = look it up from the device kind (unknown on CPU)
+  c.hardware.peak_tflops = 0.0, at_least(0, '0 = look it up')
+  # GB per device the compiled step must fit (any backend); 0 = the device's limit
+  c.hardware.memory_gb = 0.0, at_least(0, "0 = the device's own limit")
 
   c.sample.prompt = 'def ', ANY  # prompt of the text sample at the end of a run
   c.sample.tokens = 200, NON_NEGATIVE  # tokens generated
