@@ -35,7 +35,6 @@ from jax3d.config import ranges
 # A flag's range is a jax3d.config.ranges.Range (the vocabulary of the config keys' ranges too):
 # `Flag(int, 0, help, NON_NEGATIVE)`; a flag that sets the same thing as a config key takes the
 # key's own range (`key_range('sample.temperature')`), so the two never disagree.
-Check = ranges.Range
 POSITIVE = ranges.above(0)
 NON_NEGATIVE = ranges.at_least(0)
 one_of = functools.partial(ranges.one_of, fold_case=True)  # --distributed=AUTO too

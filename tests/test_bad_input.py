@@ -395,6 +395,11 @@ TABLE = [
   (T, ['--config.data.path=/nonexistent/corpus'], ["data.path='/nonexistent/corpus'", 'does not exist']),
   (
     T,
+    ['--config.data.path=FILES/text.jsonl.gz'],
+    ["data.path='FILES/text.jsonl.gz' is JSONL", 'jax3d.prepare'],
+  ),
+  (
+    T,
     ['--config.data.path=FILES/ids_recorded'],
     ['holds token id 300 (the largest)', 'model.vocab_size=256'],
   ),
@@ -440,6 +445,13 @@ def run(command, args, cwd=ROOT, timeout=300):
     )
   except subprocess.TimeoutExpired as e:
     return subprocess.CompletedProcess(e.cmd, -9, '', f'timed out after {timeout} s')
+
+
+def run_cli(args, tmp_path, env_extra=None):
+  """`python -m jax3d.train --workdir=TMP/w ARGS` with the compile log on (for other modules' cases)."""
+  env = _env() | (env_extra or {})
+  argv = [sys.executable, '-m', 'jax3d.train', f'--workdir={tmp_path}/w', *args]
+  return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
 def _digest(d):

@@ -163,7 +163,7 @@ def declared() -> Declared:
   c.log.tensorboard = False, ANY  # also write TensorBoard event files to WORKDIR/tensorboard
   c.log.progress = True, ANY  # live progress line on a terminal
   c.log.leak_window = 20, at_least(3)  # logged steps the memory-leak detector fits its slope over
-  c.log.leak_mb_per_step = 1.0, above(0)  # sustained growth above this (MB per step, any device) warns
+  c.log.leak_mb_per_step = 1.0, at_least(0)  # sustained growth above this (MB per step, any device) warns
 
   # steps between held-out evaluations (0 = only at the end)
   c.eval.every = 100, at_least(0, '0 = only at the end')

@@ -235,6 +235,10 @@ def _load(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | Non
       stream = np.concatenate([train, held])
       train, ts, held, hs = _tail_split(stream, np.concatenate([ts[:-1], hs + ts[-1]]), eval_fraction)
     corpus = Corpus(train, held, text_vocab, f'text files under {path}', ts, hs)
+  elif inputs.plain_name(path).endswith(inputs.JSONL_SUFFIXES):
+    raise ConfigError(
+      f'data.path={path!r} is JSONL: tokenize its text field first (docs/data.md: jax3d.prepare)'
+    )
   else:
     stream, starts = _tokens([(path, inputs.read_bytes(path, f'data.path={path!r}: '))], tok)
     train, ts, held, hs = _tail_split(stream, starts, eval_fraction)

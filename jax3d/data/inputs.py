@@ -37,6 +37,7 @@ COMPRESSIONS = {
   b'\xfd7zXZ\x00': ('xz', '.xz'),
 }
 COMPRESSED_SUFFIXES = ('.gz', '.zst', '.zstd', '.bz2', '.xz')
+JSONL_SUFFIXES = ('.jsonl', '.ndjson')  # one JSON document a line: jax3d.prepare reads them
 # First bytes of binary formats that are not text, and what to call them.
 BINARY = (
   (b'\x89PNG\r\n\x1a\n', 'a PNG image'),

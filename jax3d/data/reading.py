@@ -30,7 +30,7 @@ class Piece:
   origin: str = ''  # the input file, as the user gave it (named in errors; its size and mtime fingerprinted)
 
 
-JSONL_SUFFIXES = ('.jsonl', '.ndjson')
+JSONL_SUFFIXES = inputs.JSONL_SUFFIXES
 
 
 def input_files(path: str) -> tuple[str, list[str]]:
