@@ -405,6 +405,20 @@ TABLE = [
   ),
   (T, ['--config.data.path=FILES/ids_scanned'], ['holds token id 300 (the largest)', 'model.vocab_size=256']),
   (['batch', '--step=0', '--config.data.path=FILES/table.parquet'], ['not text but a Parquet file']),
+  (
+    ['batch', '--step=0', '--config.data.path=FILES/utf16.txt'],
+    ['FILES/utf16.txt: not text but UTF-16 text'],
+  ),
+  (
+    T,
+    ['--config.data.tokenizer=FILES/image.png'],
+    ["data.tokenizer='FILES/image.png'", 'not a valid SentencePiece'],
+  ),
+  (
+    [*PREP, '--input=FILES/text.jsonl', '--out=FILES/o', '--tokenizer=FILES/image.png'],
+    ["--tokenizer='FILES/image.png'", 'not a valid SentencePiece'],
+  ),
+  (['sample', '--workdir=FILES/plain'], ['--workdir=FILES/plain: no checkpoint in FILES/plain/checkpoints']),
 ]
 COMMON = ('--noprogress', '--workers=1')
 IDS = [
