@@ -4,8 +4,9 @@
 Turns text into the token shards jax3d trains on (`--config.data.path=DIR`):
 
   --input       a text file, a folder of text files (.py .txt .md ...) and/or .jsonl files, or a
-                .jsonl file (one document per line, text in --field); default: the Python
-                standard library's own source (no download)
+                .jsonl file (one document per line, text in --field: a string); any of them
+                compressed with gzip, zstd, bzip2 or xz (read by content, jax3d/data/inputs.py);
+                default: the Python standard library's own source (no download)
   --train_tokenizer=VOCAB   first train a byte-level BPE tokenizer of VOCAB tokens on the training
                 documents (`tokenizers`), saved as DIR/tokenizer.json (reused when it exists)
   --tokenizer   or use this one: a tokenizer.json, a SentencePiece .model, a folder with one, or
@@ -21,9 +22,12 @@ documents separated by EOS; a document is wholly in one split), each with its do
 (.starts.bin) and, for chat, its weights (.weights.bin), and DIR/index.json, on --workers
 processes (default: every core) with a progress bar, then prints the throughput (and, for chat,
 the supervised fraction). Rerunning skips the shards already done for the same inputs, tokenizer
-and template (jax3d/data/prepare.py).
+and template (jax3d/data/prepare.py); over a complete dataset the new one is written beside it and
+swapped in only when complete, so a failed rerun leaves it as it was (jax3d/data/staging.py).
 
-Exit status: 0 done; 2 bad flags or input (one line on stderr: for chat data also a line without
+Exit status: 0 done; 2 bad flags or input (one line on stderr naming the file, and the line of a
+JSONL one: a binary file, text that is not UTF-8, a field that is missing or not a string, no text
+at all, --out inside --input; for chat data also a line without
 "messages", an unknown role, a template that fails or does not render prefixes consistently, a
 conversation with no supervised token, a tokenizer folder without a chat template).
 """

@@ -2,8 +2,9 @@
 tokenized on every core into `OUT/{train,val}-NNNNN.bin` with `OUT/index.json` (the format of
 jax3d/data/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
 
-Documents: a text file is one document (a file over `shard_bytes` is cut at line ends into
-several), a JSONL line is one document (its `field`). Each document ends with EOS (and starts with
+Documents (read by jax3d/data/reading.py, every file for what it is: jax3d/data/inputs.py): a
+text file is one document (a file over `shard_bytes` is cut at line ends into several), a JSONL
+line is one document (its `field`, a string). Each document ends with EOS (and starts with
 BOS when the tokenizer has one). With `fmt='chat'` a JSONL line is a conversation ({"messages":
 [...]}) rendered with the tokenizer folder's chat template, with no BOS/EOS added (the template
 writes its own), and a loss weight per token (jax3d/data/chat.py). Each shard's document starts
@@ -15,7 +16,9 @@ Work units: consecutive documents of about `shard_bytes` of text; unit i writes 
 val-i.bin (into temporary names, renamed when complete) and then unit-i.json with a fingerprint
 of its inputs (paths, sizes, mtimes, byte ranges), the tokenizer's sha256 and the settings. A
 rerun skips every unit whose record matches, so an interrupted run resumes and a finished one
-does nothing; the index is written last.
+does nothing; the index is written last. Over a complete dataset the new one is written beside it
+and swapped in when complete (jax3d/data/staging.py). Each shard's largest token id is recorded
+(`max_id`), checked against the tokenizer's vocabulary here and the model's when a run opens it.
 """
 
 from __future__ import annotations
