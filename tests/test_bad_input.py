@@ -102,6 +102,8 @@ def _write_files(d: str) -> None:
   with zipfile.ZipFile(os.path.join(d, 'archive.zip'), 'w') as z:
     z.writestr('a.txt', 'hello')
   os.makedirs(os.path.join(d, 'chat'))
+  os.makedirs(os.path.join(d, 'dangling'))
+  os.symlink(os.path.join(d, 'gone.txt'), os.path.join(d, 'dangling', 'a.txt'))
 
 
 def _shards(d: str) -> None:
@@ -385,6 +387,10 @@ TABLE = [
     [*PREP, '--input=FILES/blank.jsonl', '--out=FILES/o'],
     ['--input=FILES/blank.jsonl: no document in 1 file(s)'],
   ),
+  (
+    [*PREP, '--input=FILES/dangling', '--out=FILES/o'],
+    ['FILES/dangling/a.txt: cannot be read (No such file or directory)'],
+  ),
   (T, ['--config.data.path=FILES/image.png'], ["data.path='FILES/image.png'", 'not text but a PNG image']),
   (
     T,
@@ -474,7 +480,9 @@ def _digest(d):
   for root, _, names in os.walk(d):
     for n in names:
       p = os.path.join(root, n)
-      out[os.path.relpath(p, d)] = hashlib.sha256(open(p, 'rb').read()).hexdigest()
+      out[os.path.relpath(p, d)] = (
+        os.readlink(p) if os.path.islink(p) else hashlib.sha256(open(p, 'rb').read()).hexdigest()
+      )
   return out
 
 
@@ -564,12 +572,21 @@ def plain_shards(made, tmp_path_factory):
   return _shard_bytes(out)
 
 
-@pytest.mark.parametrize('suffix', ['gz', 'zst', 'bz2', 'xz'])
+@pytest.mark.parametrize('suffix', ['gz', 'zst', 'bz2', 'xz', 'bom'])
 def test_a_compressed_jsonl_prepares_to_the_plain_one_shards(made, plain_shards, tmp_path, suffix):
-  r = run(
-    'prepare', [f'--input={made}/text.jsonl.{suffix}', f'--out={tmp_path}/o', '--noprogress', '--workers=1']
-  )
+  """(and 'bom': the JSONL file with a UTF-8 byte-order mark first, as Windows editors write it)"""
+  src = f'{made}/text.jsonl.{suffix}'
+  if suffix == 'bom':
+    src = f'{tmp_path}/bom/text.jsonl'
+    os.makedirs(os.path.dirname(src))
+    with open(src, 'wb') as f:
+      f.write(b'\xef\xbb\xbf' + open(f'{made}/text.jsonl', 'rb').read())
+  common = ['--noprogress', '--workers=1'] + ['--eval_fraction=0'] * (suffix == 'bom')  # its offsets are 3 on
+  r = run('prepare', [f'--input={src}', f'--out={tmp_path}/o', *common])
   assert r.returncode == 0 and 'Traceback' not in r.stderr, r.stderr
+  if suffix == 'bom':
+    assert run('prepare', [f'--input={made}/text.jsonl', f'--out={tmp_path}/plain', *common]).returncode == 0
+    plain_shards = _shard_bytes(f'{tmp_path}/plain')
   assert _shard_bytes(f'{tmp_path}/o') == plain_shards and len(plain_shards) == 4
   assert not os.path.exists(f'{tmp_path}/o/.inputs')  # the decompressed copy is gone
 

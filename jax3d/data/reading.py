@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax3d.data import chat, documents, inputs
+from jax3d.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,10 @@ def pieces(root: str, files: list[str], shard_bytes: int, scratch: str) -> list[
   a compressed file is decompressed into the folder `scratch` first, and named without its suffix."""
   out = []
   for n, origin in enumerate(files):
-    stream, kind = inputs.open_input(origin)
+    try:
+      stream, kind = inputs.open_input(origin)
+    except OSError as e:  # a dangling link, a file that cannot be read
+      raise ConfigError(f'{origin}: cannot be read ({e.strerror})') from None
     stream.close()
     file = origin
     if kind:
@@ -113,6 +117,7 @@ def read_documents(
       continue
     text, n = inputs.decode(line)
     count(n)
+    text = text.removeprefix('\ufeff') if where.endswith(':0') else text  # a UTF-8 BOM (Windows editors)
     if fmt == 'chat':
       yield where, chat.parse(text, where)
       continue
