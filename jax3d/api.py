@@ -153,17 +153,25 @@ def build(
   return t
 
 
-def export_hf(source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30) -> list[str]:
+def export_hf(
+  source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30, overwrite: bool = False
+) -> list[str]:
   """Writes a Hugging Face Llama folder (config.json, safetensors, tokenizer files) that
   `transformers.AutoModelForCausalLM.from_pretrained(out)` loads, from a Trainer's current
-  parameters or a run's workdir (its newest checkpoint); returns the files written. Importing is
+  parameters or a run's workdir (its newest checkpoint); returns the files written. `out` is
+  written whole or not at all, never over a folder the run reads nor, unless `overwrite`, over a
+  non-empty folder that is not an earlier export (jax3d/hf/outdir.py). Importing is
   `build(load_config(..., checkpoint__init_from='hf:PATH'))`."""
-  from jax3d.hf import export
+  from jax3d.hf import export, outdir
   from jax3d.trainer import workdir
 
   if isinstance(source, str | os.PathLike):
-    return workdir.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes)
-  return export.export(source.state['params'], source.setup, out, max_shard_bytes)
+    return workdir.export_workdir(
+      os.fspath(source), out, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+    )
+  outdir.check(out, outdir.reads_of(source.cfg, source.workdir), overwrite)
+  with outdir.staged(out) as folder:
+    return export.export(source.state['params'], source.setup, folder, max_shard_bytes)
 
 
 def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:
@@ -210,7 +218,10 @@ def bubble(pp: int, microbatches: int, repeats: int = 1) -> float:
 
 
 def compiled_memory(
-  source: ml_collections.ConfigDict | Trainer, devices: Sequence[jax.Device] | None = None, **overrides: Any
+  source: ml_collections.ConfigDict | Trainer,
+  devices: Sequence[jax.Device] | None = None,
+  target: str | None = None,
+  **overrides: Any,
 ) -> dict:
   """Bytes per device of the real train step, as XLA compiled it (nothing is allocated).
 
@@ -218,18 +229,26 @@ def compiled_memory(
   temporary, output and aliased (donated) bytes; total = argument + temp + output - alias is the
   device's peak for the step. `source` is a config or a Trainer (whose own compiled step is
   read when it has one, saving a compile). Overrides (`train__remat='full'`) make a variant to
-  compare, e.g. the memory recomputation saves.
+  compare, e.g. the memory recomputation saves. `target='h100x8'` compiles for GPUs that are not
+  attached, with XLA:GPU (`python -m jax3d.inspect --target`; needs jax3d[cuda12]); the result
+  then also has the GPU's `device_memory` and whether the step `fits`.
   """
   from jax3d import assemble
+  from jax3d.parallel import gpu_target
 
   cfg = getattr(source, 'cfg', source)
-  if cfg is not source and not overrides:  # a Trainer: its own compiled step
+  if cfg is not source and not overrides and target is None:  # a Trainer: its own compiled step
     source.compile()
     return dict(source.compiled.memory)
+  gpus = gpu_target.parse(target, 'target') if target else None
   if devices is None and cfg is not source:
     devices = list(source.mesh.devices.flat)
   cfg = _with(cfg, **overrides) if overrides else cfg
-  return dict(assemble.compile_train_step(assemble.build(cfg, devices)).memory)
+  s = assemble.build(cfg, gpu_target.devices(gpus) if gpus else devices)
+  out = dict(assemble.compile_train_step(s, gpu_target.compiler_options() if gpus else None).memory)
+  return out | (
+    {'device_memory': gpus.memory_bytes, 'fits': out['total'] <= gpus.memory_bytes} if gpus else {}
+  )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import os
+import re
 import resource
 import time
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config
-from jax3d.model import llama
+from jax3d.model import attention, llama
 from jax3d.parallel import (
   cpu,
   data_parallel,
@@ -44,13 +45,17 @@ from jax3d.record import Setup
 from jax3d.training import optim, step as step_lib
 
 
-def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Setup:
+def build(
+  cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, saved: bool = False
+) -> Setup:
   """The one build path: `resolve` the config (an hf: import, a tokenizer), validate it once for
   these devices (ConfigError, before anything compiles; naming the imported config.json when the
   model came from one), build the ('dp', 'pp', 'tp') mesh, the shardings and the train state's
-  abstract shapes. Nothing is allocated or compiled."""
+  abstract shapes. Nothing is allocated or compiled. `saved`: cfg is a run's saved config (resolved
+  when the run started), whose model.* is the model it was built on: model.vocab_size is kept (an
+  import's can exceed its tokenizer's), not taken from the tokenizer again."""
   devices = list(devices if devices is not None else jax.devices())
-  cfg, hf = _resolve(cfg)
+  cfg, hf = _resolve(cfg, saved)
   try:
     plan = config_lib.validate(cfg, len(devices))
   except ConfigError as e:
@@ -60,6 +65,9 @@ def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None =
   mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
   cpu.retain_freed_memory(devices)  # XLA:CPU only: no page faults on every step's buffers
   dims = llama.Dims.from_config(cfg, plan)
+  dims = dataclasses.replace(
+    dims, attention=attention.resolve(cfg.train.attention, devices, cfg.train.compute_dtype, dims.head_dim)
+  )
   rules = sharding.logical_rules(
     microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan)
   )
@@ -129,6 +137,7 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   * `checkpoint.init_from=hf:PATH`: model.* from PATH/config.json, its tensors checked (names and
     shapes, from the safetensors headers), and PATH's own tokenizer when data.tokenizer is 'bytes';
+    any other init_from (a run to warm-start from) and data.path: their absolute paths;
   * token shards (data.path) made with a subword tokenizer: that one when data.tokenizer is 'bytes';
   * a subword `data.tokenizer`: its absolute path (recorded in checkpoints, so that jax3d.sample
     finds it) and model.vocab_size from it, or, when an import fixes the vocabulary, a check that
@@ -139,18 +148,25 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return _resolve(cfg)[0]
 
 
-def _resolve(cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, hf_config.HFModel | None]:
-  """`resolve`, and the Hugging Face folder it read (None without an import)."""
+def _resolve(
+  cfg: ml_collections.ConfigDict, saved: bool = False
+) -> tuple[ml_collections.ConfigDict, hf_config.HFModel | None]:
+  """`resolve`, and the Hugging Face folder it read (None without an import); `saved` as in build."""
   hf = hf_config.read(cfg.checkpoint.init_from) if hf_config.is_hf(cfg.checkpoint.init_from) else None
   if hf is not None:
     hf_config.check_tensors(hf)
     cfg = hf_config.with_model(cfg, hf)
+    config_lib.set_key(cfg, 'checkpoint.init_from', hf_config.PREFIX + hf.path)  # absolute
     if cfg.data.tokenizer == tok_lib.BYTES and any(
       os.path.exists(os.path.join(hf.path, n)) for n in ('tokenizer.json', 'tokenizer.model')
     ):
       config_lib.set_key(cfg, 'data.tokenizer', hf.path)
   else:
     cfg = copy.deepcopy(cfg)
+    if cfg.checkpoint.init_from:  # a warm start's workdir: absolute, as Orbax reads it
+      config_lib.set_key(cfg, 'checkpoint.init_from', os.path.abspath(cfg.checkpoint.init_from))
+  if cfg.data.path and os.path.exists(cfg.data.path):  # recorded in checkpoints: any cwd finds it
+    config_lib.set_key(cfg, 'data.path', os.path.abspath(cfg.data.path))
   if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(cfg.data.path):
     made_with = shards.read_index(cfg.data.path).get('tokenizer', {}).get('path', tok_lib.BYTES)
     if made_with != tok_lib.BYTES and os.path.exists(made_with):  # the shards' own tokenizer
@@ -158,12 +174,12 @@ def _resolve(cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict,
   if cfg.data.tokenizer != tok_lib.BYTES:
     tok = tok_lib.load(cfg.data.tokenizer)
     config_lib.set_key(cfg, 'data.tokenizer', tok.path)
-    if hf is None:
+    if hf is None and not saved:
       config_lib.set_key(cfg, 'model.vocab_size', tok.vocab_size)
     elif tok.vocab_size > cfg.model.vocab_size:
       raise ConfigError(
         f'data.tokenizer={tok.path!r} has {tok.vocab_size} tokens, more than model.vocab_size='
-        f'{cfg.model.vocab_size} of {hf.path}/config.json'
+        f'{cfg.model.vocab_size} of ' + (f'{hf.path}/config.json' if hf else "the run's saved model")
       )
   return cfg, hf
 
@@ -198,11 +214,22 @@ def inspect(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None
   return compile_train_step(build(cfg, devices)).analysis()
 
 
-def compile_train_step(s: Setup) -> CompiledStep:
+def compile_train_step(s: Setup, compiler_options: dict | None = None) -> CompiledStep:
   """The one compile path: the real train step lowered for the abstract state and batch (nothing
-  is allocated) and compiled ahead of time."""
+  is allocated) and compiled ahead of time. `compiler_options`: XLA options for this compile
+  alone (a compile-only GPU target's, jax3d/parallel/gpu_target.py)."""
   t0 = time.perf_counter()
-  executable = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch).compile()
+  lowered = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch)
+  options = dict(compiler_options or {})
+  while True:
+    try:
+      executable = lowered.compile(compiler_options=options) if options else lowered.compile()
+      break
+    except jax.errors.JaxRuntimeError as e:  # an option this XLA does not have (XLA renames them)
+      unknown = re.search(r"No such compile option: '(\w+)'", str(e))
+      if not unknown or unknown.group(1) not in options:
+        raise
+      del options[unknown.group(1)]
   return CompiledStep(s, executable, time.perf_counter() - t0)
 
 

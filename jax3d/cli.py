@@ -47,6 +47,12 @@ def key_range(key: str) -> ranges.Range:
   return keys.ranges()[key]
 
 
+def _target_check() -> ranges.Range:
+  from jax3d.parallel import gpu_target  # no jax: the GPU target descriptions and their form
+
+  return ranges.Range(lambda v: v == '' or gpu_target.is_target(v), gpu_target.FORM)
+
+
 class Flag(NamedTuple):
   """One declared flag: its type (str, int, float or bool), its default (None: not given), one line
   of help, its range (a jax3d.config.ranges.Range of the converted value; None: any value of
@@ -57,6 +63,14 @@ class Flag(NamedTuple):
   help: str = ''
   check: ranges.Range | None = None
   required: bool = False
+
+
+TARGET = Flag(
+  str,
+  '',
+  'compile for GPUs that are not attached: KINDxN, e.g. h100x8, h200x16, a100x8 (needs jax3d[cuda12])',
+  _target_check(),
+)
 
 
 @dataclasses.dataclass
@@ -99,6 +113,9 @@ def run_command(body: Callable[[Args], int], args: Args | int, *also: type[Excep
   becomes its one `error:` line on stderr and the exit status of its type (`fail`)."""
   if isinstance(args, int):
     return args
+  from jax3d.parallel import gpu_target
+
+  gpu_target.hide_unusable_plugin()  # before the body imports jax, which reads JAX_PLATFORMS once
   try:
     return body(args)
   except (errors.Jax3dError, *also) as e:

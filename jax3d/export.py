@@ -16,8 +16,14 @@ Qwen3ForCausalLM) or the one its features need, tied where the run's embeddings 
 logits with jax3d's on the run's first held-out batch: it prints the largest relative difference
 and exits 3 above 1e-4.
 
-Exit status: 0 written (and verified); 2 bad flags or no checkpoint in the workdir (one line on
-stderr); 3 a checkpoint that does not match its config, or an export that fails --verify.
+--out is written whole or not at all (jax3d/hf/outdir.py): into a temporary folder beside it,
+verified there, then renamed into place, so no file of an earlier export remains. It may not be
+a folder the run reads (its workdir, the model it was imported from, its tokenizer or data), nor
+a file; a non-empty folder that is not an earlier jax3d export is replaced only with --overwrite.
+
+Exit status: 0 written (and verified); 2 bad flags, an --out refused as above, or no checkpoint in
+the workdir (one line on stderr); 3 a checkpoint that does not match its config, or an export that
+fails --verify (--out left as it was).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ FLAGS = {
   'out': cli.Flag(str, None, 'the Hugging Face folder to write', required=True),
   'max_shard_mb': cli.Flag(int, 2048, 'largest safetensors file, in MiB', cli.POSITIVE),
   'verify': cli.Flag(bool, False, "load the export in transformers and compare its logits with jax3d's"),
+  'overwrite': cli.Flag(bool, False, 'replace a non-empty --out that is not an earlier jax3d export'),
 }
 
 
@@ -45,7 +52,12 @@ def _export(args: cli.Args) -> int:
 
   f = args.flags
   files = export_workdir(
-    f['workdir'], f['out'], args.overrides, max_shard_bytes=f['max_shard_mb'] << 20, verify=f['verify']
+    f['workdir'],
+    f['out'],
+    args.overrides,
+    max_shard_bytes=f['max_shard_mb'] << 20,
+    verify=f['verify'],
+    overwrite=f['overwrite'],
   )
   print(f'wrote {f["out"]}: {", ".join(files)}')
   return 0

@@ -17,6 +17,7 @@ from typing import Any
 
 from jax3d import cli
 from jax3d.config import ConfigError, validate
+from jax3d.parallel import gpu_target
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
 from jax3d.planning.oom import oom_ladder
@@ -29,7 +30,7 @@ from jax3d.planning.planner import (
   table,
   with_overrides,
 )
-from jax3d.planning.verify import verify, verify_memory
+from jax3d.planning.verify import render, verify_memory
 
 FLAGS = {
   'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),
@@ -55,7 +56,16 @@ FLAGS = {
   'fixed': cli.Flag(bool, False, 'price only the layout the config sets (no search)'),
   'json': cli.Flag(bool, False, 'print the layouts as JSON'),
   'emit': cli.Flag(bool, False, 'print the --config overrides of the best layout for jax3d.train'),
-  'verify': cli.Flag(bool, False, "compile the best layout on fake CPU devices; print XLA's memory"),
+  'verify': cli.Flag(
+    bool, False, "compile the best layout (on fake CPU devices, or --target's GPUs); print XLA's memory"
+  ),
+  'target': cli.TARGET,
+  'verify_top': cli.Flag(
+    int,
+    5,
+    'with --verify --target: compile the best layouts in turn until one fits by the GPU compile',
+    cli.POSITIVE,
+  ),
 }
 
 
@@ -65,16 +75,18 @@ def run(args: cli.Args) -> int:
 
   # The model the trainer would train: an hf: import's config.json, a tokenizer's vocabulary.
   f, cfg = args.flags, assemble.resolve(args.cfg)
-  hw = _hardware(f)
+  target = gpu_target.parse(f['target']) if f['target'] else None
+  hw = _hardware(f, target)
   if f['verify']:  # before jax starts a backend: n fake CPU devices (unless XLA_FLAGS is set)
     cli.prepare_devices(hw.n_devices)
   ranked = _fixed(cfg, hw) if f['fixed'] else search(cfg, hw)
   fit, misfits = shortlist(ranked, f['top']), _misfits(ranked)
   name = args.config_name
-  if f['json']:  # stdout is exactly one JSON document; --verify adds XLA's figures to rank 1
+  verified = _verified(cfg, fit, target, f['verify_top']) if f['verify'] and fit else []
+  if f['json']:  # stdout is exactly one JSON document; --verify adds XLA's figures to the rows compiled
     rows = [dict(c.row(), rank=i) for i, c in enumerate(fit, 1)] + [dict(c.row(), rank=None) for c in misfits]
-    if f['verify'] and fit:
-      rows[0].update(verify_memory(with_overrides(cfg, fit[0].overrides), fit[0].plan))
+    for i, v in verified:
+      rows[i].update(v)
     print(json.dumps(rows, indent=1))
   elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
@@ -90,17 +102,36 @@ def run(args: cli.Args) -> int:
       f'no layout of {name} fits {hw.nodes} x {hw.gpus_per_node} GPUs of '
       f'{hw.memory_gb:g} GB: the smallest {worst.est.reason}'
     )
-  if f['verify'] and not f['json']:
-    best = fit[0]
-    print('\n' + '\n'.join(verify(with_overrides(cfg, best.overrides), best.plan)))
+  if verified and not f['json']:
+    for i, v in verified:
+      print(f'\nrank {i + 1}:' if target else '', *render(v, target), sep='\n')
+  if target is not None and verified and not verified[-1][1]['fits']:
+    raise ConfigError(
+      f'--verify --target={target.name}: none of the {len(verified)} best layouts fits by the GPU compile '
+      '(the estimate is below XLA:GPU; --verify_top=N compiles more)'
+    )
+  if target is not None and len(verified) > 1:
+    print(f'\nthe best layout that fits by the GPU compile: rank {verified[-1][0] + 1}')
   return 0
 
 
-def _hardware(f: dict) -> Hardware:
+def _verified(cfg: Any, fit: list, target: gpu_target.Target | None, top: int) -> list[tuple[int, dict]]:
+  """XLA's figures for the best layout; with a GPU target, for the best layouts in turn (at most
+  `top`) until one fits by the GPU compile: (index in `fit`, verify_memory's result)."""
+  out = []
+  for i, c in enumerate(fit[: top if target else 1]):
+    out.append((i, verify_memory(with_overrides(cfg, c.overrides), c.plan, target)))
+    if target is None or out[-1][1]['fits']:
+      break
+  return out
+
+
+def _hardware(f: dict, target: gpu_target.Target | None = None) -> Hardware:
+  """The cluster of the flags; `--target` sets its nodes, GPUs per node, memory and fused attention."""
   return Hardware(
-    nodes=f['nodes'],
-    gpus_per_node=f['gpus_per_node'],
-    memory_gb=f['gpu_memory_gb'],
+    nodes=target.nodes if target else f['nodes'],
+    gpus_per_node=target.per_node if target else f['gpus_per_node'],
+    memory_gb=target.memory_bytes / GB if target else f['gpu_memory_gb'],
     peak_tflops=f['peak_tflops'],
     efficiency=f['efficiency'],
     intra_gbps=f['intra_node_gbps'],

@@ -68,10 +68,12 @@ def read_ckpt(workdir, step):
   return r['state'], r['meta']
 
 
-def cli(workdir, *args, timeout=300, **kw):
+def cli(workdir, *args, timeout=300, wrap=(), **kw):
+  """`python -m jax3d.train` on the small model (its output merged into stdout), run through the
+  command prefix `wrap` if one is given."""
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
   return subprocess.Popen(
-    [sys.executable, '-m', 'jax3d.train', f'--workdir={workdir}', *CLI_SMALL, *args],
+    [*wrap, sys.executable, '-m', 'jax3d.train', f'--workdir={workdir}', *CLI_SMALL, *args],
     cwd=ROOT,
     env=env,
     stdout=subprocess.PIPE,

@@ -185,6 +185,9 @@ WEIGHTED = {
     'train__grad_accum': 2,
   },
   '8-1-1': {'mesh__dp': 8},
+  # the explicit-dp path (data_parallel's shard_map; also that of train.grad_reduce_dtype): every
+  # dp rank divides by the global sum(w), not its own rows'
+  '8-1-1-zero1': {'mesh__dp': 8, 'train__shard_optimizer': True},
   '4-2-1-m8': {'mesh__dp': 4, 'mesh__pp': 2, 'pipeline__microbatches': 8},
   '2-2-2-zero1-accum2': {
     'mesh__dp': 2,
@@ -213,7 +216,8 @@ WEIGHTED = {
 
 
 @pytest.mark.parametrize(
-  'name', [pytest.param(n, marks=() if n == '2-2-2-accum2' else pytest.mark.slow) for n in WEIGHTED]
+  'name',
+  [pytest.param(n, marks=() if n in ('2-2-2-accum2', '8-1-1-zero1') else pytest.mark.slow) for n in WEIGHTED],
 )
 def test_weighted_loss_and_gradients_equal_one_device(name, weighted_reference):
   _check_against(weighted_reference, WEIGHTED[name])

@@ -164,3 +164,43 @@ def test_the_trainer_trains_on_the_epoch_order_and_records_the_epoch(tmp_path, m
   assert sorted({step for split, step in asked if split == 'train'}) == [0, 1, 2, 3]
   assert [r['epoch'] for r in records] == [i * batch // n_rows for i in range(4)]
   assert records[-1]['epoch'] >= 1 and all(np.isfinite(r['loss']) for r in records)
+
+
+def test_the_trainer_feeds_step_i_the_batch_of_jax3d_batch(tmp_path):
+  """What the training loop hands the compiled step at step i (stood in for by a recorder: nothing
+  compiles) is `jax3d.batch(cfg, i)`, every array equal, for steps 0-2 and after a second
+  `train` call that starts at step 3 (as a resumed run does), across epoch boundaries."""
+  import jax3d
+  from jax3d.trainer.trainer import Trainer
+
+  from helpers import small_cfg
+
+  rng = np.random.default_rng(0)
+  for i in range(3):
+    (tmp_path / f'f{i}.txt').write_text(''.join(rng.choice(list('abcdefgh \n'), 60 + 30 * i)))
+  over = {'data.path': str(tmp_path), 'data.packing': 'pack', 'eval.every': 0, 'mesh.dp': 2}
+  cfg = small_cfg(**over, **{'model.n_layers': 2, 'train.global_batch_size': 8, 'train.steps': 6})
+  fed = {}
+
+  def step(state, batch):  # the compiled train step's place in the loop
+    i = int(state['step'])
+    fed[i] = jax.device_get(batch)
+    return {'step': i + 1}, {'loss': 1.0, 'lr': 0.0, 'grad_norm': 0.0, 'finite': True}
+
+  t = Trainer(cfg, devices=jax.devices()[:2], console=False)
+  t.state, t.compiled, t.evaluate = {'step': 0}, step, lambda: 0.0
+  try:
+    t.train(steps=3)
+    t.train(steps=3)
+  finally:
+    t.close()
+  assert sorted(fed) == list(range(6))
+  epoch = lambda i: data_lib.epoch_at(t.corpus, cfg.train.seed, i, 8, cfg.train.seq_len)
+  assert epoch(0) == 0 and epoch(5) >= 2  # the epoch order, reshuffled, is crossed
+  for i in range(6):
+    want = jax3d.batch(cfg, i)
+    assert set(fed[i]) == set(want) == set(data_lib.STEP_KEYS)
+    for k in want:
+      np.testing.assert_array_equal(fed[i][k], want[k], err_msg=f'step {i}: {k}')
+    if i:  # neighbouring steps differ: a batch one step off cannot pass
+      assert (fed[i]['inputs'] != fed[i - 1]['inputs']).any()

@@ -4,10 +4,9 @@ module checked for what the GPU run relies on: the explicit collectives on the m
 belongs to (pipeline sends over pp, the written-out gradient sums over dp), the donated train state
 (every state buffer aliased to an output), and bf16 matmuls. No `gpu` marker: it runs on the CPU.
 
-Attention is lowered with XLA's implementation: the GPU-only branch of
-`jax3d.model.layers.attention_implementation` ('cudnn', and 'auto' on a GPU) is checked by JAX for
-cuDNN when the step is traced ("cuDNN is not detected" here). scripts/bench_gpu.py runs the real
-thing when a GPU is lent."""
+Attention is lowered with XLA's implementation: `jax.export` on CPU devices has no GPU to pick
+cuDNN for. tests/test_gpu_compile.py compiles the step for GPU devices (cuDNN attention
+included) with XLA:GPU itself; scripts/bench_gpu.py runs it when a GPU is lent."""
 
 import re
 
@@ -17,7 +16,8 @@ import pytest
 from test_checkpoint import cfg_for
 
 from jax3d import assemble
-from jax3d.model import layers
+from jax3d.errors import ConfigError
+from jax3d.model import attention
 from jax3d.training import step as step_lib
 
 
@@ -101,11 +101,17 @@ def test_train_step_lowers_for_cuda(name):
   check_module(s, text, expect)
 
 
-def test_cudnn_is_the_gpu_only_branch():
-  """What the CUDA lowering above avoids: 'cudnn' (and 'auto', JAX's pick) reach the cuDNN check
-  at trace time; 'xla' never does."""
-  assert layers.attention_implementation('xla') == 'xla'
-  assert layers.attention_implementation('cudnn') == 'cudnn'
-  assert layers.attention_implementation('auto') is None
-  with pytest.raises(Exception, match='cuDNN'):
-    export_cuda(train__attention='cudnn')
+def test_attention_kernel_resolved_for_the_devices():
+  """`auto` is cuDNN only where it runs (GPU, bf16/fp16, a head size it takes), XLA elsewhere;
+  `cudnn` where it cannot run is a config error naming the setting (tests/test_gpu_compile.py
+  compiles both for GPUs)."""
+  cpu = jax.devices('cpu')
+  assert attention.resolve('auto', cpu, 'bfloat16', 64) == 'xla'
+  assert attention.resolve('xla', cpu, 'bfloat16', 64) == 'xla'
+  with pytest.raises(ConfigError, match=r"train.attention='cudnn' cannot run here: it needs NVIDIA GPUs"):
+    attention.resolve('cudnn', cpu, 'bfloat16', 64)
+  assert attention.cudnn_supported('gpu', 'bfloat16', 128, 9.0) == ''
+  assert attention.cudnn_supported('gpu', 'bfloat16', 256, 9.0) == ''
+  assert 'at most 128' in attention.cudnn_supported('gpu', 'bfloat16', 256, 8.0)
+  assert 'multiple of 8' in attention.cudnn_supported('gpu', 'float16', 60, 9.0)
+  assert 'train.compute_dtype=float32' in attention.cudnn_supported('gpu', 'float32', 64, 9.0)

@@ -213,22 +213,65 @@ def test_fine_tune_exported_gives_jax3d_logits_in_transformers(families, family,
     assert r.returncode == 0 and 'verified' in r.stdout and 'within' in r.stdout, r.stdout + r.stderr[-2000:]
 
 
-def test_verify_fails_on_a_wrong_export(families, tmp_path):
-  """verify's comparison can fail: an export whose one tensor was changed is reported (exit 3)."""
+def _scale_tensor(folder: str, name: str, factor: float) -> None:
+  """Multiplies the tensor `name` of the export at `folder` (one model.safetensors) by `factor`."""
   from safetensors.numpy import load_file, save_file
 
+  file = os.path.join(folder, 'model.safetensors')
+  tensors = load_file(file)
+  tensors[name] = tensors[name] * factor
+  save_file(tensors, file, metadata={'format': 'pt'})
+
+
+def test_verify_fails_on_a_wrong_export(families, tmp_path):
+  """verify's comparison can fail: an export whose one tensor was changed is reported (exit 3)."""
   path, _ = families['qwen3']
   s, params = _imported(path, (1, 1, 1))
   hf_export.export(params, s, str(tmp_path))
   toks = H.tokens(seq=SEQ)
   assert verify_lib.verify(s, params, str(tmp_path), toks) < TOL
-  file = str(tmp_path / 'model.safetensors')
-  tensors = load_file(file)
-  tensors['model.layers.1.self_attn.k_norm.weight'] = tensors['model.layers.1.self_attn.k_norm.weight'] * 1.01
-  save_file(tensors, file, metadata={'format': 'pt'})
+  _scale_tensor(str(tmp_path), 'model.layers.1.self_attn.k_norm.weight', 1.01)
   with pytest.raises(Exception) as e:
     verify_lib.verify(s, params, str(tmp_path), toks)
   assert getattr(e.value, 'exit_status', None) == 3 and 'above 0.0001' in str(e.value)
+
+
+def test_export_command_verify_exits_3_on_a_wrong_export(tmp_path, monkeypatch, capsys):
+  """`python -m jax3d.export --verify` (its main, in this process) on a run's checkpoint (the small
+  model at its seed, 8-1-1): exit 0 and its `verified` line; then, with the written folder made
+  wrong after writing (the final norm scaled by 1.01, as a faulty export would write it), exit 3,
+  one `error:` line saying the export fails the comparison, and no `wrote` line."""
+  from jax3d import export as export_cmd
+  from jax3d.trainer.trainer import Trainer
+
+  from helpers import small_cfg
+
+  run = str(tmp_path / 'run')
+  cfg = small_cfg(mesh__dp=8, model__n_layers=2, train__global_batch_size=8)
+  t = Trainer(cfg, workdir=run, console=False)
+  try:
+    t.init_state()
+    t.save()
+  finally:
+    t.close()
+  right = str(tmp_path / 'right')
+  assert export_cmd.main([f'--workdir={run}', f'--out={right}', '--verify']) == 0
+  out = capsys.readouterr().out
+  assert f'verified {right}: ' in out and f'wrote {right}: model.safetensors' in out, out
+  real = hf_export.export
+
+  def wrong(params, setup, folder, *args, **kwargs):
+    files = real(params, setup, folder, *args, **kwargs)
+    _scale_tensor(folder, 'model.norm.weight', 1.01)
+    return files
+
+  monkeypatch.setattr(hf_export, 'export', wrong)
+  bad = str(tmp_path / 'bad')
+  assert export_cmd.main([f'--workdir={run}', f'--out={bad}', '--verify']) == 3
+  printed = capsys.readouterr()
+  errors = [l for l in printed.err.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and f'--verify: the export at {bad} gives logits' in errors[0], printed.err
+  assert 'above 0.0001' in errors[0] and 'verified' not in printed.out and 'wrote' not in printed.out
 
 
 # --- bad input: ConfigError (exit 2) naming the file, the key and the value, before compiling ----

@@ -35,7 +35,7 @@ import yaml
 from test_multihost import SMALL, Run, _env, _free_port, hard_timeout, losses, train_cmd
 
 from jax3d.errors import DistributedError
-from jax3d.trainer import cluster, distributed, join
+from jax3d.trainer import cluster, distributed, join, metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, 'scripts', 'slurm', 'train.sbatch')
@@ -438,13 +438,24 @@ echo "$@" >> "$FAKE_SLURM_DIR/scontrol.log"
 """
 
 
-class FakeSlurm:
-  """A two-node SLURM allocation on this machine: what sbatch sets, srun and scontrol stand-ins."""
+# Stand-in for srun whose run is only its outcome: it appends $FAKE_RECORD (a metrics.jsonl line)
+# to WORKDIR/metrics.jsonl, as the trainer would, and exits with $FAKE_STATUS.
+SRUN_OUTCOME = """#!/bin/sh
+mkdir -p "$WORKDIR"
+[ -z "$FAKE_RECORD" ] || echo "$FAKE_RECORD" >> "$WORKDIR/metrics.jsonl"
+exit "$FAKE_STATUS"
+"""
 
-  def __init__(self, tmp_path, job_id='4242'):
+
+class FakeSlurm:
+  """A two-node SLURM allocation on this machine: what sbatch sets, srun and scontrol stand-ins
+  (`srun`: the text of the srun stand-in; default SRUN, which runs the command)."""
+
+  def __init__(self, tmp_path, job_id='4242', srun=None):
     self.dir = tmp_path / 'slurm'
     (self.dir / 'bin').mkdir(parents=True)
-    for name, text in (('srun', SRUN.format(python=sys.executable)), ('scontrol', SCONTROL)):
+    srun = SRUN.format(python=sys.executable) if srun is None else srun
+    for name, text in (('srun', srun), ('scontrol', SCONTROL)):
       (self.dir / 'bin' / name).write_text(text)
       (self.dir / 'bin' / name).chmod(0o755)
     ns = _namespaces_work()
@@ -469,8 +480,10 @@ class FakeSlurm:
       CONFIG='configs/tiny.py',
     )
 
-  def sbatch(self, workdir, *args, restart=0) -> Run:
-    env = dict(self.env, WORKDIR=str(workdir), **({'SLURM_RESTART_COUNT': str(restart)} if restart else {}))
+  def sbatch(self, workdir, *args, restart=0, **env) -> Run:
+    env = dict(
+      self.env, WORKDIR=str(workdir), **({'SLURM_RESTART_COUNT': str(restart)} if restart else {}), **env
+    )
     return Run(['bash', SBATCH, *args], env)
 
   def tasks(self) -> list[int]:
@@ -482,6 +495,47 @@ class FakeSlurm:
 
 
 STEPS = 8
+
+
+def test_slurm_script_requeues_only_a_run_that_saved_on_sigterm(tmp_path):
+  """The script after each outcome of the run (srun stood in for by the outcome alone: its exit
+  status and the record it appended to metrics.jsonl): only exit 0 with a `preempted` record of
+  this start calls `scontrol requeue`; a failed run ends the job with its status, not requeued,
+  even when it had written a `preempted` record first."""
+  slurm = FakeSlurm(tmp_path, srun=SRUN_OUTCOME)
+  scratch = metrics_lib.MetricsWriter(str(tmp_path / 'records'))  # the trainer's own record lines
+  scratch.write({'step': 3, 'event': 'preempted', 'checkpoint': 'w/checkpoints/3'})
+  scratch.write({'step': 8, 'loss': 2.5})  # the last step's
+  scratch.close()
+  preempted, last = open(scratch.path).read().splitlines()
+  assert '"preempted"' in preempted and 'preempted' not in last
+  requeue = f'requeueing job {slurm.job_id} to resume'
+  cases = [  # (exit status of the run, its record, REQUEUE, a preempted record of an earlier start)
+    (3, preempted, '1', False),
+    (2, '', '1', False),
+    (0, last, '1', False),
+    (0, last, '1', True),
+    (0, preempted, '0', False),
+    (0, preempted, '1', False),
+  ]
+  for i, (status, record, requeue_on, earlier) in enumerate(cases):
+    wd = tmp_path / f'w{i}'
+    if earlier:
+      wd.mkdir()
+      (wd / 'metrics.jsonl').write_text(preempted + '\n')
+    before = len(slurm.scontrol_calls())
+    run = slurm.sbatch(wd, FAKE_STATUS=str(status), FAKE_RECORD=record, REQUEUE=requeue_on)
+    rc, _ = stopped(run, 30)
+    calls, out = slurm.scontrol_calls()[before:], run.text
+    assert rc == status, (i, out)
+    if status:
+      assert f'the run failed (exit status {status}); not requeued' in out and requeue not in out, (i, out)
+    if status == 0 and record == preempted and requeue_on == '1':
+      assert calls == [f'requeue {slurm.job_id}'] and requeue in out, (i, calls, out)
+    else:
+      assert calls == [] and requeue not in out, (i, calls, out)
+    if status == 0 and record == preempted and requeue_on == '0':
+      assert 'stopped on SIGTERM after saving a checkpoint: submit the same command again' in out, out
 
 
 @pytest.mark.slow

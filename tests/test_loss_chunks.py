@@ -2,15 +2,20 @@
 whole (losses and step-1 gradients, rtol 1e-5) on every layout and schedule, tied or not, weighted or
 not, with sequence parallelism; and the compiled step's temporary memory drops with the pieces."""
 
+import functools
+
+import chex
 import jax
+import numpy as np
 import pytest
 from test_documents import _check_against, weighted_batches
 from test_equivalence import check
 
 import jax3d
 from jax3d import config as config_lib
+from jax3d.model import llama
 
-from helpers import small_cfg
+from helpers import setup_for, small_cfg
 
 LAYOUTS = {
   '8-1-1': {'mesh__dp': 8},
@@ -51,6 +56,35 @@ def test_loss_chunks_weighted_rows(name):
   _check_against(
     run_steps(small_cfg(), batches=weighted_batches()), {**LAYOUTS[name], 'train__loss_chunks': 8}
   )
+
+
+def test_head_loss_in_pieces_equals_one_piece():
+  """The model's head and loss (llama.head_loss_sum, which every layout and schedule runs with
+  train.loss_chunks pieces) in 2 and 16 pieces with weights, 4 without: the sum and its gradients
+  (head parameters, the last layer's output) of one piece, rtol 1e-5. The end-to-end runs on
+  layouts are the slow tests above; that the step takes train.loss_chunks is
+  test_compiled_temp_memory_drops_with_loss_chunks."""
+  s = setup_for(small_cfg(model__n_layers=1))
+  params = jax.jit(lambda k: llama.init_params(k, s.dims, np.arange(1)))(jax.random.key(0))
+  head = {k: v for k, v in params.items() if k != 'layers'}  # what llama.head_apply may read
+  rng = np.random.default_rng(0)
+  rows, seq = 4, 16
+  y_btd = rng.standard_normal((rows, seq, s.dims.d_model), np.float32)
+  targets = rng.integers(0, s.dims.vocab_size, (rows, seq)).astype(np.int32)
+  weights = (rng.random((rows, seq)) * (rng.random((rows, seq)) < 0.7)).astype(np.float32)
+
+  @functools.partial(jax.jit, static_argnums=(0, 1))
+  def value_and_grads(chunks, weighted, head, y_btd):
+    w = weights if weighted else None
+    f = lambda h, y: llama.head_loss_sum(s.dims, h, y, targets, w, chunks)
+    return jax.value_and_grad(f, argnums=(0, 1))(head, y_btd)
+
+  for chunks, weighted in ((2, True), (16, True), (4, False)):
+    ref_loss, ref_grads = value_and_grads(1, weighted, head, y_btd)
+    assert float(ref_loss) > 1.0 and np.abs(ref_grads[1]).max() > 1e-3  # not a trivial sum
+    loss, grads = value_and_grads(chunks, weighted, head, y_btd)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, err_msg=f'{chunks} pieces')
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
 
 
 def test_loss_chunks_must_divide_seq_len():

@@ -168,6 +168,21 @@ def memory(compiled: jax.stages.Compiled) -> dict:
   return out
 
 
+ATTENTION_KERNELS = (  # (custom-call target prefix in the optimised HLO, the kernel's name)
+  ('__cudnn$fmha', 'cudnn'),
+  ('__gpu$xla.gpu.triton', 'triton'),
+)
+
+
+def attention_kernel(hlo_text: str) -> str:
+  """The attention kernel in an optimised HLO module: 'cudnn' (cuDNN's fused attention custom
+  calls), 'triton' (a Pallas kernel), else 'xla' (dots and a softmax, fused by XLA)."""
+  for target, name in ATTENTION_KERNELS:
+    if f'custom_call_target="{target}' in hlo_text:
+      return name
+  return 'xla'
+
+
 def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
   """Memory, FLOPs and collectives per device per step of the compiled train step of Setup `s`
   (see the module docstring for what 'bytes' means; run.CompiledStep.analysis calls this)."""
@@ -176,7 +191,8 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
   mem['peak_estimate'] = mem.pop('total')
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-  hlo = parse_hlo(compiled.as_text())
+  text = compiled.as_text()
+  hlo = parse_hlo(text)
   _, unknown_loops = multiplicities(hlo)
   colls = collectives(hlo, tuple(mesh.devices.shape), tuple(mesh.axis_names))
   by_axis = summarize(colls)
@@ -198,6 +214,8 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
       'compute_dtype': cfg.train.compute_dtype,
     },
     'device_kind': mesh.devices.flat[0].device_kind,
+    'n_devices': int(mesh.devices.size),
+    'attention_kernel': attention_kernel(text),
     'memory_bytes': mem,
     'flops': matmul_flops(hlo),
     'flops_xla_cost_analysis': float(cost.get('flops', 0.0)),
@@ -212,6 +230,15 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
   }
 
 
+KERNEL_NAMES = {'cudnn': "cuDNN's fused attention", 'triton': 'a Triton kernel', 'xla': "XLA's (unfused)"}
+
+
+def with_device_memory(r: dict, device_memory_bytes: int) -> dict:
+  """`r` (an `analyze` result) with the device's memory and whether the step's peak fits in it."""
+  peak = r['memory_bytes']['peak_estimate']
+  return r | {'device_memory_bytes': int(device_memory_bytes), 'fits': bool(peak <= device_memory_bytes)}
+
+
 def _mb(x: float) -> str:
   return f'{x / 2**20:.2f} MiB'
 
@@ -222,7 +249,8 @@ def summary_lines(r: dict) -> list[str]:
   lines = [
     f'per device: args {_mb(m["argument"])}, temp {_mb(m["temp"])}, out {_mb(m["output"])} '
     f'(aliased {_mb(m["alias"])}), peak ~{_mb(m["peak_estimate"])}',
-    f'per device per step: {r["flops"] / 1e9:.2f} GFLOP executed (matmuls), {r["model_flops"] / 1e9:.2f} GFLOP model',
+    f'per device per step: {r["flops"] / 1e9:.2f} GFLOP executed (matmuls), {r["model_flops"] / 1e9:.2f} GFLOP model; '
+    f'attention: {KERNEL_NAMES[r["attention_kernel"]]}',
     'comm per device per step (ring wire bytes): '
     + ', '.join(f'{axis} {_mb(v)}' for axis, v in c.items() if v),
   ]
@@ -247,6 +275,11 @@ def render(r: dict) -> str:
   ]
   for k in ('argument', 'output', 'alias', 'temp', 'peak_estimate'):
     out.append(f'  {k:14s}{_mb(m[k]):>14s}')
+  if 'device_memory_bytes' in r:
+    cap, share = r['device_memory_bytes'], m['peak_estimate'] / r['device_memory_bytes']
+    verdict = f'fits ({share:.0%} of it)' if r['fits'] else f'DOES NOT FIT ({share:.0%} of it)'
+    out.append(f'  {r["device_kind"]}: {cap / 2**30:.1f} GiB per device: {verdict}')
+  out += ['', f'attention kernel in the program: {KERNEL_NAMES[r["attention_kernel"]]}']
   out += [
     '',
     'FLOPs per device per step:',

@@ -26,7 +26,7 @@ class Dims:
   norm_eps: float = 1e-5
   dtype: Any = jnp.float32  # compute
   param_dtype: Any = jnp.float32
-  attention: str = 'auto'
+  attention: str = 'auto'  # train.attention; assemble.build resolves it to the kernel: 'xla' | 'cudnn'
   head_size: int = 0  # model.head_dim; 0 = d_model // n_heads
   qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
   qk_norm: bool = False  # per-head RMSNorm of queries and keys before the rotation (Qwen3)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jax3d.model import rope as rope_lib
+from jax3d.model import attention, rope as rope_lib
 from jax3d.model.dims import Dims
 from jax3d.parallel import tensor
 from jax3d.parallel.sharding import constrain
@@ -50,24 +50,6 @@ class RMSNorm(nn.Module):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.dims.norm_eps)
     return (y * scale.astype(jnp.float32)).astype(self.dims.dtype)
-
-
-def attention_implementation(choice: str) -> str | None:
-  """`jax.nn.dot_product_attention`'s implementation for train.attention: 'xla' and 'cudnn' as
-  named; 'auto' is None, JAX's own pick (cuDNN's fused kernel on a GPU that has it, else XLA's).
-  The GPU-only branch is 'cudnn' (and 'auto' on a GPU): JAX looks for cuDNN when the step is
-  traced, so tests/test_gpu_lowering.py lowers the CUDA program with 'xla'."""
-  return None if choice == 'auto' else choice
-
-
-def segment_mask(segment_ids_bt: jax.Array | None) -> jax.Array | None:
-  """The attention mask [b, 1, t, t] of rows of documents: query i sees key j of the same segment
-  (the causal part is `is_causal`'s); None without segments. A boolean mask, not segment ids:
-  `jax.nn.dot_product_attention` takes no segment ids, and for cuDNN it becomes the additive bias
-  [b, 1, t, t] its fused kernel takes alongside the causal mask type (BUILD_NOTES.md)."""
-  if segment_ids_bt is None:
-    return None
-  return (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
 
 
 def write_cache(cache: KVCache, k_btkh: jax.Array, v_btkh: jax.Array, positions_t: jax.Array) -> KVCache:
@@ -168,7 +150,7 @@ class Block(nn.Module):
   Training calls it on x [b, t, d] alone: positions 0..t-1, causal attention, returns x; or with
   rows of documents, `positions_t` [b, t] (0 at each document's first token) and `segment_ids`
   [b, t] (1, 2, ... per document, 0 on the padding): a query attends to the keys of its own
-  segment at or before it (`segment_mask`). Decoding
+  segment at or before it (jax3d/model/attention.py). Decoding
   passes `positions_t` (int [t], consecutive) and `cache` = (k_bskh, v_bskh), the layer's keys
   and values of s >= positions_t[-1] + 1 positions: the new K/V are written at positions_t, the
   queries attend over cache entries [0, positions_t[-1] + 1), and it returns (x, new cache).
@@ -189,10 +171,7 @@ class Block(nn.Module):
 
     q_btnh, k_btkh, v_btkh = self._qkv(x_rd, b, t, positions_t)
     if cache is None:
-      impl, mask = attention_implementation(self.dims.attention), segment_mask(segment_ids)
-      o_btnh = jax.nn.dot_product_attention(
-        q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, implementation=impl
-      )
+      o_btnh = attention.attend(q_btnh, k_btkh, v_btkh, segment_ids, self.dims.attention)
     else:
       positions_t = jnp.arange(t) if positions_t is None else positions_t
       cache = write_cache(cache, k_btkh, v_btkh, positions_t)

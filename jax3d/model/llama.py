@@ -12,6 +12,7 @@ Shape legend: b batch, t time, d model, v vocab.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -122,9 +123,17 @@ def _unboxed_init(module, key, *args):
   return nn.unbox(module.init(key, *args)['params'])
 
 
+def _init_dims(dims: Dims) -> Dims:
+  """The model traced to create its parameters, on a dummy token: with XLA's attention, which
+  creates the same parameters as any kernel and needs no per-device region (cuDNN's is split over
+  the mesh, which one token is not)."""
+  return dataclasses.replace(dims, attention='xla')
+
+
 def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   """All parameters. Layer j of the stack holds canonical layer `layer_order[j]`, whose values come
   from that layer's own key, so the values never depend on the layout (pipeline order, sharding)."""
+  dims = _init_dims(dims)
   k_embed, k_layers, k_head = jax.random.split(key, 3)
   tok = jnp.zeros((1, 1), jnp.int32)
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
@@ -139,6 +148,7 @@ def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
 
 def param_logical_axes(dims: Dims) -> PyTree:
   """The same tree as `init_params`, with each leaf's logical axis names (a tuple)."""
+  dims = _init_dims(dims)
   tok = jax.ShapeDtypeStruct((1, 1), jnp.int32)  # shapes only: nothing runs or compiles
   x = jax.ShapeDtypeStruct((1, 1, dims.d_model), dims.dtype)
   table = jax.ShapeDtypeStruct((dims.vocab_padded, dims.d_model), dims.param_dtype)

@@ -48,7 +48,7 @@ GPU_FLAGS = (
 CUDA_PLUGINS = ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
 
 
-def _find_spec(name: str) -> bool:
+def find_spec(name: str) -> bool:
   try:
     return importlib.util.find_spec(name) is not None
   except (ImportError, ValueError):
@@ -64,7 +64,7 @@ def gpu_present(env: Mapping[str, str] | None = None) -> bool:
     return False
   if env.get('CUDA_VISIBLE_DEVICES', None) in ('', '-1'):
     return False
-  if not any(_find_spec(p) for p in CUDA_PLUGINS):
+  if not any(find_spec(p) for p in CUDA_PLUGINS):
     return False
   return os.path.exists('/dev/nvidia0') or bool(glob.glob('/proc/driver/nvidia/gpus/*'))
 

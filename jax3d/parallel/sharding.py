@@ -127,12 +127,29 @@ def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
   (the step is traced under `jax.set_mesh`; dp and pp may be manual already), its specs the
   logical names resolved by the rules in force. For collectives the compiler would not choose
   itself: XLA:CPU keeps an all-reduce and a slice where a reduce-scatter is meant."""
+  return _manual(fn, in_logical, out_logical, {TP})
+
+
+def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
+  """`fn` on each device's own blocks: a shard_map manual over every mesh axis not manual yet
+  (nested in the pipeline's or the explicit reduction's shard_map, or at the top), its specs the
+  logical names resolved by the rules in force; an axis a spec does not name is replicated. For a
+  kernel whose custom partitioner cannot take the layouts GSPMD gives it (cuDNN attention): inside,
+  nothing is left to partition."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = set(mesh.axis_names) - set(mesh.manual_axes)
+  return _manual(fn, in_logical, out_logical, axes) if axes else fn
+
+
+def _manual(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axes: set[str]) -> Any:
+  """A shard_map manual over `axes`; `out_logical` is one output's names or a tuple of them."""
   rules = _RULES.get()
+  several = bool(out_logical) and all(isinstance(n, tuple) for n in out_logical)
   return jax.shard_map(
     fn,
     in_specs=tuple(spec(names, rules) for names in in_logical),
-    out_specs=spec(out_logical, rules),
-    axis_names={TP},
+    out_specs=tuple(spec(n, rules) for n in out_logical) if several else spec(out_logical, rules),
+    axis_names=axes,
     check_vma=True,
   )
 

@@ -127,10 +127,15 @@ def _traced_residuals(
   params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
   fn = remat.wrap_layer(lambda h, p: (block.apply({'params': p}, h), None), policy)
   res = _saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x, policy != 'none')
-  scores = lambda a: len(a.shape) >= 2 and a.shape[-2:] == (seq, seq)
+  # XLA's scores and masks are [b, heads or 1, (g,) s, s]; a [b, s, d] activation is not one, also
+  # where d_model = seq (Llama 3 70B at 8K: 8192 both; counting it as a score dropped the layer's input)
+  scores = lambda a: len(a.shape) >= 4 and a.shape[-2:] == (seq, seq)
   kept = [a for a in res if not (flash and scores(a))]
   lse = batch * (n_heads // tp) * seq * 4 if flash else 0
-  return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept) + lse)
+  # where the policy keeps attention's internals, cuDNN's custom VJP keeps its inputs, the documents'
+  # bias [b, 1, s, s] in the compute dtype among them (jax3d/model/attention.py)
+  bias = batch * seq * seq * np.dtype(compute).itemsize if flash and any(scores(a) for a in res) else 0
+  return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept) + lse + bias)
 
 
 def _saved_residuals(f, p, h, drop_weights: bool) -> list:

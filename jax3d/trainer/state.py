@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from jax3d.hf import weights as hf_weights
 from jax3d.record import Setup
-from jax3d.trainer import checkpoint as ckpt_lib
+from jax3d.trainer import checkpoint as ckpt_lib, workdir as workdir_lib
 from jax3d.training import step as step_lib
 
 
@@ -64,6 +64,12 @@ def _import_hf(setup: Setup) -> tuple[dict, str]:
 def _warm_start(setup: Setup, warn: Callable[[str], None]) -> tuple[dict, str]:
   """The parameters of checkpoint.init_from's newest good checkpoint, re-laid out to this run's."""
   init_from = setup.cfg.checkpoint.init_from
-  params, step = ckpt_lib.load_params(init_from, setup.abstract_state['params'], setup.layout, warn=warn)
+  params, step = ckpt_lib.load_params(
+    workdir_lib.checkpoint_dir(init_from),
+    setup.abstract_state['params'],
+    setup.layout,
+    f'checkpoint.init_from={init_from}',
+    warn=warn,
+  )
   state = step_lib.make_init_from_params(setup)(params)
   return state, f'initialised, parameters warm-started from {init_from} (step {step})'

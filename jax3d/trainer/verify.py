@@ -54,13 +54,33 @@ def relative_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
   return float(np.max(np.abs(ours - theirs)) / max(float(np.max(np.abs(theirs))), 1e-30))
 
 
-def verify(setup: Setup, params: Any, folder: str, tokens_bt: np.ndarray) -> float:
-  """The relative difference of the export at `folder` from jax3d on `tokens_bt`;
-  CheckpointError (exit 3) above TOLERANCE."""
+def verify(setup: Setup, params: Any, folder: str, tokens_bt: np.ndarray, name: str | None = None) -> float:
+  """The relative difference of the export at `folder` (called `name` in the error) from jax3d on
+  `tokens_bt`; CheckpointError (exit 3) above TOLERANCE."""
   diff = relative_difference(jax3d_logits(setup, params, tokens_bt), transformers_logits(folder, tokens_bt))
   if not diff <= TOLERANCE:
     raise CheckpointError(
-      f"--verify: the export at {folder} gives logits {diff:.3g} off jax3d's (relative, largest), "
+      f"--verify: the export at {name or folder} gives logits {diff:.3g} off jax3d's (relative, largest), "
       f'above {TOLERANCE:g}: transformers does not compute the model jax3d trained'
     )
   return diff
+
+
+def held_out_tokens(setup: Setup) -> np.ndarray:
+  """The run's first held-out batch of inputs (one accumulation chunk's rows), as evaluation reads it."""
+  from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
+
+  cfg, plan = setup.cfg, setup.plan
+  corpus = data_lib.for_config(cfg, tokenizer_lib.load(cfg.data.tokenizer))
+  return data_lib.eval_batches(corpus, cfg.train.seed, 1, plan.chunk_batch, plan.seq_len)[0]['inputs']
+
+
+def verify_export(setup: Setup, params: Any, folder: str, name: str) -> None:
+  """`verify` on the run's first held-out batch (held_out_tokens), with one line saying so for the
+  export `name` (written at `folder`, where it is loaded from); CheckpointError above TOLERANCE."""
+  tokens = held_out_tokens(setup)
+  diff = verify(setup, params, folder, tokens, name)
+  print(
+    f"verified {name}: transformers gives jax3d's logits on {tokens.shape[0]}x{tokens.shape[1]} "
+    f'held-out tokens within {diff:.2e} (relative, largest; tolerance {TOLERANCE:g})'
+  )

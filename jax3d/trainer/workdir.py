@@ -18,7 +18,6 @@ from jax3d.errors import NoCheckpoint
 if TYPE_CHECKING:
   import jax
   import ml_collections
-  import numpy as np
 
   from jax3d.record import Setup
 
@@ -34,8 +33,9 @@ def _flatten(d: dict, prefix: str = '') -> dict:
 
 
 def checkpoint_dir(workdir: str) -> str:
-  """WORKDIR/checkpoints, or WORKDIR itself when it is the checkpoints folder."""
-  workdir = os.path.normpath(workdir)
+  """WORKDIR/checkpoints, or WORKDIR itself when it is the checkpoints folder, as an absolute path
+  (Orbax reads only absolute ones): every read of a workdir goes through here."""
+  workdir = os.path.abspath(workdir)
   return workdir if os.path.basename(workdir) == 'checkpoints' else os.path.join(workdir, 'checkpoints')
 
 
@@ -51,13 +51,10 @@ def checkpoint_steps(workdir: str) -> list[int]:
   return steps
 
 
-def saved_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config the run trained with, from its newest checkpoint's meta JSON, over the defaults of
-  this version (keys this version does not know are skipped, so older runs stay readable), without
-  its `checkpoint.init_from`."""
+def saved_meta(workdir: str) -> dict:
+  """The meta JSON of the run's newest checkpoint whose meta reads (its config as saved)."""
   import orbax.checkpoint as ocp
 
-  from jax3d import config as config_lib
   from jax3d.trainer import readonly
 
   directory = checkpoint_dir(workdir)
@@ -69,14 +66,23 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
       try:
         meta = reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
         break
-      except Exception:  # noqa: BLE001, S112 - any unreadable step falls back to an older one
-        continue
+      except Exception as e:  # noqa: BLE001 - damaged: an older one (load_params warns); else raised
+        readonly.skip_damaged(e, os.path.join(directory, str(step)), lambda _: None)
   finally:
     reader.close()
   if meta is None:
     raise NoCheckpoint(f'--workdir={workdir}: no readable checkpoint in {directory}')
+  return meta
+
+
+def saved_config(workdir: str, meta: dict | None = None) -> ml_collections.ConfigDict:
+  """The config the run trained with, from its newest checkpoint's meta JSON (`meta`, else read),
+  over the defaults of this version (keys this version does not know are skipped, so older runs
+  stay readable), without its `checkpoint.init_from`."""
+  from jax3d import config as config_lib
+
   cfg = config_lib.base_config()
-  for key, value in _flatten(meta.get('config', {})).items():
+  for key, value in _flatten((meta or saved_meta(workdir)).get('config', {})).items():
     try:
       config_lib.set_key(cfg, key, value)
     except (config_lib.ConfigError, TypeError, KeyError):
@@ -126,17 +132,22 @@ def sampling_config(
 
 
 def load_params(
-  workdir: str, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+  workdir: str,
+  cfg: ml_collections.ConfigDict,
+  devices: Sequence[jax.Device] | None = None,
+  saved: bool = True,
 ) -> tuple[Setup, Any, int]:
-  """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout."""
+  """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout (cfg
+  the run's saved config unless `saved` is False: its model kept as it is, assemble.build)."""
   from jax3d import assemble
   from jax3d.trainer import checkpoint as ckpt_lib
 
-  setup = assemble.build(cfg, devices)
+  setup = assemble.build(cfg, devices, saved=saved)
   params, step = ckpt_lib.load_params(
     checkpoint_dir(workdir),
     setup.abstract_state['params'],
     setup.layout,
+    f'--workdir={workdir}',
     warn=lambda m: print(f'warning: {m}', file=sys.stderr),
   )
   return setup, params, step
@@ -163,7 +174,7 @@ def sample_workdir(
   cfg = config_lib.load_config(config) if config else saved_config(workdir)
   devices = list(devices if devices is not None else jax.devices())
   cfg = sampling_config(cfg, len(devices), overrides)
-  setup, params, _ = load_params(workdir, cfg, devices)
+  setup, params, _ = load_params(workdir, cfg, devices, saved=not config)
   return _text(setup, params, prompt, n_tokens, temperature, top_k, seed)
 
 
@@ -284,40 +295,32 @@ def export_workdir(
   devices: list | None = None,
   max_shard_bytes: int = 2 << 30,
   verify: bool = False,
+  overwrite: bool = False,
 ) -> list[str]:
   """Exports the newest good checkpoint of a run (its saved config, read onto this machine's
   devices in the saved layout or the one `overrides` sets) to `out`; returns the files written.
-  With `verify`, the export is then loaded in transformers and its logits on the run's first
-  held-out batch compared with jax3d's (jax3d/trainer/verify.py): one line with the largest
-  relative difference, CheckpointError (exit 3) above the tolerance."""
+  `out` is checked first and written whole or not at all (jax3d/hf/outdir.py; `overwrite`
+  replaces a folder that is not an earlier export). With `verify`, the export is loaded in
+  transformers before it is moved into place and its logits on the run's first held-out batch
+  compared with jax3d's (jax3d/trainer/verify.py): one line with the largest relative difference,
+  CheckpointError (exit 3) above the tolerance."""
   import jax
 
-  from jax3d.hf import export as hf_export
+  from jax3d.hf import export as hf_export, outdir
 
   checkpoint_steps(workdir)  # NoCheckpoint when there is none
+  meta = saved_meta(workdir)
+  outdir.check(out, outdir.reads_of(meta['config'], workdir), overwrite)
   devices = list(devices if devices is not None else jax.devices())
-  cfg = sampling_config(saved_config(workdir), len(devices), overrides)
+  cfg = sampling_config(saved_config(workdir, meta), len(devices), overrides)
   setup, params, _ = load_params(workdir, cfg, devices[: _n_devices(cfg, len(devices))])
-  files = hf_export.export(params, setup, out, max_shard_bytes)
-  if verify:
-    from jax3d.trainer import verify as verify_lib
+  with outdir.staged(out) as folder:
+    files = hf_export.export(params, setup, folder, max_shard_bytes)
+    if verify:
+      from jax3d.trainer import verify as verify_lib
 
-    tokens = held_out_tokens(setup)
-    diff = verify_lib.verify(setup, params, out, tokens)
-    print(
-      f"verified {out}: transformers gives jax3d's logits on {tokens.shape[0]}x{tokens.shape[1]} "
-      f'held-out tokens within {diff:.2e} (relative, largest; tolerance {verify_lib.TOLERANCE:g})'
-    )
+      verify_lib.verify_export(setup, params, folder, out)
   return files
-
-
-def held_out_tokens(setup: Setup) -> np.ndarray:
-  """The run's first held-out batch of inputs (one accumulation chunk's rows), as evaluation reads it."""
-  from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
-
-  cfg, plan = setup.cfg, setup.plan
-  corpus = data_lib.for_config(cfg, tokenizer_lib.load(cfg.data.tokenizer))
-  return data_lib.eval_batches(corpus, cfg.train.seed, 1, plan.chunk_batch, plan.seq_len)[0]['inputs']
 
 
 def _n_devices(cfg: Any, available: int) -> int:

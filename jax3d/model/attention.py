@@ -1,0 +1,142 @@
+"""Training attention: which kernel (`train.attention`) and where it runs.
+
+  auto   cuDNN's fused (flash) attention where it runs: GPU devices, bf16/fp16 compute, a head size
+         cuDNN takes; XLA's attention everywhere else (CPU, fp32). `resolve` decides once, when
+         the run is built (`assemble.build`), and the start-up line names the kernel.
+  xla    XLA's attention (`jax.nn.dot_product_attention(implementation='xla')`): the reference.
+  cudnn  cuDNN's fused kernel (`__cudnn$fmha*` custom calls); refused where it cannot run.
+
+cuDNN's kernel is called where the sharding is manual: a `shard_map` over every mesh axis not
+manual yet (`sharding.device_local`), so each device runs it on its own rows and heads. Left to
+GSPMD, its custom partitioner fails on jax 0.10 (dp: an assertion in `get_num_ways_dim_sharded`;
+under the pipeline's shard_map: 'GSPMDSharding' object has no attribute 'spec'). Attention needs no
+communication (rows over dp, heads over tp, every KV head of a query head on the same rank), so
+nothing changes but who partitions it. Its forward runs again in the backward (`_per_device_vjp`).
+
+Documents: the rows' segment ids become a boolean mask [b, 1, t, t] (a query sees the keys of its
+own segment; causality is `is_causal`'s); cuDNN takes it as an additive bf16 bias of that size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax3d.errors import ConfigError
+from jax3d.parallel import sharding
+
+CHOICES = ('auto', 'xla', 'cudnn')
+KERNELS = ('xla', 'cudnn')
+FUSED_DTYPES = ('bfloat16', 'float16')
+# The bias of a masked-out key: jax's cudnn wrapper's own values (cuDNN mishandles -inf - -inf);
+# fp16's range is smaller. exp of it is exactly 0 in every dtype, as a masked key's weight is.
+CUDNN_NEG = {'float16': -float(2 << 14)}
+CUDNN_NEG_DEFAULT = -float(2 << 40)
+CUDNN_MAX_HEAD_DIM = 256  # Hopper (sm_90) and later; 128 before (jax's check_is_flash_attention)
+
+
+def cudnn_supported(platform: str, compute_dtype: str, head_dim: int, compute_capability: float) -> str:
+  """'' when cuDNN's fused attention runs for these, else why not (one phrase)."""
+  if platform not in ('gpu', 'cuda'):
+    return f'it needs NVIDIA GPUs (these devices are {platform})'
+  if compute_dtype not in FUSED_DTYPES:
+    return f'it takes bf16 or fp16, not train.compute_dtype={compute_dtype}'
+  max_h = CUDNN_MAX_HEAD_DIM if compute_capability >= 9.0 else 128
+  if head_dim % 8 or head_dim > max_h:
+    return f'it takes a head size that is a multiple of 8 and at most {max_h}, not {head_dim}'
+  return ''
+
+
+def device_facts(devices: list[jax.Device]) -> tuple[str, float]:
+  """(platform, compute capability: 0.0 where it does not apply) of the run's devices."""
+  d = devices[0]
+  cc = getattr(d, 'compute_capability', None)
+  try:
+    cc = float(cc) if cc is not None else 0.0
+  except (TypeError, ValueError):
+    cc = 0.0
+  return d.platform, cc
+
+
+def resolve(choice: str, devices: list[jax.Device], compute_dtype: str, head_dim: int) -> str:
+  """The kernel train.attention=`choice` runs on these devices: 'xla' or 'cudnn'. `auto` is cuDNN
+  wherever it runs, else XLA; `cudnn` where it cannot run is a ConfigError naming why."""
+  platform, cc = device_facts(devices)
+  why = cudnn_supported(platform, compute_dtype, head_dim, cc)
+  if choice == 'auto':
+    return 'xla' if why else 'cudnn'
+  if choice == 'cudnn' and why:
+    raise ConfigError(f"train.attention='cudnn' cannot run here: {why}; use 'auto' or 'xla'")
+  return choice
+
+
+def segment_mask(segment_ids_bt: jax.Array | None) -> jax.Array | None:
+  """The attention mask [b, 1, t, t] of rows of documents: query i sees key j of the same segment
+  (the causal part is `is_causal`'s); None without segments."""
+  if segment_ids_bt is None:
+    return None
+  return (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
+
+
+def attend(
+  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt: jax.Array | None, kernel: str
+) -> jax.Array:
+  """Causal grouped-query attention [b, t, n, h] of the rows' own documents with `kernel` ('xla'
+  or 'cudnn'; 'auto' is resolved before, by `resolve`, and reads as 'xla' here)."""
+  impl = 'cudnn' if kernel == 'cudnn' else 'xla'
+
+  mask = segment_mask(segment_ids_bt)
+  if impl == 'xla':
+    return jax.nn.dot_product_attention(
+      q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, implementation='xla'
+    )
+
+  # The documents as the additive bias cuDNN takes (the values jax's wrapper would use), made
+  # outside the per-device region: an input there, never a value made inside it.
+  bias = (
+    None
+    if mask is None
+    else jnp.where(mask, 0, CUDNN_NEG.get(q_btnh.dtype.name, CUDNN_NEG_DEFAULT)).astype(q_btnh.dtype)
+  )
+  names = (('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim'))
+  operands = (q_btnh, k_btkh, v_btkh) + (() if bias is None else (bias,))
+  in_logical = (names[0], names[1], names[1]) + (() if bias is None else (('batch', None, 'seq', None),))
+  return _per_device_vjp(_cudnn, in_logical, names[0], len(operands) - 3)(*operands)
+
+
+def _cudnn(q, k, v, bias=None):
+  return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation='cudnn')
+
+
+def _per_device_vjp(fn: Any, in_logical: tuple, out_logical: tuple, n_nondiff: int) -> Any:
+  """`fn` run on each device's own blocks (`sharding.device_local`), forward and backward as two
+  separate per-device regions: the forward keeps its inputs, the backward runs `jax.vjp` of `fn`
+  (its forward once more, then its backward kernel) and returns the inputs' cotangents (zeros for
+  the last `n_nondiff`, made from integers). Differentiating one region instead makes its internal
+  residuals (cuDNN's softmax statistics, the bias) outputs of a shard_map nested in the pipeline's,
+  which jax 0.10 gives the wrong global shape or an invalid sharding (BUILD_NOTES.md)."""
+  fwd_region = sharding.device_local(fn, in_logical, out_logical)
+
+  def bwd_local(*args):
+    *primals, g = args
+    grads = jax.vjp(fn, *primals)[1](g)
+    return tuple(grads[: len(primals) - n_nondiff])
+
+  n_diff = len(in_logical) - n_nondiff
+  bwd_region = sharding.device_local(bwd_local, in_logical + (out_logical,), in_logical[:n_diff])
+
+  @jax.custom_vjp
+  def run(*operands):
+    return fwd_region(*operands)
+
+  def run_fwd(*operands):
+    return fwd_region(*operands), operands
+
+  def run_bwd(operands, g):
+    grads = bwd_region(*operands, g)
+    return tuple(grads) + tuple(jnp.zeros_like(x) for x in operands[n_diff:])
+
+  run.defvjp(run_fwd, run_bwd)
+  return run

@@ -1,0 +1,248 @@
+"""The GPU program compiled here, with no GPU (issue 41): `--target=KINDxN` compiles the real train
+step with XLA:GPU for a compile-only CUDA topology (jax3d/parallel/gpu_target.py). Needs JAX's CUDA
+plugin (`pip install 'jax3d[cuda12]'`; the test extra has it on Linux x86-64), else these skip,
+except the ones that need no plugin: the error without it, and the per-device attention region's
+numbers on CPU.
+
+What is checked: the compiled step's argument bytes equal the CPU compile's (the state and the
+batch are the same arrays whatever compiles them); cuDNN's fused attention is in the program under
+`auto` and `cudnn` on layouts that exercise every place attention runs (the pipeline's shard_map,
+SP, 1F1B, ZeRO-3's gathers, circular, accumulation) and not under `xla`; the region that runs it
+per device (a custom VJP of two shard_maps) gives XLA's numbers when its kernel is XLA's; the 8B
+plan of docs/plan.md fits on 8 x H100 by XLA:GPU's figure, within 10% of the planner's (slow)."""
+
+import json
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax3d import assemble, inspect as inspect_cmd
+from jax3d.model import attention
+from jax3d.parallel import gpu_target, sharding
+
+needs_plugin = pytest.mark.skipif(
+  not gpu_target.plugin_installed(),
+  reason="needs JAX's CUDA plugin to compile for GPUs: pip install -e '.[test]' on Linux x86-64, or '.[cuda12]'",
+)
+TINY_BF16 = ['--config.train.compute_dtype=bfloat16', '--config.model.n_layers=2']
+
+
+def compile_for(target: str, **over):
+  """The Setup and CompiledStep of the tiny model (bf16, 2 layers) for `target`'s GPUs."""
+  t = gpu_target.parse(target)
+  ov = {'train.compute_dtype': 'bfloat16', 'model.n_layers': 2, 'train.global_batch_size': 16}
+  ov.update({k.replace('__', '.'): v for k, v in over.items()})
+  from jax3d import config as config_lib
+
+  s = assemble.build(config_lib.load_config('tiny', ov), gpu_target.devices(t))
+  return s, assemble.compile_train_step(s, gpu_target.compiler_options())
+
+
+def kernels(compiled) -> set[str]:
+  return set(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', compiled.executable.as_text()))
+
+
+@needs_plugin
+def test_inspect_target_h100x8(capsys, tmp_path):
+  """`python -m jax3d.inspect --target=h100x8`: the GPU compile, its device kind and memory, cuDNN
+  attention under auto, and the HLO written; its argument bytes are the CPU compile's."""
+  hlo = tmp_path / 'step.hlo'
+  assert inspect_cmd.main(['--target=h100x8', '--json', f'--hlo={hlo}', *TINY_BF16]) == 0
+  r = json.loads(capsys.readouterr().out)
+  assert r['device_kind'] == 'NVIDIA H100 80GB HBM3' and r['n_devices'] == 8
+  assert r['device_memory_bytes'] == 84978434048 and r['fits'] is True
+  assert r['attention_kernel'] == 'cudnn'
+  assert '__cudnn$fmhaScaleBiasSoftmaxBackward' in hlo.read_text()
+  assert r['flops'] > 0.9 * r['model_flops'] > 0
+  assert inspect_cmd.main(['--json', *TINY_BF16]) == 0  # the same step on 8 CPU devices
+  cpu = json.loads(capsys.readouterr().out)
+  assert cpu['attention_kernel'] == 'xla'
+  assert r['memory_bytes']['argument'] == cpu['memory_bytes']['argument']
+  assert r['memory_bytes']['alias'] == cpu['memory_bytes']['alias']
+  assert r['layout'] == cpu['layout']
+
+
+LAYOUTS = {
+  '2-2-2 auto': dict(mesh__dp=2, mesh__pp=2, mesh__tp=2, pipeline__microbatches=2),
+  '8-1-1 zero3 cudnn': dict(
+    mesh__dp=8,
+    mesh__pp=1,
+    mesh__tp=1,
+    pipeline__microbatches=1,
+    train__shard_params=True,
+    train__attention='cudnn',
+  ),
+  '1-2-4 sp 1f1b': dict(
+    mesh__dp=1,
+    mesh__pp=2,
+    mesh__tp=4,
+    pipeline__microbatches=4,
+    pipeline__schedule='1f1b',
+    train__sequence_parallel='true',
+    model__n_kv_heads=4,
+  ),
+  '2-2-2 circular zero1 ga2': dict(
+    mesh__dp=2,
+    mesh__pp=2,
+    mesh__tp=2,
+    pipeline__microbatches=2,
+    pipeline__repeats=2,
+    train__shard_optimizer=True,
+    train__grad_accum=2,
+    model__n_layers=4,
+  ),
+}
+
+
+@needs_plugin
+@pytest.mark.parametrize('name', list(LAYOUTS))
+def test_cudnn_attention_compiles_on_every_layout(name):
+  s, c = compile_for('h100x8', **LAYOUTS[name])
+  assert s.dims.attention == 'cudnn'
+  assert kernels(c) == {'__cudnn$fmhaScaleBiasSoftmax', '__cudnn$fmhaScaleBiasSoftmaxBackward'}
+  assert c.analysis()['attention_kernel'] == 'cudnn'
+
+
+@needs_plugin
+def test_xla_attention_and_fp32_have_no_cudnn_kernel():
+  """`xla` is XLA's attention on a GPU too; `auto` in float32 is XLA's (cuDNN takes bf16/fp16)."""
+  s, c = compile_for(
+    'h100x8', mesh__dp=8, mesh__pp=1, mesh__tp=1, pipeline__microbatches=1, train__attention='xla'
+  )
+  assert s.dims.attention == 'xla' and kernels(c) == set()
+  s, c = compile_for(
+    'a100x8', mesh__dp=8, mesh__pp=1, mesh__tp=1, pipeline__microbatches=1, train__compute_dtype='float32'
+  )
+  assert s.dims.attention == 'xla' and kernels(c) == set()
+  assert s.mesh.devices.flat[0].device_kind == 'NVIDIA A100-SXM4-80GB'
+
+
+def test_target_without_the_plugin_is_one_error_line(monkeypatch, capsys):
+  monkeypatch.setattr(gpu_target, 'plugin_installed', lambda: False)
+  assert inspect_cmd.main(['--target=h100x8']) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [
+    "error: --target=h100x8 needs JAX's CUDA plugin to compile for GPUs: pip install 'jax3d[cuda12]' "
+    "(or 'jax[cuda12]'); no GPU is needed"
+  ]
+
+
+@pytest.mark.parametrize('bad', ['h100', 'h100x12', 'v100x8', 'h100x0', 'x8'])
+def test_bad_target_is_refused_before_anything(bad, capsys):
+  assert inspect_cmd.main([f'--target={bad}']) == 2
+  err = capsys.readouterr().err
+  assert f'--target={bad!r}'.replace("'", '') in err.replace("'", '') and 'KINDxN' in err
+
+
+def test_targets_and_their_topologies():
+  t = gpu_target.parse('H200x16')
+  assert (t.kind, t.n, t.nodes, t.per_node) == ('h200', 16, 2, 8)
+  assert t.memory_bytes == 143771 * 2**20 and t.device_kind == 'NVIDIA H200'
+  assert gpu_target.parse('a100x4').nodes == 1
+  opts = gpu_target.compiler_options()
+  assert opts['xla_gpu_enable_latency_hiding_scheduler'] is True and opts['xla_gpu_shard_autotuning'] is False
+
+
+def test_per_device_attention_region_equals_xla_on_cpu(monkeypatch):
+  """The code path of `cudnn` (the documents' bias, the per-device forward and backward regions,
+  the custom VJP) with XLA's kernel in cuDNN's place, on a 2x2x2 mesh with batch over dp and heads
+  over tp: XLA's attention with the [b, 1, t, t] mask, value and gradients, on rows of documents
+  of uneven length (some of one token) under GQA 8/4. (The step with the real kernel, in every
+  layout, compiles above; scripts/bench_gpu.py runs it against XLA's on a GPU.)"""
+  rng = np.random.default_rng(0)
+  b, t, n, k, h = 8, 16, 8, 4, 8
+  q, kk, v = (jnp.asarray(rng.standard_normal((b, t, heads, h)), jnp.float32) for heads in (n, k, k))
+  seg = np.ones((b, t), np.int32)
+  for row in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, t), size=4, replace=False))
+    seg[row] = np.searchsorted(cuts, np.arange(t), side='right') + 1
+  seg = jnp.asarray(seg)
+  w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  loss = lambda kernel: lambda q, kk, v: jnp.sum(attention.attend(q, kk, v, seg, kernel) * w)
+  ref_val, ref_grads = jax.value_and_grad(loss('xla'), argnums=(0, 1, 2))(q, kk, v)
+
+  monkeypatch.setattr(
+    attention,
+    '_cudnn',
+    lambda q, k, v, bias=None: jax.nn.dot_product_attention(
+      q, k, v, bias=bias, is_causal=True, implementation='xla'
+    ),
+  )
+  regions = []
+  real = attention.sharding.device_local
+  monkeypatch.setattr(attention.sharding, 'device_local', lambda *a: regions.append(a[1:]) or real(*a))
+  mesh = jax.make_mesh((2, 2, 2), ('dp', 'pp', 'tp'), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  with jax.set_mesh(mesh), sharding.use_rules(sharding.logical_rules('dp')):
+    val, grads = jax.jit(jax.value_and_grad(loss('cudnn'), argnums=(0, 1, 2)))(q, kk, v)
+  assert len(regions) == 2  # the forward's region and the backward's
+  np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+  chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_llama3_8b_plan_fits_on_h100x8_within_10_percent():
+  """docs/plan.md's 8B command on one node of 8 x H100: XLA:GPU's bytes per device fit, and the
+  planner's estimate is within 10% of them."""
+  from jax3d import config as config_lib
+  from jax3d.planning.verify import verify_memory
+
+  cfg = config_lib.load_config(
+    'llama3_8b',
+    {
+      'mesh.dp': 8,
+      'mesh.tp': 1,
+      'pipeline.microbatches': 1,
+      'train.grad_accum': 4,
+      'train.shard_params': True,
+      'train.shard_params_gather': 'layer',
+      'train.loss_chunks': 8,
+    },
+  )
+  v = verify_memory(cfg, config_lib.validate(cfg, 8), gpu_target.parse('h100x8'))
+  assert v['attention_kernel'] == 'cudnn' and v['fits']
+  assert abs(v['estimate_bytes'] / v['compiled_bytes'] - 1) < 0.10, v
+
+
+def test_fused_attention_memory_keeps_the_layer_input_where_d_model_is_seq():
+  """Llama 3 70B at 8K has d_model = seq: a layer's [b, s, d] activations are not attention scores.
+  With the head size fixed, what a layer keeps is linear in d_model, through d_model = seq too;
+  cuDNN's kernel keeps its bias [b, 1, s, s] where XLA keeps fp32 scores."""
+  from jax3d.planning import memory_model
+
+  res = lambda policy, flash, d: memory_model.layer_residual_bytes(
+    d,
+    4,
+    4,
+    512,
+    256,
+    1,
+    policy=policy,
+    compute='bfloat16',
+    param='float32',
+    flash=flash,
+    batch=2,
+    features=(64, False, False),
+  )
+  for policy in ('none', 'dots', 'full'):
+    below, at, above = (res(policy, True, d) for d in (192, 256, 320))  # seq = 256
+    assert at - below == above - at > 0, policy
+  assert res('full', True, 256) >= 2 * 256 * 256 * 2  # the input, bf16
+  assert res('none', True, 256) < res('none', False, 256)  # no fp32 scores, a bf16 bias
+
+
+def test_plugin_without_a_gpu_runs_jax_on_cpu(monkeypatch):
+  """JAX's CUDA plugin installed and no GPU: JAX_PLATFORMS=cpu, unless the user chose platforms."""
+  monkeypatch.setattr(gpu_target, 'plugin_installed', lambda: True)
+  monkeypatch.setattr(gpu_target.gpu, 'gpu_present', lambda env: False)
+  env = {}
+  assert gpu_target.hide_unusable_plugin(env) and env['JAX_PLATFORMS'] == 'cpu'
+  env = {'JAX_PLATFORMS': 'cuda'}
+  assert not gpu_target.hide_unusable_plugin(env) and env['JAX_PLATFORMS'] == 'cuda'
+  monkeypatch.setattr(gpu_target.gpu, 'gpu_present', lambda env: True)
+  env = {}
+  assert not gpu_target.hide_unusable_plugin(env) and 'JAX_PLATFORMS' not in env
