@@ -53,9 +53,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
 # Devices and configs
-# ---------------------------------------------------------------------------------------------
 def use_fake_cpu_devices(n: int = 8) -> int:
   """Makes the host CPU look like `n` devices, so 3D layouts run on a laptop. Returns n.
 
@@ -117,9 +115,7 @@ def _with(cfg: ml_collections.ConfigDict, **kw: Any) -> ml_collections.ConfigDic
   return cfg
 
 
-# ---------------------------------------------------------------------------------------------
 # Building a run
-# ---------------------------------------------------------------------------------------------
 def __getattr__(name: str) -> Any:
   # `Trainer` is imported on first use: importing it imports jax and flax.
   if name == 'Trainer':
@@ -201,9 +197,7 @@ def losses(records: list[dict]) -> list[float]:
   return [r['loss'] for r in records if 'loss' in r and 'event' not in r]
 
 
-# ---------------------------------------------------------------------------------------------
 # Pipeline bubble and memory
-# ---------------------------------------------------------------------------------------------
 def bubble(pp: int, microbatches: int, repeats: int = 1) -> float:
   """Idle share of a pipeline step: (p-1)/(v*m+p-1).
 
@@ -251,9 +245,7 @@ def compiled_memory(
   )
 
 
-# ---------------------------------------------------------------------------------------------
 # The planner
-# ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Plan:
   """The planner's answer for one model on one cluster: `layouts` (dicts, fitting ones first,

@@ -145,7 +145,7 @@ def declared() -> Declared:
   c.train.shard_params_gather = 'auto', one_of(*GATHERS)
   # float32 | bfloat16 | int8 for the dp gradient reduction
   c.train.grad_reduce_dtype = 'float32', one_of(*GRAD_REDUCE_DTYPES)
-  # auto | xla | cudnn  (jax.nn.dot_product_attention implementation)
+  # auto: cuDNN's fused attention on NVIDIA GPUs in bf16/fp16 (head size a multiple of 8, <= 256), else XLA's | xla | cudnn
   c.train.attention = 'auto', one_of(*ATTENTION_IMPLS)
   # Megatron-SP with tp > 1: true | false | auto (on when rows divide)
   c.train.sequence_parallel = 'false', one_of(*SWITCH, fold_case=True)
