@@ -53,17 +53,14 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
 # Devices and configs
-# ---------------------------------------------------------------------------------------------
 def use_fake_cpu_devices(n: int = 8) -> int:
   """Makes the host CPU look like `n` devices, so 3D layouts run on a laptop. Returns n.
 
   XLA reads `--xla_force_host_platform_device_count` once, when jax starts its backend (the first
   call that needs a device), so this must run before that; it raises if the backend is already up
   with another count rather than silently training on one device. An XLA_FLAGS the user set is
-  kept (they chose their devices). On a GPU machine the GPUs stay the default devices.
-  """
+  kept (they chose their devices). On a GPU machine the GPUs stay the default devices."""
   from jax3d.parallel import mesh as mesh_lib
 
   mesh_lib.use_fake_cpu_devices(n)
@@ -96,8 +93,7 @@ def load_config(
 
   Overrides come as a dict with dotted keys (`{'mesh.tp': 4}`) and/or keywords with `__` for the
   dot (`mesh__tp=4`), because keywords cannot hold dots. Unknown keys raise `ConfigError` listing
-  the valid ones, so a typo never silently trains the default.
-  """
+  the valid ones, so a typo never silently trains the default."""
   from jax3d import config as config_lib
 
   merged = dict(overrides or {})
@@ -117,9 +113,7 @@ def _with(cfg: ml_collections.ConfigDict, **kw: Any) -> ml_collections.ConfigDic
   return cfg
 
 
-# ---------------------------------------------------------------------------------------------
 # Building a run
-# ---------------------------------------------------------------------------------------------
 def __getattr__(name: str) -> Any:
   # `Trainer` is imported on first use: importing it imports jax and flax.
   if name == 'Trainer':
@@ -153,17 +147,27 @@ def build(
   return t
 
 
-def export_hf(source: Trainer | str, out: str, max_shard_bytes: int = 2 << 30, merge: bool = False) -> list:
+def export_hf(
+  source: Trainer | str,
+  out: str,
+  max_shard_bytes: int = 2 << 30,
+  overwrite: bool = False,
+  merge: bool = False,
+) -> list[str]:
   """Writes a Hugging Face folder (config.json, safetensors, tokenizer files) that transformers'
   `from_pretrained(out)` loads, from a Trainer's current parameters or a run's workdir (its newest
   checkpoint); returns the files written (a LoRA run: a PEFT adapter folder, or with `merge` the
-  merged model). Importing is `build(load_config(..., checkpoint__init_from='hf:PATH'))`."""
-  from jax3d.hf import export
+  merged model). `out` is written whole or not at all, never over a folder the run reads nor, unless
+  `overwrite`, over a non-empty folder that is not an earlier export (jax3d/hf/outdir.py).
+  Importing is `build(load_config(..., checkpoint__init_from='hf:PATH'))`."""
+  from jax3d.hf import export, outdir
   from jax3d.trainer import workdir
 
   if isinstance(source, str | os.PathLike):
-    return workdir.export_workdir(os.fspath(source), out, max_shard_bytes=max_shard_bytes, merge=merge)
-  return export.export_run(source.state['params'], source.setup, out, merge, max_shard_bytes, 'here')[0]
+    kw = {'max_shard_bytes': max_shard_bytes, 'overwrite': overwrite, 'merge': merge}
+    return workdir.export_workdir(os.fspath(source), out, **kw)
+  outdir.check(out, outdir.reads_of(source.cfg, source.workdir), overwrite)
+  return export.export_run(source.state['params'], source.setup, out, merge, max_shard_bytes, 'here')
 
 
 def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:
@@ -193,9 +197,7 @@ def losses(records: list[dict]) -> list[float]:
   return [r['loss'] for r in records if 'loss' in r and 'event' not in r]
 
 
-# ---------------------------------------------------------------------------------------------
 # Pipeline bubble and memory
-# ---------------------------------------------------------------------------------------------
 def bubble(pp: int, microbatches: int, repeats: int = 1) -> float:
   """Idle share of a pipeline step: (p-1)/(v*m+p-1).
 
@@ -243,9 +245,7 @@ def compiled_memory(
   )
 
 
-# ---------------------------------------------------------------------------------------------
 # The planner
-# ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Plan:
   """The planner's answer for one model on one cluster: `layouts` (dicts, fitting ones first,

@@ -45,13 +45,17 @@ from jax3d.record import Setup
 from jax3d.training import optim, step as step_lib
 
 
-def build(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Setup:
+def build(
+  cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, saved: bool = False
+) -> Setup:
   """The one build path: `resolve` the config (an hf: import, a tokenizer), validate it once for
   these devices (ConfigError, before anything compiles; naming the imported config.json when the
   model came from one), build the ('dp', 'pp', 'tp') mesh, the shardings and the train state's
-  abstract shapes. Nothing is allocated or compiled."""
+  abstract shapes. Nothing is allocated or compiled. `saved`: cfg is a run's saved config (resolved
+  when the run started), whose model.* is the model it was built on: model.vocab_size is kept (an
+  import's can exceed its tokenizer's), not taken from the tokenizer again."""
   devices = list(devices if devices is not None else jax.devices())
-  cfg, hf = _resolve(cfg)
+  cfg, hf = _resolve(cfg, saved)
   try:
     plan = config_lib.validate(cfg, len(devices))
   except ConfigError as e:
@@ -133,6 +137,8 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   * `checkpoint.init_from=hf:PATH`: model.* from PATH/config.json, its tensors checked (names and
     shapes, from the safetensors headers), and PATH's own tokenizer when data.tokenizer is 'bytes';
+    any other init_from (a run to warm-start from), data.path and lora.init_from: their absolute
+    paths, and lora.rank, alpha and targets from lora.init_from's adapter_config.json;
   * token shards (data.path) made with a subword tokenizer: that one when data.tokenizer is 'bytes';
   * a subword `data.tokenizer`: its absolute path (recorded in checkpoints, so that jax3d.sample
     finds it) and model.vocab_size from it, or, when an import fixes the vocabulary, a check that
@@ -143,19 +149,27 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return _resolve(cfg)[0]
 
 
-def _resolve(cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, hf_config.HFModel | None]:
-  """`resolve`, and the Hugging Face folder it read (None without an import)."""
+def _resolve(
+  cfg: ml_collections.ConfigDict, saved: bool = False
+) -> tuple[ml_collections.ConfigDict, hf_config.HFModel | None]:
+  """`resolve`, and the Hugging Face folder it read (None without an import); `saved` as in build."""
   hf = hf_config.read(cfg.checkpoint.init_from) if hf_config.is_hf(cfg.checkpoint.init_from) else None
   if hf is not None:
     hf_config.check_tensors(hf)
     cfg = hf_config.with_model(cfg, hf)
+    config_lib.set_key(cfg, 'checkpoint.init_from', hf_config.PREFIX + hf.path)  # absolute
     if cfg.data.tokenizer == tok_lib.BYTES and any(
       os.path.exists(os.path.join(hf.path, n)) for n in ('tokenizer.json', 'tokenizer.model')
     ):
       config_lib.set_key(cfg, 'data.tokenizer', hf.path)
   else:
     cfg = copy.deepcopy(cfg)
-  if cfg.lora.init_from:  # lora.rank, alpha and targets from the PEFT adapter's own config
+    if cfg.checkpoint.init_from:  # a warm start's workdir: absolute, as Orbax reads it
+      config_lib.set_key(cfg, 'checkpoint.init_from', os.path.abspath(cfg.checkpoint.init_from))
+  if cfg.data.path and os.path.exists(cfg.data.path):  # recorded in checkpoints: any cwd finds it
+    config_lib.set_key(cfg, 'data.path', os.path.abspath(cfg.data.path))
+  if cfg.lora.init_from:  # absolute; lora.rank, alpha and targets from the PEFT adapter's own config
+    config_lib.set_key(cfg, 'lora.init_from', os.path.abspath(cfg.lora.init_from))
     peft.with_lora(cfg, cfg.lora.init_from)
   if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(cfg.data.path):
     made_with = shards.read_index(cfg.data.path).get('tokenizer', {}).get('path', tok_lib.BYTES)
@@ -164,12 +178,12 @@ def _resolve(cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict,
   if cfg.data.tokenizer != tok_lib.BYTES:
     tok = tok_lib.load(cfg.data.tokenizer)
     config_lib.set_key(cfg, 'data.tokenizer', tok.path)
-    if hf is None:
+    if hf is None and not saved:
       config_lib.set_key(cfg, 'model.vocab_size', tok.vocab_size)
     elif tok.vocab_size > cfg.model.vocab_size:
       raise ConfigError(
         f'data.tokenizer={tok.path!r} has {tok.vocab_size} tokens, more than model.vocab_size='
-        f'{cfg.model.vocab_size} of {hf.path}/config.json'
+        f'{cfg.model.vocab_size} of ' + (f'{hf.path}/config.json' if hf else "the run's saved model")
       )
   return cfg, hf
 

@@ -24,43 +24,44 @@ jax3d error into its one `error:` line and status; `fail(e)` does it for one err
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from jax3d import errors
+from jax3d.config import ranges
+
+# A flag's range is a jax3d.config.ranges.Range (the vocabulary of the config keys' ranges too):
+# `Flag(int, 0, help, NON_NEGATIVE)`; a flag that sets the same thing as a config key takes the
+# key's own range (`key_range('sample.temperature')`), so the two never disagree.
+POSITIVE = ranges.above(0)
+NON_NEGATIVE = ranges.at_least(0)
+one_of = functools.partial(ranges.one_of, fold_case=True)  # --distributed=AUTO too
 
 
-class Check(NamedTuple):
-  """A condition on a flag's converted value, and the words that say what is valid."""
+def key_range(key: str) -> ranges.Range:
+  """The declared range of config key `key` (jax3d/config/keys.py), for a flag that sets it."""
+  from jax3d.config import keys
 
-  ok: Callable[[Any], bool]
-  valid: str
-
-
-POSITIVE = Check(lambda v: v > 0, 'must be positive')
-NON_NEGATIVE = Check(lambda v: v >= 0, 'must be >= 0')
+  return keys.ranges()[key]
 
 
-def _target_check() -> Check:
+def _target_check() -> ranges.Range:
   from jax3d.parallel import gpu_target  # no jax: the GPU target descriptions and their form
 
-  return Check(lambda v: v == '' or gpu_target.is_target(v), gpu_target.FORM)
-
-
-def one_of(*values: str) -> Check:
-  """A Check that the value is one of `values` (compared in lower case)."""
-  return Check(lambda v: str(v).lower() in values, ', '.join(values))
+  return ranges.Range(lambda v: v == '' or gpu_target.is_target(v), gpu_target.FORM)
 
 
 class Flag(NamedTuple):
   """One declared flag: its type (str, int, float or bool), its default (None: not given), one line
-  of help, an optional Check of the converted value, and whether it must be given."""
+  of help, its range (a jax3d.config.ranges.Range of the converted value; None: any value of
+  the type), and whether it must be given."""
 
   type: type
   default: Any = None
   help: str = ''
-  check: Check | None = None
+  check: ranges.Range | None = None
   required: bool = False
 
 
@@ -81,6 +82,7 @@ class Args:
   config_path: --config as given, None when absent (the default config was loaded).
   overrides: the --config.KEY=VALUE pairs as given (strings), already checked against cfg.
   positional: the positional arguments, as many as the command declares.
+  given: the flags given on the command line, as written.
   """
 
   flags: dict[str, Any]
@@ -88,6 +90,7 @@ class Args:
   config_path: str | None = None
   overrides: dict[str, str] = dataclasses.field(default_factory=dict)
   positional: list[str] = dataclasses.field(default_factory=list)
+  given: dict[str, str] = dataclasses.field(default_factory=dict)  # the flags given, as written
 
   @property
   def config_name(self) -> str:
@@ -188,6 +191,11 @@ def parse(
       from jax3d import config as config_lib
 
       args.cfg = config_lib.load_config(args.config_path, args.overrides)  # set_key converts the types
+      config_lib.check_ranges(args.cfg)  # every key in its range, for every command (batch too)
+    for key, value in args.given.items():  # each given flag in its declared range
+      check = flags[key].check
+      if check is not None and not check.ok(args.flags[key]):
+        raise errors.UsageError(f'--{key}={value} is invalid: {check.words(flags[key].type)}')
   except (errors.UsageError, errors.ConfigError) as e:
     return fail(e)
   return args
@@ -224,10 +232,8 @@ def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dic
     elif is_config:
       args.overrides[name[len('config.') :]] = value
     else:
-      converted = _convert(key, flag, value)
-      if flag.check is not None and not flag.check.ok(converted):
-        raise errors.UsageError(f'--{key}={value} is invalid: {flag.check.valid}')
-      args.flags[key] = converted
+      args.flags[key] = _convert(key, flag, value)
+      args.given[key] = value
   for name, f in flags.items():
     if f.required and args.flags[name] in (None, ''):
       raise errors.UsageError(f'--{name} is required: {f.help}')

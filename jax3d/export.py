@@ -20,8 +20,14 @@ A LoRA run (lora.rank > 0) is written as a PEFT adapter folder (adapter_config.j
 adapter_model.safetensors) for its hf: base, which `peft.PeftModel.from_pretrained(base_model, DIR)`
 loads (--verify: through peft); --merge writes the whole model with the adapters merged instead.
 
-Exit status: 0 written (and verified); 2 bad flags or no checkpoint in the workdir (one line on
-stderr); 3 a checkpoint that does not match its config, or an export that fails --verify.
+--out is written whole or not at all (jax3d/hf/outdir.py): into a temporary folder beside it,
+verified there, then renamed into place, so no file of an earlier export remains. It may not be
+a folder the run reads (its workdir, the model it was imported from, its tokenizer or data), nor
+a file; a non-empty folder that is not an earlier jax3d export is replaced only with --overwrite.
+
+Exit status: 0 written (and verified); 2 bad flags, an --out refused as above, or no checkpoint in
+the workdir (one line on stderr); 3 a checkpoint that does not match its config, or an export that
+fails --verify (--out left as it was).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ FLAGS = {
   'max_shard_mb': cli.Flag(int, 2048, 'largest safetensors file, in MiB', cli.POSITIVE),
   'verify': cli.Flag(bool, False, "load the export in transformers and compare its logits with jax3d's"),
   'merge': cli.Flag(bool, False, 'a LoRA run: the whole model with the adapters merged, not a PEFT adapter'),
+  'overwrite': cli.Flag(bool, False, 'replace a non-empty --out that is not an earlier jax3d export'),
 }
 
 
@@ -56,6 +63,7 @@ def _export(args: cli.Args) -> int:
     max_shard_bytes=f['max_shard_mb'] << 20,
     verify=f['verify'],
     merge=f['merge'],
+    overwrite=f['overwrite'],
   )
   print(f'wrote {f["out"]}: {", ".join(files)}')
   return 0

@@ -40,14 +40,19 @@ FLAGS = {
     float, Hardware.peak_tflops, 'dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)', cli.POSITIVE
   ),
   'efficiency': cli.Flag(
-    float, Hardware.efficiency, 'achievable share of peak for the matmuls', cli.POSITIVE
+    float,
+    Hardware.efficiency,
+    'achievable share of peak for the matmuls',
+    cli.ranges.between(0, 1, low_open=True),
   ),
   'intra_node_gbps': cli.Flag(
     float, Hardware.intra_gbps, 'GB/s per GPU per direction inside a node', cli.POSITIVE
   ),
   'inter_node_gbps': cli.Flag(float, Hardware.inter_gbps, 'GB/s per GPU across nodes', cli.POSITIVE),
-  'overlap': cli.Flag(float, Hardware.overlap, 'share of the backward pass that hides the dp all-reduce'),
-  'top': cli.Flag(int, 10, 'fitting layouts to list'),
+  'overlap': cli.Flag(
+    float, Hardware.overlap, 'share of the backward pass that hides the dp all-reduce', cli.ranges.FRACTION
+  ),
+  'top': cli.Flag(int, 10, 'fitting layouts to list', cli.POSITIVE),
   'fixed': cli.Flag(bool, False, 'price only the layout the config sets (no search)'),
   'json': cli.Flag(bool, False, 'print the layouts as JSON'),
   'emit': cli.Flag(bool, False, 'print the --config overrides of the best layout for jax3d.train'),

@@ -4,8 +4,9 @@
 Turns text into the token shards jax3d trains on (`--config.data.path=DIR`):
 
   --input       a text file, a folder of text files (.py .txt .md ...) and/or .jsonl files, or a
-                .jsonl file (one document per line, text in --field); default: the Python
-                standard library's own source (no download)
+                .jsonl file (one document per line, text in --field: a string); any of them
+                compressed with gzip, zstd, bzip2 or xz (read by content, jax3d/data/inputs.py);
+                default: the Python standard library's own source (no download)
   --train_tokenizer=VOCAB   first train a byte-level BPE tokenizer of VOCAB tokens on the training
                 documents (`tokenizers`), saved as DIR/tokenizer.json (reused when it exists)
   --tokenizer   or use this one: a tokenizer.json, a SentencePiece .model, a folder with one, or
@@ -21,9 +22,12 @@ documents separated by EOS; a document is wholly in one split), each with its do
 (.starts.bin) and, for chat, its weights (.weights.bin), and DIR/index.json, on --workers
 processes (default: every core) with a progress bar, then prints the throughput (and, for chat,
 the supervised fraction). Rerunning skips the shards already done for the same inputs, tokenizer
-and template (jax3d/data/prepare.py).
+and template (jax3d/data/prepare.py); over a complete dataset the new one is written beside it and
+swapped in only when complete, so a failed rerun leaves it as it was (jax3d/data/staging.py).
 
-Exit status: 0 done; 2 bad flags or input (one line on stderr: for chat data also a line without
+Exit status: 0 done; 2 bad flags or input (one line on stderr naming the file, and the line of a
+JSONL one: a binary file, text that is not UTF-8, a field that is missing or not a string, no text
+at all, --out inside --input; for chat data also a line without
 "messages", an unknown role, a template that fails or does not render prefixes consistently, a
 conversation with no supervised token, a tokenizer folder without a chat template).
 """
@@ -32,27 +36,35 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 from jax3d import cli
 
 FORMATS = ('text', 'chat')
 FLAGS = {
-  'out': cli.Flag(str, None, 'the folder of the token shards (and a trained tokenizer)', required=True),
-  'input': cli.Flag(str, '', "text file, folder or .jsonl (default: the standard library's source)"),
+  'out': cli.Flag(
+    str, None, 'the folder of the token shards (and a trained tokenizer)', cli.ranges.NEW_OR_FOLDER, True
+  ),
+  'input': cli.Flag(
+    str, '', "text file, folder or .jsonl (default: the standard library's source)", cli.ranges.EXISTING
+  ),
   'tokenizer': cli.Flag(str, '', "tokenizer.json, SentencePiece .model, folder or 'bytes'"),
   'train_tokenizer': cli.Flag(
-    int, 0, 'train a byte-level BPE tokenizer of this many tokens first', cli.NON_NEGATIVE
+    int,
+    0,
+    'train a byte-level BPE tokenizer of this many tokens first',
+    cli.ranges.either(0, cli.ranges.at_least(257), '256 bytes + EOS at least; 0 = none'),
   ),
   'format': cli.Flag(
     str,
     'text',
     'text, or chat: .jsonl conversations ({"messages": [...]})',
-    cli.Check(lambda v: v in FORMATS, 'text or chat'),
+    cli.one_of(*FORMATS),
   ),
-  'field': cli.Flag(str, 'text', 'the text field of .jsonl records'),
+  'field': cli.Flag(str, 'text', 'the text field of .jsonl records', cli.ranges.text('a JSON key')),
   'workers': cli.Flag(int, 0, 'worker processes (0 = every core)', cli.NON_NEGATIVE),
   'eval_fraction': cli.Flag(
-    float, 0.05, 'held-out share of the documents', cli.Check(lambda v: 0 <= v < 1, 'in [0, 1)')
+    float, 0.05, 'held-out share of the documents', cli.ranges.between(0, 1, high_open=True)
   ),
   'shard_mb': cli.Flag(float, 64.0, 'text per shard (and per work unit), MB', cli.POSITIVE),
   'progress': cli.Flag(bool, True, 'show a progress bar'),
@@ -67,22 +79,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args: cli.Args) -> int:
-  from jax3d.data import bpe, prepare, tokenizer as tok_lib
+  from jax3d.data import bpe, prepare, reading, staging, tokenizer as tok_lib
 
   f = args.flags
-  if f['input'] and not os.path.exists(f['input']):
-    return cli.fail(f'--input={f["input"]}: no such file or folder')
+  staging.check(f['input'], f['out'])  # --out inside --input, or over what prepare did not write
   if f['train_tokenizer'] and f['tokenizer']:
     return cli.fail(f'--tokenizer={f["tokenizer"]} and --train_tokenizer={f["train_tokenizer"]}: give one')
-  if 0 < f['train_tokenizer'] < 257:
-    return cli.fail(f'--train_tokenizer={f["train_tokenizer"]} is invalid: at least 257 (256 bytes + EOS)')
   shard_bytes = int(f['shard_mb'] * 1e6)
   own = os.path.join(f['out'], 'tokenizer.json')
   try:
     if f['train_tokenizer'] and not os.path.exists(own):
       os.makedirs(f['out'], exist_ok=True)
-      texts = prepare.training_texts(f['input'], f['field'], f['eval_fraction'], shard_bytes)
-      bpe.train_tokenizer(texts, f['train_tokenizer'], own)
+      with tempfile.TemporaryDirectory(dir=f['out']) as scratch:  # decompressed inputs
+        texts = reading.training_texts(f['input'], f['field'], f['eval_fraction'], shard_bytes, scratch)
+        bpe.train_tokenizer(texts, f['train_tokenizer'], own)
       print(f'trained a BPE tokenizer: {tok_lib.load(own).describe()}')
     spec = f['tokenizer'] or (own if os.path.exists(own) else tok_lib.BYTES)
     tok = tok_lib.load(spec)
@@ -109,6 +119,12 @@ def _prepare(args: cli.Args) -> int:
     f'{r["units_done"]} shard(s) tokenized, {r["units_skipped"]} already done; '
     f'{r["bytes"] / 1e6:.1f} MB in {r["seconds"]:.1f} s = {r["mb_per_s"]:.2f} MB/s on {r["workers"]} worker(s)'
   )
+  if r['undecodable']:
+    where = ', '.join(f'{file} ({n})' for file, n in sorted(r['undecodable'].items())[:3])
+    print(
+      f'note: {sum(r["undecodable"].values()):,} byte(s) that are not UTF-8 replaced by U+FFFD: {where}',
+      file=sys.stderr,
+    )
   if f['format'] == 'chat':
     docs, sup = (
       n('train', 'documents') + n('val', 'documents'),
@@ -122,7 +138,8 @@ def _prepare(args: cli.Args) -> int:
 def _check_chat(f: dict, tok: object) -> None:
   """ValueError unless chat data can be made: a Hugging Face tokenizer.json whose folder has a
   chat template, and JSONL input."""
-  from jax3d.data import chat, tokenizer as tok_lib
+  from jax3d.data import chat, inputs, tokenizer as tok_lib
+  from jax3d.data.reading import JSONL_SUFFIXES
 
   if not isinstance(tok, tok_lib.HFTokenizer):
     raise ValueError(
@@ -130,7 +147,11 @@ def _check_chat(f: dict, tok: object) -> None:
       '(tokenizer.json and its chat template)'
     )
   chat.load_template(os.path.dirname(tok.path))
-  if f['input'] and not os.path.isdir(f['input']) and not f['input'].endswith('.jsonl'):
+  if (
+    f['input']
+    and not os.path.isdir(f['input'])
+    and not inputs.plain_name(f['input']).endswith(JSONL_SUFFIXES)
+  ):
     raise ValueError(f'--input={f["input"]}: --format=chat reads .jsonl files (one conversation a line)')
 
 

@@ -31,13 +31,29 @@ from jax3d.trainer.workdir import sample_hf, sample_workdir
 
 FLAGS = {
   'workdir': cli.Flag(
-    str, None, "a training run's workdir, holding checkpoints/ (or --config.checkpoint.init_from=hf:PATH)"
+    str,
+    None,
+    "a training run's workdir, holding checkpoints/ (or --config.checkpoint.init_from=hf:PATH)",
+    cli.ranges.FOLDER,
   ),
   'prompt': cli.Flag(str, None, "the text to continue (default: the config's sample.prompt)"),
-  'tokens': cli.Flag(int, None, 'bytes to generate (default: sample.tokens)', cli.NON_NEGATIVE),
-  'temperature': cli.Flag(float, None, 'sampling temperature, 0 = greedy (default: sample.temperature)'),
-  'top_k': cli.Flag(int, None, 'sample among the k likeliest bytes, 0 = all (default: sample.top_k)'),
-  'seed': cli.Flag(int, 0, 'random seed of the sampling'),
+  # The ranges of the config keys these flags set (jax3d/config/keys.py).
+  'tokens': cli.Flag(
+    int, None, 'tokens to generate (default: sample.tokens)', cli.key_range('sample.tokens')
+  ),
+  'temperature': cli.Flag(
+    float,
+    None,
+    'sampling temperature, 0 = greedy (default: sample.temperature)',
+    cli.key_range('sample.temperature'),
+  ),
+  'top_k': cli.Flag(
+    int,
+    None,
+    'sample among the k likeliest tokens, 0 = all (default: sample.top_k)',
+    cli.key_range('sample.top_k'),
+  ),
+  'seed': cli.Flag(int, 0, 'random seed of the sampling', cli.ranges.SEED),
   'greedy': cli.Flag(bool, False, 'always the likeliest byte (same as --temperature=0)'),
 }
 

@@ -27,7 +27,9 @@ from jax3d.trainer import distributed
 # The distributed flags are distributed.FLAGS, typed (an unset one falls back to its environment
 # variable: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX3D_DISTRIBUTED, ...).
 FLAGS = {
-  'workdir': cli.Flag(str, None, 'checkpoints and metrics.jsonl go here (default: runs/CONFIG_NAME)'),
+  'workdir': cli.Flag(
+    str, None, 'checkpoints and metrics.jsonl go here (default: runs/CONFIG_NAME)', cli.ranges.NEW_OR_FOLDER
+  ),
   'coordinator': cli.Flag(str, None, 'HOST:PORT of process 0'),
   'num_processes': cli.Flag(int, None, 'processes in the run', cli.POSITIVE),
   'process_id': cli.Flag(int, None, 'this process, 0 .. num_processes-1', cli.NON_NEGATIVE),

@@ -1,6 +1,7 @@
 """The configuration reference, generated: every key of `jax3d.config.base_config()` with its type,
-its default and the comment its line carries in the source, as the markdown tables between the
-marker lines of docs/configuration.md.
+its default, its valid range (declared beside the default: jax3d/config/keys.py) and the comment
+its line carries in the source, as the markdown tables between the marker lines of
+docs/configuration.md.
 
   python scripts/config_docs.py           rewrite the block in docs/configuration.md
   python scripts/config_docs.py --check   exit 1 if the block differs from what the code says
@@ -118,6 +119,12 @@ def _cell(text: str) -> str:
   return text.replace('|', '\\|')
 
 
+def valid(key: str, value: Any) -> str:
+  """The words of a key's declared range ('' for a key declared without one)."""
+  rng = jax3d.config.key_ranges().get(key)
+  return '' if rng is None else rng.words(type(value))
+
+
 def render(cfg: Any, source: str) -> str:
   """The generated block (without its marker lines): one table per section, keys in the order of
   the source."""
@@ -136,8 +143,15 @@ def render(cfg: Any, source: str) -> str:
     if head != section:
       section = head
       out += ['', f'### `{section}`' if section else '### top level', '']
-      out += ['| key | type | default | meaning |', '|---|---|---|---|']
-    out.append(f'| `{key}` | {type(values[key]).__name__} | `{values[key]!r}` | {_cell(meaning[key][1])} |')
+      out += ['| key | type | default | valid | meaning |', '|---|---|---|---|---|']
+    cells = [
+      f'`{key}`',
+      type(values[key]).__name__,
+      f'`{values[key]!r}`',
+      valid(key, values[key]),
+      meaning[key][1],
+    ]
+    out.append('| ' + ' | '.join(_cell(c) for c in cells) + ' |')
   return '\n'.join(out[1:]) + '\n'
 
 

@@ -170,7 +170,7 @@ def test_corpus_cap_stops_the_whole_walk(tmp_path, monkeypatch):
       (tmp_path / d / f'{j}.txt').write_bytes(b'x' * 1000)
   train, held = data_lib._read_files(str(tmp_path), 0.0)
   assert held == []
-  assert [len(p) for p in train] == [1000, 1000]  # the file that crossed the cap is the last one read
+  assert [len(raw) for _, raw in train] == [1000, 1000]  # the file that crossed the cap is the last one read
 
 
 def test_prefetch_error_reaches_the_caller(monkeypatch):

@@ -96,7 +96,7 @@ def test_the_check_sees_a_changed_comment_or_a_new_key(gen, doc_block):
   more = copy.deepcopy(cfg)
   with more.unlocked():
     more[section].zz_new_key = 3
-  assert f'`{section}.zz_new_key` | int | `3` | a key nobody documented |' in gen.render(more, added)
+  assert f'`{section}.zz_new_key` | int | `3` |  | a key nobody documented |' in gen.render(more, added)
   with pytest.raises(SystemExit, match=f'no comment for {section}.zz_new_key'):
     gen.render(more, source)  # a key without a comment is refused, not rendered blank
 

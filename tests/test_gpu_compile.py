@@ -206,3 +206,43 @@ def test_llama3_8b_plan_fits_on_h100x8_within_10_percent():
   v = verify_memory(cfg, config_lib.validate(cfg, 8), gpu_target.parse('h100x8'))
   assert v['attention_kernel'] == 'cudnn' and v['fits']
   assert abs(v['estimate_bytes'] / v['compiled_bytes'] - 1) < 0.10, v
+
+
+def test_fused_attention_memory_keeps_the_layer_input_where_d_model_is_seq():
+  """Llama 3 70B at 8K has d_model = seq: a layer's [b, s, d] activations are not attention scores.
+  With the head size fixed, what a layer keeps is linear in d_model, through d_model = seq too;
+  cuDNN's kernel keeps its bias [b, 1, s, s] where XLA keeps fp32 scores."""
+  from jax3d.planning import memory_model
+
+  res = lambda policy, flash, d: memory_model.layer_residual_bytes(
+    d,
+    4,
+    4,
+    512,
+    256,
+    1,
+    policy=policy,
+    compute='bfloat16',
+    param='float32',
+    flash=flash,
+    batch=2,
+    features=(64, False, False),
+  )
+  for policy in ('none', 'dots', 'full'):
+    below, at, above = (res(policy, True, d) for d in (192, 256, 320))  # seq = 256
+    assert at - below == above - at > 0, policy
+  assert res('full', True, 256) >= 2 * 256 * 256 * 2  # the input, bf16
+  assert res('none', True, 256) < res('none', False, 256)  # no fp32 scores, a bf16 bias
+
+
+def test_plugin_without_a_gpu_runs_jax_on_cpu(monkeypatch):
+  """JAX's CUDA plugin installed and no GPU: JAX_PLATFORMS=cpu, unless the user chose platforms."""
+  monkeypatch.setattr(gpu_target, 'plugin_installed', lambda: True)
+  monkeypatch.setattr(gpu_target.gpu, 'gpu_present', lambda env: False)
+  env = {}
+  assert gpu_target.hide_unusable_plugin(env) and env['JAX_PLATFORMS'] == 'cpu'
+  env = {'JAX_PLATFORMS': 'cuda'}
+  assert not gpu_target.hide_unusable_plugin(env) and env['JAX_PLATFORMS'] == 'cuda'
+  monkeypatch.setattr(gpu_target.gpu, 'gpu_present', lambda env: True)
+  env = {}
+  assert not gpu_target.hide_unusable_plugin(env) and 'JAX_PLATFORMS' not in env

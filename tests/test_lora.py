@@ -248,12 +248,14 @@ def test_a_seed_base_run_exports_merged_samples_and_refuses_an_adapter(tmp_path)
   """A LoRA run on a base from train.seed: its checkpoint holds the adapters only, yet sampling
   and `export --merge` read it whole (the base rebuilt from the seed); a PEFT adapter export is
   refused with one line (exit 2): it would have no base to load onto."""
+  import os
   import subprocess
   import sys
 
   import hf_helpers
   import transformers
 
+  from jax3d.hf import outdir
   from jax3d.trainer import workdir
 
   cfg = small_cfg(**LORA, train__steps=2, eval__every=0, log__every=1, train__global_batch_size=4)
@@ -281,6 +283,7 @@ def test_a_seed_base_run_exports_merged_samples_and_refuses_an_adapter(tmp_path)
   )
   assert r.returncode == 2 and r.stderr.strip().startswith('error:') and '--merge' in r.stderr, r.stderr
   assert len(r.stderr.strip().splitlines()) == 1
+  assert not os.path.exists(tmp_path / 'a') and os.path.isfile(tmp_path / 'merged' / outdir.MARKER)
 
 
 def test_inspection_counts_the_adapters_gradients_on_the_dp_wire():

@@ -4,6 +4,7 @@ gradient norms agree within 1e-4, the adapters within a small fraction of one le
 
 from __future__ import annotations
 
+import os
 import re
 
 import hf_helpers as H
@@ -190,10 +191,12 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly(llama, tmp_path):
 
 def test_exported_adapter_and_merge_give_jax3d_logits(llama, tmp_path):
   """Train 2 steps on 2-2-2; the exported PEFT adapter loaded by peft onto the base, and the merged
-  export loaded by transformers, give jax3d's logits; the merge is W + B A alpha/r."""
+  export loaded by transformers, give jax3d's logits; the merge is W + B A alpha/r. Both are staged
+  exports (jax3d/hf/outdir.py), and neither may be written over the base or the starting adapter."""
   from transformers import AutoModelForCausalLM
 
-  from jax3d.hf import safetensors_io
+  from jax3d.errors import UsageError
+  from jax3d.hf import outdir, safetensors_io
   from jax3d.trainer import workdir
 
   base, adapter = llama
@@ -204,6 +207,11 @@ def test_exported_adapter_and_merge_give_jax3d_logits(llama, tmp_path):
   workdir.export_workdir(run, out, one, jax.devices()[:1], verify=True)
   four = {'mesh.dp': 1, 'mesh.pp': 2, 'mesh.tp': 2}
   workdir.export_workdir(run, merged, four, jax.devices()[:4], merge=True, verify=True)
+  assert all(os.path.exists(f'{d}/{outdir.MARKER}') for d in (out, merged))
+  assert not [n for n in os.listdir(tmp_path) if n.endswith(('.partial', '.old'))]
+  for source, what in ((base, 'imported from'), (adapter, 'PEFT adapter the run started from')):
+    with pytest.raises(UsageError, match=what):
+      workdir.export_workdir(run, source, one, jax.devices()[:1], merge=source == base, overwrite=True)
   with_peft = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out).eval()
   assert H.rel_err(H.hf_logits(with_peft, toks), ours) < TOL
   assert H.rel_err(H.hf_logits(AutoModelForCausalLM.from_pretrained(merged).eval(), toks), ours) < TOL

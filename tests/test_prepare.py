@@ -204,9 +204,12 @@ def test_shards_that_disagree_with_their_index_exit_2(bpe, tmp_path):
 
 def test_prepare_bad_input_exits_2(tmp_path):
   r = _prepare('--input=/nonexistent', f'--out={tmp_path}')
-  assert r.returncode == 2 and r.stderr.strip() == 'error: --input=/nonexistent: no such file or folder'
+  assert (
+    r.returncode == 2
+    and r.stderr.strip() == 'error: --input=/nonexistent is invalid: an existing file or folder'
+  )
   r = _prepare(f'--out={tmp_path}', '--train_tokenizer=100')
-  assert r.returncode == 2 and '--train_tokenizer=100' in r.stderr and 'at least 257' in r.stderr
+  assert r.returncode == 2 and '--train_tokenizer=100' in r.stderr and '>= 257' in r.stderr
   assert bpe_lib.EOS_TOKEN == '<|endoftext|>'
 
 

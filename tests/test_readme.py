@@ -126,6 +126,13 @@ NOT_BAD_INPUTS = (
   'test_flag_spellings_and_types',
   'test_train_declares_every_distributed_flag',
   'test_sequence_parallel_setting_resolves',
+  'test_the_table_changed_no_input_file',  # the table's cases changed no file (counted by case)
+  # input that is right to accept, read as the plain input is
+  'test_a_compressed_jsonl_prepares_to_the_plain_one_shards',
+  'test_a_folder_of_compressed_files_prepares_as_the_plain_folder',
+  'test_train_reads_a_compressed_text_file_as_the_plain_one',
+  'test_undecodable_bytes_are_counted_below_the_threshold',
+  'test_chat_content_parts_are_joined_as_a_string',
 )
 
 

@@ -19,20 +19,24 @@ from typing import Any
 
 import numpy as np
 
+from jax3d.errors import ConfigError
+
 
 def load(path: str) -> dict:
   """{'train': [...], 'eval': [...], 'events': [...], 'bad_lines': n}, train and eval sorted by
   step with one record per step (the latest run's)."""
   train, evals, events, bad = {}, {}, [], 0
   cut = None  # after a 'start' event: drop earlier records from this step on
-  with open(path) as f:
+  with open(path, 'rb') as f:
     for line in f:
       line = line.strip()
       if not line:
         continue
       try:
         rec = json.loads(line)
-      except json.JSONDecodeError:
+      except ValueError:  # not JSON, or not UTF-8
+        rec = None
+      if not isinstance(rec, dict):
         bad += 1  # e.g. the half-written last line of a killed run
         continue
       if 'event' in rec:
@@ -279,8 +283,18 @@ def _event_lines(events: Sequence[dict]) -> list[str]:
 
 def write_report(workdir: str) -> str:
   """Reads WORKDIR/metrics.jsonl, writes WORKDIR/report/; returns the report.md path."""
-  run = load(os.path.join(workdir, 'metrics.jsonl'))
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  run = load(metrics)
+  if run['bad_lines'] and not (run['train'] or run['eval'] or run['events']):
+    raise ConfigError(
+      f'WORKDIR={workdir}: {metrics} holds no metrics record ({run["bad_lines"]} line(s) that are not '
+      "JSON objects): not a jax3d run's metrics.jsonl"
+    )
   out_dir = os.path.join(workdir, 'report')
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ConfigError(
+      f'WORKDIR={workdir}: {out_dir} is a file; the report is written into a folder of that name'
+    )
   os.makedirs(out_dir, exist_ok=True)
   written = figures(run, out_dir)
   path = os.path.join(out_dir, 'report.md')

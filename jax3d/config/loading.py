@@ -3,8 +3,10 @@ the type of its default."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,13 +44,45 @@ def load_config(
       f'--config={path}: no such file (try configs/tiny.py, configs/gpt2_small.py, '
       'configs/llama3_8b.py or configs/llama3_70b.py)'
     )
-  spec = importlib.util.spec_from_file_location('jax3d_user_config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config()
+  cfg = _run_config_file(path)
   cfg.lock()
   for key, value in (overrides or {}).items():
     set_key(cfg, key, value)
+  return cfg
+
+
+def _run_config_file(path: str) -> ml_collections.ConfigDict:
+  """The ConfigDict of a config file's `get_config()`; ConfigError naming the file (and the line)
+  when it cannot be read, fails, or gives no ConfigDict."""
+  if os.path.isdir(path):
+    raise ConfigError(f'--config={path}: a folder, not a config file (a .py file with get_config())')
+  try:
+    loader = importlib.machinery.SourceFileLoader('jax3d_user_config', path)  # whatever its suffix
+    spec = importlib.util.spec_from_file_location('jax3d_user_config', path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    get_config = getattr(module, 'get_config', None)
+    if not callable(get_config):
+      raise ConfigError(
+        f'--config={path}: defines no get_config() (a config file returns its ConfigDict from it)'
+      )
+    cfg = get_config()
+  except ConfigError:
+    raise
+  except SyntaxError as e:
+    line = f'line {e.lineno}: ' if e.lineno else ''
+    raise ConfigError(f'--config={path}: {line}{e.msg} (a config file is Python)') from None
+  except Exception as e:  # the file's own code failed: where, and how
+    tb = traceback.extract_tb(e.__traceback__)
+    line = next(
+      (f'line {t.lineno}: ' for t in reversed(tb) if os.path.abspath(t.filename) == os.path.abspath(path)), ''
+    )
+    raise ConfigError(f'--config={path}: {line}{type(e).__name__}: {e}') from None
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    raise ConfigError(
+      f'--config={path}: get_config() returned {type(cfg).__name__}, not an ml_collections.ConfigDict '
+      '(start from jax3d.config.base_config())'
+    )
   return cfg
 
 

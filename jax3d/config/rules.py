@@ -1,18 +1,19 @@
-"""What each setting may be, alone and against the others: the tables `validate` runs in order.
+"""What the settings may be against each other: the tables `validate` runs in order (each key's own
+range is declared beside its default, in keys.py).
 
-SETTINGS checks one key at a time: (key, rule), the rule a test of the value and the words of
-what is valid. MODEL_CHECKS relate model and train keys to each other; LAYOUT_CHECKS relate them
+MODEL_CHECKS relate model and train keys to each other; LAYOUT_CHECKS relate them
 to the mesh (dp, pp, tp resolved from the device count). A check returns (key, value, what is
 valid) when it fails, None when it passes; the error names them word for word.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
+
+from jax3d.config.ranges import Range
 
 DTYPES = ('float32', 'bfloat16')
 REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
@@ -34,33 +35,6 @@ HF_MODEL_TYPES = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# One setting at a time: (key, rule), checked in this order.
-# ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Rule:
-  """What one setting may be: `ok(value)`, and the words that say so in the error."""
-
-  ok: Callable[[Any], bool]
-  valid: str
-
-
-def one_of(values: tuple[str, ...]) -> Rule:
-  return Rule(lambda v: v in values, f'one of {", ".join(values)}')
-
-
-def int_at_least(low: int, valid: str) -> Rule:
-  return Rule(lambda v: isinstance(v, int) and not v < low, valid)
-
-
-def _is_step_list(value: Any) -> bool:
-  try:
-    step_list(value)
-  except ValueError:
-    return False
-  return True
-
-
 def lora_targets(value: Any) -> tuple[str, ...]:  # lora.targets: 'q, v' -> ('q', 'v')
   return tuple(x.strip() for x in str(value).split(',') if x.strip())
 
@@ -70,66 +44,21 @@ def _is_target_list(value: Any) -> bool:
   return bool(got) and set(got) <= set(LORA_TARGETS) and len(set(got)) == len(got)
 
 
+TARGET_LIST = Range(_is_target_list, f'a comma list of distinct names from {",".join(LORA_TARGETS)}')
+
+
 def step_list(value: Any) -> tuple[int, ...]:  # train.inject_nan_at: '3,4' -> (3, 4)
   return tuple(int(x) for x in str(value).split(',') if x.strip())
 
 
-POSITIVE = int_at_least(1, 'a positive integer')
-MODEL_SIZES = (
-  'n_layers',
-  'd_model',
-  'n_heads',
-  'n_kv_heads',
-  'd_ff',
-  'vocab_size',
-  'max_seq_len',
-  'vocab_multiple',
-)
-TRAIN_SIZES = ('global_batch_size', 'seq_len', 'grad_accum', 'max_bad_steps', 'loss_chunks')
-
-SETTINGS: tuple[tuple[str, Rule], ...] = (
-  ('train.compute_dtype', one_of(DTYPES)),
-  ('train.param_dtype', one_of(DTYPES)),
-  ('train.remat', one_of(REMAT_POLICIES)),
-  ('pipeline.schedule', one_of(SCHEDULES)),
-  ('train.grad_reduce_dtype', one_of(GRAD_REDUCE_DTYPES)),
-  ('train.shard_params_gather', one_of(GATHERS)),
-  ('train.attention', one_of(ATTENTION_IMPLS)),
-  ('data.packing', one_of(PACKINGS)),
-  ('model.rope_scaling', one_of(ROPE_SCALINGS)),
-  ('model.hf_model_type', one_of(tuple(HF_MODEL_TYPES))),
-  ('model.head_dim', int_at_least(0, 'an integer >= 0 (0 = d_model / n_heads)')),
-  ('model.rope_factor', Rule(lambda v: isinstance(v, int | float) and v >= 1, 'a number >= 1')),
-  ('model.rope_original_max_seq_len', POSITIVE),
-  *((f'model.{k}', POSITIVE) for k in MODEL_SIZES),
-  *((f'train.{k}', POSITIVE) for k in TRAIN_SIZES),
-  ('train.steps', int_at_least(0, 'an integer >= 0')),
-  ('pipeline.microbatches', int_at_least(1, 'an integer >= 1')),
-  # repeats > 1 *is* the circular schedule (GPipe is its v=1 case, one loop runs both), so it
-  # never demands pipeline.schedule=circular as well.
-  ('pipeline.repeats', int_at_least(1, 'an integer >= 1')),
-  ('train.inject_nan_at', Rule(_is_step_list, 'comma-separated step numbers, e.g. "3,4"')),
-  (
-    'hardware.memory_gb',
-    Rule(
-      lambda v: isinstance(v, int | float) and not v < 0, "a number of GB >= 0 (0 = the device's own limit)"
-    ),
-  ),
-  ('log.every', Rule(lambda v: not v < 1, 'an integer >= 1')),
-  ('lora.rank', int_at_least(0, 'an integer >= 0 (0 = no LoRA: a full fine-tune)')),
-  ('lora.alpha', Rule(lambda v: isinstance(v, int | float) and v > 0, 'a number > 0')),
-  ('lora.targets', Rule(_is_target_list, f'a comma list of distinct names from {",".join(LORA_TARGETS)}')),
-  ('lora.dropout', Rule(lambda v: v == 0, '0.0 (dropout on the adapters is not implemented)')),
-  (
-    'lora.base_dtype',
-    Rule(lambda v: v in ('', *DTYPES), f"'' (= train.param_dtype) or one of {', '.join(DTYPES)}"),
-  ),
-)
+def _is_step_list(value: Any) -> bool:
+  try:
+    return all(s >= 0 for s in step_list(value))
+  except ValueError:
+    return False
 
 
-def setting(cfg: ml_collections.ConfigDict, key: str) -> Any:
-  section, name = key.split('.')
-  return cfg[section][name]
+STEP_LIST = Range(_is_step_list, 'comma-separated step numbers >= 0, e.g. "3,4"')
 
 
 # ---------------------------------------------------------------------------------------------

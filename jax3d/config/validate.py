@@ -1,7 +1,8 @@
 """Validation of a config into the frozen run plan: every check runs before jax traces or
 compiles anything, and raises `ConfigError` with one line naming the setting, its value and what
-would be valid. The checks themselves are data (jax3d/config/rules.py); this module runs them in
-order and resolves the mesh between the model's checks and the layout's."""
+would be valid. The checks themselves are data: each key's range beside its default
+(jax3d/config/keys.py), the settings against each other in jax3d/config/rules.py; this module runs
+them in order and resolves the mesh between the model's checks and the layout's."""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ from typing import Any, NoReturn
 
 import ml_collections
 
+from jax3d.config import keys
+from jax3d.config.ranges import has_kind
 from jax3d.config.rules import (
   LAYOUT_CHECKS,
   MODEL_CHECKS,
-  SETTINGS,
-  SWITCH,
   Failure,
   padded_vocab,
-  setting,
   step_list,
 )
 from jax3d.errors import ConfigError
@@ -88,8 +88,7 @@ def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int) -> tuple[int, int, i
   """Fills one -1 axis with the devices left over; checks dp*pp*tp == n_devices."""
   sizes = {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp}
   for k, v in sizes.items():
-    if not isinstance(v, int) or (v < 1 and v != -1):
-      _fail(k, v, 'a positive integer, or -1 for "all remaining devices"')
+    _check_range(k, v)
   free = [k for k, v in sizes.items() if v == -1]
   if len(free) > 1:
     raise ConfigError(f'{" and ".join(f"{k}=-1" for k in free)}: at most one mesh axis may be -1')
@@ -116,12 +115,34 @@ def _raise_first(failures: Iterable[Failure]) -> None:
       _fail(*failure)
 
 
+def _check_range(key: str, value: Any) -> None:
+  """ConfigError unless `value` has the key's type and is in its declared range (keys.py)."""
+  kind, rng = keys.kinds()[key], keys.ranges()[key]
+  if not (has_kind(value, kind) and rng.ok(value)):
+    _fail(key, value, rng.words(kind))
+
+
+def check_ranges(cfg: ml_collections.ConfigDict) -> None:
+  """Every key of `cfg` against its declared type and range (keys.py): ConfigError naming the
+  first key outside, or a key jax3d does not know or that the config lacks."""
+  for key in keys.ranges():
+    section, name = key.split('.')
+    if section not in cfg or name not in cfg[section]:
+      raise ConfigError(f'the config has no key {key} (start a config from jax3d.config.base_config())')
+    _check_range(key, cfg[section][name])
+  for section, node in cfg.items():
+    for name in node.keys() if isinstance(node, ml_collections.ConfigDict) else ['']:
+      if f'{section}.{name}' not in keys.ranges():
+        known = sorted(k for k in keys.ranges() if k.startswith(f'{section}.')) or sorted(keys.base_config())
+        raise ConfigError(
+          f'unknown config key {f"{section}.{name}".rstrip(".")!r}; valid here: {", ".join(known)}'
+        )
+
+
 def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
-  """Checks every setting (SETTINGS), then the settings against each other (MODEL_CHECKS) and
-  against the device count (LAYOUT_CHECKS); returns the run plan."""
-  for key, rule in SETTINGS:
-    if not rule.ok(setting(cfg, key)):
-      _fail(key, setting(cfg, key), rule.valid)
+  """Checks every setting against its range (`check_ranges`), then the settings against each other
+  (MODEL_CHECKS) and against the device count (LAYOUT_CHECKS); returns the run plan."""
+  check_ranges(cfg)
   _raise_first(check(cfg) for check in MODEL_CHECKS)
   dp, pp, tp = resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices)
   _raise_first(check(cfg, dp, pp, tp) for check in LAYOUT_CHECKS)
@@ -143,23 +164,15 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   )
 
 
-def _switch(key: str, value: Any) -> str:
-  """A true | false | auto setting, lower-cased; anything else fails naming the key."""
-  value = str(value).lower()
-  if value not in SWITCH:
-    _fail(key, value, f'one of {", ".join(SWITCH)}')
-  return value
-
-
 def _skip_bubbles(value: Any) -> bool | None:
-  value = _switch('pipeline.skip_bubbles', value)
+  value = str(value).lower()  # true | false | auto (its range)
   return None if value == 'auto' else value == 'true'
 
 
 def _sequence_parallel(value: Any, rows: int, tp: int) -> bool:
   """train.sequence_parallel resolved: the rows a layer sees (a micro-batch's rows on one dp shard
   times seq_len) are split over tp, so tp must divide them; 'auto' is on when it does."""
-  value = _switch('train.sequence_parallel', value)
+  value = str(value).lower()  # true | false | auto (its range)
   if value == 'false' or tp == 1:
     return False
   if rows % tp:

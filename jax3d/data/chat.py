@@ -142,21 +142,45 @@ def render(t: Template, messages: list[dict], add_generation_prompt: bool = Fals
   )
 
 
-def parse(line: bytes, where: str) -> list[dict]:
-  """The messages of one JSONL line; ValueError naming `where` (file:line) when it has none or
-  a message has an unknown role."""
+def parse(line: str, where: str) -> list[dict]:
+  """The messages of one JSONL line, each message's content a string (`content`); ValueError
+  naming `where` (file:line) when it has none, a message has an unknown role or its content is
+  neither text nor a list of text parts."""
   try:
     record = json.loads(line)
   except ValueError as e:
     raise ValueError(f'{where}: not a JSON object ({e})') from None
   messages = record.get('messages') if isinstance(record, dict) else None
   if not isinstance(messages, list) or not messages:
-    raise ValueError(f'{where}: no "messages" list in {line.strip()[:80].decode("utf-8", "replace")!r}')
-  for m in messages:
+    raise ValueError(f'{where}: no "messages" list in {line.strip()[:80]!r}')
+  for j, m in enumerate(messages):
     role = m.get('role') if isinstance(m, dict) else None
     if role not in ROLES:
       raise ValueError(f'{where}: unknown role {role!r} in a message (expected one of {", ".join(ROLES)})')
+    if m.get('content') is not None:
+      messages[j] = m | {'content': content(m['content'], f'{where}: message {j + 1} ({role})')}
   return messages
+
+
+def content(value: Any, where: str) -> str:
+  """A message's content as text: a string as it is; a list of text parts (the OpenAI format,
+  [{"type": "text", "text": ...}, ...]) joined by newlines, as the templates expect a string
+  (vLLM joins them so too). ValueError naming `where` for anything else (an image part, a number)."""
+  if isinstance(value, str):
+    return value
+  parts = value if isinstance(value, list) else None
+  texts = [p.get('text') for p in parts if isinstance(p, dict) and p.get('type') == 'text'] if parts else []
+  if parts is None or len(texts) != len(parts) or not all(isinstance(t, str) for t in texts):
+    odd = (
+      next((p for p in parts if not (isinstance(p, dict) and p.get('type') == 'text')), None)
+      if parts
+      else value
+    )
+    raise ValueError(
+      f'{where}: content {json.dumps(odd)[:60]} is not text: a string, or a list of '
+      '{"type": "text", "text": "..."} parts'
+    )
+  return '\n'.join(texts)
 
 
 def supervised_spans(t: Template, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
@@ -213,15 +237,3 @@ def encode(
       raise ValueError(f'{where}: the conversation has no supervised token (no assistant turn with text)')
     out.append((e.ids, w))
   return out
-
-
-def locate(message: str, files: dict[str, str]) -> str:
-  """An error message that starts with a conversation's name (its relative path:byte offset) with
-  the name replaced by the file's path and the line (1-based); `files`: relative path -> path."""
-  name, _, rest = message.partition(': ')
-  rel, _, offset = name.rpartition(':')
-  if rel not in files or not offset.isdigit():
-    return message
-  with open(files[rel], 'rb') as f:
-    line = f.read(int(offset)).count(b'\n') + 1
-  return f'{files[rel]}:{line}: {rest}'

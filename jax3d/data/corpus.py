@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jax3d.config import ConfigError
-from jax3d.data import epochs, packing as packing_lib, shards, tokenizer
+from jax3d.data import epochs, inputs, packing as packing_lib, shards, tokenizer
 from jax3d.data.documents import TEXT_SUFFIXES, held_out, iter_files
 from jax3d.data.tokenizer import Tokenizer
 from jax3d.errors import DataError
@@ -64,6 +64,7 @@ class Corpus:
   train_weights: Any = None
   held_weights: Any = None
   packing: str = 'auto'  # data.packing; load_corpus resolves 'auto' (packing.resolve)
+  max_id: int | None = None  # the largest token id of token files (None: text, tokenized here)
   _layouts: dict = dataclasses.field(default_factory=dict, repr=False)
   _orders: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -104,27 +105,30 @@ class Corpus:
 
 def _read_files(
   root: str, fraction: float, suffixes: tuple[str, ...] = TEXT_SUFFIXES
-) -> tuple[list[bytes], list[bytes]]:
-  """The bytes of the files under `root` with these suffixes, split by file into (train, held out)."""
+) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
+  """(name, bytes) of the files under `root` with these suffixes (or those compressed), split by
+  file into (train, held out)."""
   train, held, total = [], [], 0
-  for path in iter_files(root, suffixes):
+  for path in iter_files(root, inputs.with_compressed(suffixes)):
     try:
-      with open(path, 'rb') as f:
-        raw = f.read()
+      raw = inputs.read_bytes(path, f'data.path={root!r}: ')
     except OSError:
       continue
     if not raw:
       continue
-    (held if held_out(os.path.relpath(path, root), fraction) else train).append(raw)
+    name = inputs.plain_name(os.path.relpath(path, root))
+    (held if held_out(name, fraction) else train).append((path, raw))
     total += len(raw)
     if total > MAX_CORPUS_BYTES:  # the cap ends the whole walk
       break
   return train, held
 
 
-def _tokens(parts: list[bytes], tok: Tokenizer | None) -> tuple[np.ndarray, np.ndarray]:
-  """(stream, document starts) of documents as one stream: bytes joined by a newline (each
-  document's newline at its end), or a subword tokenizer's ids with EOS after each document."""
+def _tokens(files: list[tuple[str, bytes]], tok: Tokenizer | None) -> tuple[np.ndarray, np.ndarray]:
+  """(stream, document starts) of (name, bytes) documents as one stream: bytes joined by a newline
+  (each document's newline at its end), or a subword tokenizer's ids with EOS after each document
+  (its text decoded: a file with too many bytes that are not UTF-8 is refused, inputs.py)."""
+  parts = [raw for _, raw in files]
   if tok is None or tok.name == tokenizer.BYTES:
     lens = [len(p) + 1 for p in parts]
     if lens:
@@ -132,7 +136,7 @@ def _tokens(parts: list[bytes], tok: Tokenizer | None) -> tuple[np.ndarray, np.n
     stream = np.frombuffer(b'\n'.join(parts), dtype=np.uint8)
   else:
     eos = [tok.eos_id] if tok.eos_id is not None else []
-    ids = tok.encode_batch([p.decode('utf-8', errors='replace') for p in parts])
+    ids = tok.encode_batch([inputs.decode_checked(name, raw) for name, raw in files])
     lens = [len(doc) + len(eos) for doc in ids]
     stream = np.asarray([t for doc in ids for t in doc + eos], dtype=shards.dtype_for(tok.vocab_size))
   return stream, np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int64)
@@ -160,6 +164,7 @@ def _shard_corpus(path: str, tok: Tokenizer | None) -> Corpus:
       f'data.tokenizer={tok.path or tok.name!r} (the shards record its sha256)'
     )
   train, held = shards.streams(index)
+  max_id = shards.max_id(index)
   (train_starts, train_w), (held_starts, held_w) = (
     shards.documents(index, 'train'),
     shards.documents(index, 'val'),
@@ -173,6 +178,7 @@ def _shard_corpus(path: str, tok: Tokenizer | None) -> Corpus:
     held_starts,
     train_w,
     held_w,
+    max_id=max_id,
   )
 
 
@@ -216,20 +222,25 @@ def _load(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | Non
       held = np.memmap(val_path, dtype=np.uint16, mode='r')
     else:  # no val.bin: the tail is held out and so no longer trained on
       train, _, held, _ = _tail_split(train, None, eval_fraction)
-    corpus = Corpus(train, held, int(max(train.max(initial=0), held.max(initial=0))) + 1, f'tokens {path}')
+    top = int(max(train.max(initial=0), held.max(initial=0)))
+    corpus = Corpus(train, held, top + 1, f'tokens {path}', max_id=top)
   elif path.endswith('.bin'):
     tokens = np.memmap(path, dtype=np.uint16, mode='r')
     train, _, held, _ = _tail_split(tokens, None, eval_fraction)
-    corpus = Corpus(train, held, int(tokens.max(initial=0)) + 1, f'tokens {path}')
+    top = int(tokens.max(initial=0))
+    corpus = Corpus(train, held, top + 1, f'tokens {path}', max_id=top)
   elif os.path.isdir(path):
     (train, ts), (held, hs) = (_tokens(p, tok) for p in _read_files(path, eval_fraction))
     if held.size < min_tokens:  # too few files to split by file: hold out the tail instead
       stream = np.concatenate([train, held])
       train, ts, held, hs = _tail_split(stream, np.concatenate([ts[:-1], hs + ts[-1]]), eval_fraction)
     corpus = Corpus(train, held, text_vocab, f'text files under {path}', ts, hs)
+  elif inputs.plain_name(path).endswith(inputs.JSONL_SUFFIXES):
+    raise ConfigError(
+      f'data.path={path!r} is JSONL: tokenize its text field first (docs/data.md: jax3d.prepare)'
+    )
   else:
-    with open(path, 'rb') as f:
-      stream, starts = _tokens([f.read()], tok)
+    stream, starts = _tokens([(path, inputs.read_bytes(path, f'data.path={path!r}: '))], tok)
     train, ts, held, hs = _tail_split(stream, starts, eval_fraction)
     corpus = Corpus(train, held, text_vocab, f'text file {path}', ts, hs)
   for name, arr in (('training', corpus.train), ('held-out', corpus.held_out)):
@@ -242,7 +253,13 @@ def _load(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | Non
 
 
 def check_vocab(corpus: Corpus, vocab_size: int) -> None:
-  """Raises ConfigError when the model's vocabulary is smaller than the corpus needs."""
+  """Raises ConfigError when the model's vocabulary is smaller than the corpus needs: a token id of
+  token files (the largest, named) or the tokenizer's vocabulary past model.vocab_size."""
+  if corpus.max_id is not None and corpus.max_id >= vocab_size:
+    raise ConfigError(
+      f'model.vocab_size={vocab_size} is smaller than the data needs: {corpus.source} holds token id '
+      f'{corpus.max_id} (the largest); every id must be below model.vocab_size'
+    )
   if corpus.vocab_size > vocab_size:
     raise ConfigError(
       f"model.vocab_size={vocab_size} is smaller than the data's vocabulary ({corpus.vocab_size}, {corpus.source})"

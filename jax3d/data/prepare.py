@@ -2,8 +2,9 @@
 tokenized on every core into `OUT/{train,val}-NNNNN.bin` with `OUT/index.json` (the format of
 jax3d/data/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
 
-Documents: a text file is one document (a file over `shard_bytes` is cut at line ends into
-several), a JSONL line is one document (its `field`). Each document ends with EOS (and starts with
+Documents (read by jax3d/data/reading.py, every file for what it is: jax3d/data/inputs.py): a
+text file is one document (a file over `shard_bytes` is cut at line ends into several), a JSONL
+line is one document (its `field`, a string). Each document ends with EOS (and starts with
 BOS when the tokenizer has one). With `fmt='chat'` a JSONL line is a conversation ({"messages":
 [...]}) rendered with the tokenizer folder's chat template, with no BOS/EOS added (the template
 writes its own), and a loss weight per token (jax3d/data/chat.py). Each shard's document starts
@@ -15,103 +16,28 @@ Work units: consecutive documents of about `shard_bytes` of text; unit i writes 
 val-i.bin (into temporary names, renamed when complete) and then unit-i.json with a fingerprint
 of its inputs (paths, sizes, mtimes, byte ranges), the tokenizer's sha256 and the settings. A
 rerun skips every unit whose record matches, so an interrupted run resumes and a finished one
-does nothing; the index is written last.
+does nothing; the index is written last. Over a complete dataset the new one is written beside it
+and swapped in when complete (jax3d/data/staging.py). Each shard's largest token id is recorded
+(`max_id`), checked against the tokenizer's vocabulary here and the model's when a run opens it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import multiprocessing
 import os
-import sysconfig
+import shutil
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from jax3d.data import chat, documents, shards, tokenizer as tok_lib
+from jax3d.data import chat, documents, inputs, shards, staging, tokenizer as tok_lib
+from jax3d.data.reading import JSONL_SUFFIXES, Piece, input_files, locate, pieces, read_documents, units
+from jax3d.errors import ConfigError
 
 VERSION = 2  # 2: document starts (and chat weights) beside each shard
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-  """A byte range of one input file: a text document, or a run of JSONL lines."""
-
-  file: str
-  rel: str  # its name in the corpus (relative path)
-  start: int
-  end: int
-  jsonl: bool
-
-
-def input_files(path: str) -> tuple[str, list[str]]:
-  """(root, files): '' = the standard library's .py files; a folder's text and .jsonl files; a file."""
-  if not path:
-    root = sysconfig.get_paths()['stdlib']
-    return root, list(documents.iter_files(root, ('.py',)))
-  if os.path.isdir(path):
-    return path, list(documents.iter_files(path, documents.TEXT_SUFFIXES + ('.jsonl',)))
-  return os.path.dirname(os.path.abspath(path)), [os.path.abspath(path)]
-
-
-def _cut(file: str, size: int, every: int) -> Iterator[tuple[int, int]]:
-  """Byte ranges of about `every` bytes, ending at line ends."""
-  start = 0
-  with open(file, 'rb') as f:
-    while start < size:
-      f.seek(min(start + every, size))
-      f.readline()
-      end = min(f.tell(), size) if start + every < size else size
-      yield start, end
-      start = end
-
-
-def pieces(root: str, files: list[str], shard_bytes: int) -> list[Piece]:
-  out = []
-  for file in files:
-    size = os.path.getsize(file)
-    rel = os.path.relpath(file, root)
-    for a, b in _cut(file, size, shard_bytes) if size else ():
-      out.append(Piece(file, rel, a, b, file.endswith('.jsonl')))
-  return out
-
-
-def units(ps: list[Piece], shard_bytes: int) -> list[list[Piece]]:
-  """Consecutive pieces grouped into work units of about shard_bytes."""
-  out, size = [[]], 0
-  for p in ps:
-    if out[-1] and size + p.end - p.start > shard_bytes:
-      out.append([])
-      size = 0
-    out[-1].append(p)
-    size += p.end - p.start
-  return [u for u in out if u]
-
-
-def read_documents(p: Piece, field: str, fmt: str = 'text') -> Iterator[tuple[str, Any]]:
-  """(name, text) of the documents of a piece; with fmt='chat', (name, messages)."""
-  with open(p.file, 'rb') as f:
-    f.seek(p.start)
-    raw = f.read(p.end - p.start)
-  if not p.jsonl:
-    name = p.rel if p.start == 0 else f'{p.rel}:{p.start}'
-    yield name, raw.decode('utf-8', errors='replace')
-    return
-  offset = p.start
-  for line in raw.splitlines(keepends=True):
-    if line.strip() and fmt == 'chat':
-      yield f'{p.rel}:{offset}', chat.parse(line, f'{p.rel}:{offset}')
-    elif line.strip():
-      try:
-        text = json.loads(line)[field]
-      except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f'{p.file}: the line at byte {offset} has no text field {field!r} ({e})') from None
-      yield f'{p.rel}:{offset}', str(text)
-    offset += len(line)
 
 
 # --- the work units, in worker processes ---------------------------------------------------------
@@ -136,19 +62,27 @@ def run_unit(job: tuple) -> dict:
   for chat); returns its record."""
   i, unit, out, settings, fingerprint = job
   field, fraction, dtype, fmt = (settings[k] for k in ('field', 'eval_fraction', 'dtype', 'format'))
-  split = {'train': [], 'val': []}
+  split, bad = {'train': [], 'val': []}, {}
   try:
     for p in unit:
-      for name, doc in read_documents(p, field, fmt):
+      for name, doc in read_documents(p, field, fmt, bad):
         split['val' if documents.held_out(name, fraction) else 'train'].append((name, doc))
     encoded = {key: _encode(docs, fmt) for key, docs in split.items()}
   except ValueError as e:
-    raise ValueError(
-      chat.locate(str(e), {p.rel: p.file for p in unit}) if fmt == 'chat' else str(e)
-    ) from None
-  rec = {'unit': i, 'fingerprint': fingerprint, 'bytes': sum(p.end - p.start for p in unit)}
+    raise ValueError(locate(str(e), unit)) from None
+  rec = {
+    'unit': i,
+    'fingerprint': fingerprint,
+    'bytes': sum(p.end - p.start for p in unit),
+    'undecodable': bad,
+  }
   for key, (ids, weights) in encoded.items():
     arr = np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=sum(map(len, ids)))
+    if arr.size and int(arr.max()) >= _TOK['tok'].vocab_size:
+      raise ConfigError(
+        f'{unit[0].origin}: the tokenizer gave token id {int(arr.max())}, past its own vocabulary of '
+        f'{_TOK["tok"].vocab_size} (a tokenizer.json whose added tokens are not counted?)'
+      )
     name = f'{key}-{i:05d}'
     _write(os.path.join(out, f'{name}.bin'), arr)
     starts = np.concatenate([[0], np.cumsum([len(d) for d in ids])[:-1]]) if ids else np.zeros(0)
@@ -158,6 +92,7 @@ def run_unit(job: tuple) -> dict:
       'tokens': int(arr.size),
       'documents': len(ids),
       'starts': f'{name}.starts.bin',
+      'max_id': int(arr.max()) if arr.size else -1,
     }
     if weights is not None:
       w = np.concatenate(weights) if weights else np.zeros(0, np.uint8)
@@ -182,7 +117,7 @@ def _encode(docs: list[tuple[str, Any]], fmt: str) -> tuple[list[list[int]], lis
 
 
 def _fingerprint(unit: list[Piece], settings: dict) -> str:
-  stat = [(p.rel, p.start, p.end, os.path.getsize(p.file), os.stat(p.file).st_mtime_ns) for p in unit]
+  stat = [(p.rel, p.start, p.end, os.path.getsize(p.origin), os.stat(p.origin).st_mtime_ns) for p in unit]
   return hashlib.sha256(json.dumps([VERSION, settings, stat]).encode()).hexdigest()
 
 
@@ -216,8 +151,32 @@ def tokenize(
 ) -> dict:
   """Tokenizes the corpus at `path` into `out` (see the module docstring; `fmt` 'text' or 'chat');
   returns the index with the run's figures added ('seconds', 'mb_per_s', 'workers', 'units_done',
-  'units_skipped', 'bytes')."""
-  os.makedirs(out, exist_ok=True)
+  'units_skipped', 'bytes', 'undecodable'). A complete dataset at `out` is replaced only once the
+  new one is complete (jax3d/data/staging.py). ConfigError for input that holds no document."""
+  staging.check(path, out)
+  staging.recover(out)
+  new = staging.folder(out)
+  try:
+    index = _tokenize(path, out, new, tok_path, field, eval_fraction, shard_bytes, workers, progress, fmt)
+  finally:
+    shutil.rmtree(os.path.join(new, '.inputs'), ignore_errors=True)  # decompressed inputs
+  staging.swap(out, new)
+  return index
+
+
+def _tokenize(
+  path: str,
+  out: str,
+  new: str,
+  tok_path: str,
+  field: str,
+  eval_fraction: float,
+  shard_bytes: int,
+  workers: int,
+  progress: bool,
+  fmt: str,
+) -> dict:
+  """`tokenize`, writing into the folder `new` (OUT, or OUT.partial beside a complete dataset)."""
   tok = tok_lib.load(tok_path)
   dtype = shards.dtype_for(tok.vocab_size)
   settings = {
@@ -232,15 +191,23 @@ def tokenize(
     settings['template'] = hashlib.sha256(source.encode()).hexdigest()
   root, files = input_files(path)
   if fmt == 'chat':
-    files = [f for f in files if f.endswith('.jsonl')]
-  work = units(pieces(root, files, shard_bytes), shard_bytes)
-  jobs, records = _jobs(work, out, settings)
+    files = [f for f in files if inputs.plain_name(f).endswith(JSONL_SUFFIXES)]
+  work = units(pieces(root, files, shard_bytes, os.path.join(new, '.inputs')), shard_bytes)
+  if not work:
+    raise ConfigError(
+      f'--input={path}: no {"JSONL " if fmt == "chat" else ""}text to prepare '
+      f'({len(files)} file(s), all empty): jax3d reads {inputs.TEXT_FORMATS}'
+    )
+  jobs, records = _jobs(work, out, new, settings)
   workers = workers or os.cpu_count() or 1
   total = sum(p.end - p.start for j in jobs for p in j[1])
   t0 = time.perf_counter()
   if jobs:
     records |= _run_jobs(jobs, (tok.path or tok_lib.BYTES, fmt), workers, total, progress)
   seconds = time.perf_counter() - t0
+  bad = _undecodable(records, work)
+  if not sum(records[i][k]['documents'] for i in records for k in ('train', 'val')):
+    raise ConfigError(f'--input={path}: no document in {len(files)} file(s) (only blank lines)')
   index = {
     'format': shards.FORMAT,
     'version': VERSION,
@@ -255,24 +222,46 @@ def tokenize(
     'train': [records[i]['train'] for i in sorted(records)],
     'val': [records[i]['val'] for i in sorted(records)],
   }
-  _write_index(out, index)
+  _write_index(new, index)
   figures = {'seconds': seconds, 'mb_per_s': total / 1e6 / max(seconds, 1e-9), 'workers': workers}
-  return index | figures | {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
+  done = {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
+  return index | figures | done | {'undecodable': bad}
 
 
-def _jobs(work: list[list[Piece]], out: str, settings: dict) -> tuple[list[tuple], dict[int, dict]]:
-  """(the jobs of the units still to tokenize, {unit: record} of those already done with these
-  settings)."""
+def _undecodable(records: dict[int, dict], work: list[list[Piece]]) -> dict[str, int]:
+  """{input file: undecodable bytes} over every unit; ConfigError naming a file where they are more
+  than inputs.MAX_UNDECODABLE of its bytes (it is not UTF-8)."""
+  bad: dict[str, int] = {}
+  for rec in records.values():
+    for file, n in rec.get('undecodable', {}).items():
+      bad[file] = bad.get(file, 0) + n
+  sizes = {p.origin: os.path.getsize(p.file) for unit in work for p in unit}
+  for file, n in bad.items():
+    inputs.check_undecodable(file, n, sizes.get(file, n))
+  return bad
+
+
+def _jobs(work: list[list[Piece]], out: str, new: str, settings: dict) -> tuple[list[tuple], dict[int, dict]]:
+  """(the jobs of the units still to tokenize into `new`, {unit: record} of those already done with
+  these settings: in `new`, or in the complete dataset at `out`, linked into `new`)."""
   jobs, records = [], {}
   itemsize = np.dtype(settings['dtype']).itemsize
   for i, unit in enumerate(work):
     fp = _fingerprint(unit, settings)
-    rec = _done(out, i, fp, itemsize)
+    rec = _done(new, i, fp, itemsize)
+    if rec is None and new != os.path.abspath(out) and (rec := _done(out, i, fp, itemsize)):
+      for name in _files(rec) + [f'unit-{i:05d}.json']:  # the record last: the unit is complete
+        staging.link(os.path.join(out, name), os.path.join(new, name))
     if rec is None:
-      jobs.append((i, unit, out, settings, fp))
+      jobs.append((i, unit, new, settings, fp))
     else:
       records[i] = rec
   return jobs, records
+
+
+def _files(rec: dict) -> list[str]:
+  """The shard files of a unit's record."""
+  return [rec[k][f] for k in ('train', 'val') for f in ('file', 'starts', 'weights') if rec[k].get(f)]
 
 
 def _run_jobs(jobs: list[tuple], init: tuple, workers: int, total: int, progress: bool) -> dict[int, dict]:
@@ -307,12 +296,3 @@ def _write_index(out: str, index: dict) -> None:
   with open(tmp, 'w') as f:
     json.dump(index, f, indent=1)
   os.replace(tmp, os.path.join(out, shards.INDEX))
-
-
-def training_texts(path: str, field: str, eval_fraction: float, shard_bytes: int) -> Iterator[str]:
-  """The training documents (held-out ones left out) of the corpus, for training a tokenizer."""
-  root, files = input_files(path)
-  for p in pieces(root, files, shard_bytes):
-    for name, text in read_documents(p, field):
-      if not documents.held_out(name, eval_fraction):
-        yield text

@@ -186,6 +186,23 @@ def _eos_starts(file: str, dtype: np.dtype, n: int, eos: int, chunk: int = 1 << 
   return np.concatenate([[0], ends[ends < n]]).astype(np.int64)
 
 
+def max_id(index: dict) -> int:
+  """The largest token id of a checked index's shards: as each shard's entry records it
+  (jax3d.prepare writes "max_id"), else read from the shard (in chunks, each released after)."""
+  top = -1
+  dtype = np.dtype(index['dtype'])
+  for shard in index['train'] + index['val']:
+    n = shard['tokens']
+    if 'max_id' in shard or not n:
+      top = max(top, shard.get('max_id', -1))
+      continue
+    m = np.memmap(os.path.join(index['folder'], shard['file']), dtype=dtype, mode='r', shape=(n,))
+    for a in range(0, n, 1 << 24):
+      top = max(top, int(np.asarray(m[a : a + (1 << 24)]).max()))
+      _release(m, a * dtype.itemsize, min(a + (1 << 24), n) * dtype.itemsize)
+  return top
+
+
 def streams(index: dict) -> tuple[TokenStream, TokenStream]:
   """(train, held out) token streams of a checked index."""
   dtype = np.dtype(index['dtype'])

@@ -22,10 +22,12 @@ import numpy as np
 
 from jax3d.data import tokenizer as tok_lib
 from jax3d.errors import ConfigError
-from jax3d.hf import families, peft, safetensors_io, weights
+from jax3d.hf import families, outdir, peft, safetensors_io, weights
 from jax3d.model import lora, rope
 
 if TYPE_CHECKING:
+  from collections.abc import Callable
+
   from jax3d.record import Setup
 
 
@@ -132,24 +134,40 @@ def export(params: Any, setup: Setup, out: str, max_shard_bytes: int = 2 << 30) 
   return written + ['config.json', 'generation_config.json'] + _copy_tokenizer(tok, out)
 
 
-def export_run(params: Any, setup: Setup, out: str, merge: bool, max_shard_bytes: int, run: str) -> tuple:
-  """Writes the run `run`'s parameters to `out`: a LoRA run's adapters as a PEFT folder for its
-  hf: base, or with `merge` the whole model with the adapters merged (jax3d/model/lora.py); any
-  other run as a Hugging Face model (`export`). Returns (the files written, the base
-  folder the adapter loads onto, or None). ConfigError for `merge` without LoRA, or an adapter
-  whose base is not a Hugging Face folder."""
+def export_run(
+  params: Any,
+  setup: Setup,
+  out: str,
+  merge: bool,
+  max_shard_bytes: int,
+  run: str,
+  verify: Callable[[str, str | None], None] | None = None,
+) -> list[str]:
+  """Writes the run `run`'s parameters to `out` whole or not at all (outdir.staged; the caller has
+  checked `out` with outdir.check): a LoRA run's adapters as a PEFT folder for its hf: base, or
+  with `merge` the whole model with the adapters merged (jax3d/model/lora.py); any other run as a
+  Hugging Face model (`export`). `verify` (jax3d/trainer/verify.py) is called with the staged
+  folder before it moves into place: (the folder to load, None), or for a PEFT adapter (its base,
+  the adapter's folder). Returns the files written. ConfigError for `merge` without LoRA, or an
+  adapter whose base is not a Hugging Face folder."""
   lora_run = setup.dims.lora_rank > 0
   if merge and not lora_run:
     raise ConfigError(f'--merge: the run {run} has no LoRA adapters (lora.rank=0); export it without --merge')
-  if lora_run and not merge:
-    if setup.hf is None:
-      raise ConfigError(
-        f'the LoRA run {run} trained on the base {setup.cfg.checkpoint.init_from or "of train.seed"!r}, not a '
-        'Hugging Face folder (checkpoint.init_from=hf:PATH): a PEFT adapter has no base to load onto; '
-        'pass --merge to write the whole model'
-      )
-    return peft.write(params, setup, out, setup.hf.path), setup.hf.path
-  if merge:
-    shardings = lora.trainable(setup.dims, setup.param_shardings)[1]
-    params = jax.jit(lambda p: lora.merged(setup.dims, p), out_shardings=shardings)(params)
-  return export(params, setup, out, max_shard_bytes), None
+  if lora_run and not merge and setup.hf is None:
+    raise ConfigError(
+      f'the LoRA run {run} trained on the base {setup.cfg.checkpoint.init_from or "of train.seed"!r}, not a '
+      'Hugging Face folder (checkpoint.init_from=hf:PATH): a PEFT adapter has no base to load onto; '
+      'pass --merge to write the whole model'
+    )
+  with outdir.staged(out) as folder:
+    if lora_run and not merge:
+      files, base = peft.write(params, setup, folder, setup.hf.path), setup.hf.path
+    else:
+      merged = params
+      if merge:
+        shardings = lora.trainable(setup.dims, setup.param_shardings)[1]
+        merged = jax.jit(lambda p: lora.merged(setup.dims, p), out_shardings=shardings)(params)
+      files, base = export(merged, setup, folder, max_shard_bytes), None
+    if verify is not None:
+      verify(base or folder, folder if base else None)
+  return files

@@ -81,7 +81,9 @@ class Loop:
     bwd_ring = [((i + 1) % p, i) for i in range(p)]
     x0 = jnp.zeros_like(xs[0], dtype=self.dtype)
     rows = jnp.asarray(self.sched.table)
-    varying = tuple(jax.typeof(xs).manual_axis_type.varying)
+    # sorted, not the set's order: that follows the hash seed, and the collectives' device groups
+    # with it (two processes of one run could compile different programs; pipeline.py's `axes`)
+    varying = tuple(sorted(jax.typeof(xs).manual_axis_type.varying))
     zero = lambda: vary(jnp.zeros((), jnp.float32), varying)
 
     def forward(c, r, x, mb):

@@ -130,7 +130,9 @@ def run(
   split, whole = carry or (lambda a: a, lambda a: a)
   p, v = mesh.shape[PP], repeats
   # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
-  axes = {a for a in (PP, DP) if mesh.shape[a] > 1}
+  # a tuple, in mesh order: a set's order follows the hash seed, and the collectives' device groups
+  # with it, so two processes of one run could compile different programs (issue 44)
+  axes = tuple(a for a in (PP, DP) if mesh.shape[a] > 1)
   names = lambda *ns: tuple(n for n in ns if n in axes) or None
   rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
   dtype = x_mbtd.dtype
@@ -175,7 +177,7 @@ def run(
     mesh=mesh,
     in_specs=(_layer_specs(names(PP), gather), rows, rows),
     out_specs=rows,
-    axis_names=axes,
+    axis_names=set(axes),
     check_vma=True,
   )(layers, x32_mbtd, side_mbt).astype(dtype)
 
@@ -251,7 +253,9 @@ def run_loss(
   `manual` as in `run`. `rows_sp`: sequence parallelism, the loop carries each micro-batch's rows
   [b*t, d] (annotated by it) and `loss_fn` gets them back as [b, t, d]. `gather`: as in `run`."""
   p, v, dtype = mesh.shape[PP], repeats, x_mbtd.dtype
-  axes = {a for a in (PP, DP) if mesh.shape[a] > 1}
+  # a tuple, in mesh order: a set's order follows the hash seed, and the collectives' device groups
+  # with it, so two processes of one run could compile different programs (issue 44)
+  axes = tuple(a for a in (PP, DP) if mesh.shape[a] > 1)
   names = lambda *ns: tuple(n for n in ns if n in axes) or None
   rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
 
@@ -261,8 +265,10 @@ def run_loss(
   def stage_loss(layers_local, head, x_mbtd, side_m):
     if gather is not None:
       layers_local = gather.stage(layers_local)
-    layers_local = jax.tree.map(lambda a: sharding.vary(a, tuple(axes - {PP})), layers_local)
-    head = jax.tree.map(lambda a: sharding.vary(a, tuple(axes)), head)
+    layers_local = jax.tree.map(
+      lambda a: sharding.vary(a, tuple(a_ for a_ in axes if a_ != PP)), layers_local
+    )
+    head = jax.tree.map(lambda a: sharding.vary(a, axes), head)
     if scatter is not None:
       over_pp = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
       x_mbtd, side_m = over_pp(x_mbtd), jax.tree.map(over_pp, side_m)
@@ -275,7 +281,7 @@ def run_loss(
     chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
     loop = loop_1f1b.Loop(layer_fn, fn, sched, dtype, policy, skip_bubbles)
     out = loop.loss()(chunks, head, sharding.vary(x_mbtd, (PP,)), side_m)
-    return out if manual else jax.lax.psum(out, tuple(axes))
+    return out if manual else jax.lax.psum(out, axes)
 
   x32_mbtd = x_mbtd.astype(jnp.float32)
   if manual:
@@ -285,7 +291,7 @@ def run_loss(
     mesh=mesh,
     in_specs=(_layer_specs(names(PP), gather), P(), rows, rows),
     out_specs=P(),
-    axis_names=axes,
+    axis_names=set(axes),
     check_vma=True,
   )(layers, head, x32_mbtd, side_mbt)
 

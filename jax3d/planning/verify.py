@@ -41,7 +41,9 @@ def verify_memory(
   m = assemble.compile_train_step(s, options).memory
   gb = lambda b: round(b / GB, 6)
   out = {
-    'compiled_on': f'{plan.n_devices} x {devices[0].device_kind}',
+    'compiled_on': f'{plan.n_devices} CPU devices'
+    if target is None
+    else f'{plan.n_devices} x {target.device_kind}',
     'attention_kernel': s.dims.attention,
     'compiled_bytes': int(m['total']),
     'estimate_bytes': int(est.total_bytes),
@@ -73,7 +75,9 @@ def render(v: dict, target: gpu_target.Target | None = None) -> list[str]:
   b = v['compiled_breakdown_gb']
   lines = [f'({v["bf16_note"]})'] if v['bf16_note'] else []
   lines += [
-    f'XLA (compiled for {v["compiled_on"]}, attention {v["attention_kernel"]}): {v["compiled_memory_gb"]:.4f} GB '
+    f'XLA (compiled on {v["compiled_on"]}'
+    + (f', attention {v["attention_kernel"]}' if target else '')
+    + f'): {v["compiled_memory_gb"]:.4f} GB '
     f'per device = arguments {b["argument"]:.4f} + temporaries {b["temp"]:.4f} + '
     f'outputs {b["output"]:.4f} - aliased {b["alias"]:.4f}',
     f'estimate: {v["estimate_memory_gb"]:.4f} GB per device ({v["estimate_vs_compiled"]:+.1%})',

@@ -7,11 +7,12 @@ the seed, and the shape and dtype of every saved array.
 
 Orbax writes a step into a temporary directory and renames it when complete, so a write killed
 with SIGKILL never becomes a step; a step past `keep` is renamed into `checkpoints/.deleted`, then
-removed, so neither leaves a torn step. A step that fails to restore (missing or truncated files)
-is reported with its path and the previous one is used. Shapes and dtypes are compared with the
-config before reading (Orbax would cast dtypes silently). Arrays are read straight into the
-target shardings; when the pipeline layer order differs (another pp or repeats), the layer axis
-is permuted on the devices, never through one host.
+removed, so neither leaves a torn step. A step whose files fail to read (missing, truncated) is
+reported with its path and the previous one is used; any other error is raised, not called damage
+(readonly.skip_damaged). Shapes and dtypes are compared with the config before reading (Orbax
+would cast dtypes silently). Arrays are read straight into the target shardings; when the pipeline
+layer order differs (another pp or repeats), the layer axis is permuted on the devices, never
+through one host.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jax3d.errors import CheckpointError
+from jax3d.errors import CheckpointError, ConfigError
 from jax3d.parallel import placement
 from jax3d.trainer import readonly
 
@@ -103,6 +104,8 @@ class Checkpointer:
   the newest `keep` kept; restoring falls back to the previous step when one is damaged."""
 
   def __init__(self, directory: str, keep: int, async_save: bool = True):
+    if keep < 1:  # Orbax would delete every step, the ones it finds there too (checked: config rules)
+      raise ConfigError(f'checkpoint.keep={keep}: must be >= 1 (the newest checkpoints kept)')
     self.directory = os.path.abspath(directory)
     opts = ocp.CheckpointManagerOptions(
       max_to_keep=keep,
@@ -193,11 +196,8 @@ class Checkpointer:
           state = _partial_restore(self.directory, step, target)
       except CheckpointError:
         raise
-      except Exception as e:  # damaged or incomplete: fall back to the previous step
-        warn(
-          f'checkpoint {path} is damaged or incomplete ({type(e).__name__}: '
-          f'{str(e).splitlines()[0][:200] if str(e) else ""}); trying the previous one'
-        )
+      except Exception as e:  # damaged or incomplete: fall back to the previous step; else raise
+        readonly.skip_damaged(e, path, warn)
         continue
       state = relayout(state, meta, layout, target)
       if target is not abstract_state and SOFT in abstract_state:
@@ -290,28 +290,29 @@ def relayout(state: PyTree, meta: dict, layout: dict, abstract_state: PyTree) ->
 
 
 def load_params(
-  path: str, abstract_params: PyTree, layout: dict, warn: Callable[[str], None] = print
+  directory: str, abstract_params: PyTree, layout: dict, source: str, warn: Callable[[str], None] = print
 ) -> tuple[PyTree, int]:
-  """Warm start: (parameters, step) of the newest good step under `path` (a run's workdir or its
-  checkpoints folder), checked against this config's shapes, in this run's layer order."""
-  is_ckpt_dir = os.path.basename(os.path.normpath(path)) == 'checkpoints'
-  directory = path if is_ckpt_dir else os.path.join(path, 'checkpoints')
+  """Warm start: (parameters, step) of the newest good step in the checkpoints folder `directory`
+  (absolute; `source` names it in messages), checked against this config, in this run's layer order."""
   if not os.path.isdir(directory):
-    raise CheckpointError(f'checkpoint.init_from={path!r}: no checkpoints folder at {directory}')
+    raise CheckpointError(f'{source}: no checkpoints folder at {directory}')
   mgr = readonly.manager(directory)
   try:
     for step in sorted(mgr.all_steps(), reverse=True):
-      meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
-      check_signature(meta, {'params': abstract_params}, os.path.join(directory, str(step)), only='params/')
+      step_dir = os.path.join(directory, str(step))
       try:
+        meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+        check_signature(meta, {'params': abstract_params}, step_dir, only='params/')
         restored = _partial_restore(directory, step, {'params': abstract_params})
-      except Exception as e:
-        warn(f'checkpoint {directory}/{step} is damaged ({type(e).__name__}); trying the previous one')
+      except CheckpointError:
+        raise
+      except Exception as e:  # damaged or incomplete: fall back to the previous step; else raise
+        readonly.skip_damaged(e, step_dir, warn)
         continue
       return relayout(restored, meta, layout, {'params': abstract_params})['params'], step
   finally:
     mgr.close()
-  raise CheckpointError(f'checkpoint.init_from={path!r}: no usable checkpoint in {directory}')
+  raise CheckpointError(f'{source}: no usable checkpoint in {directory}')
 
 
 @jax.jit

@@ -151,7 +151,7 @@ class _Loop:
       if evaluate and step != stop:
         self._evaluate(step)
         self.clock.t_last = time.time()
-      if host.checkpointer and save and step != stop:
+      if host.checkpointer and save and step != stop and not host.steplog.none_finite(step, False):
         host.save(force=True)
       if self.multi and not self.flag.set and distributed.preemption_sync(step):
         self.flag.signum = signal.SIGTERM
@@ -159,6 +159,7 @@ class _Loop:
         self._flush()  # a SIGTERM (or a peer's) after the boundary check above
         self._preempted(step)
         return
+    host.steplog.none_finite(stop, True)
     self._evaluate(host.step)
     if host.checkpointer and stop > self.start:
       host.save(force=True)
@@ -219,6 +220,7 @@ class _Loop:
   def _preempted(self, step: int) -> None:
     """SIGTERM (or a peer's, through JAX's preemption sync): save this step and stop cleanly."""
     host = self.host
+    host.steplog.none_finite(step, True)
     path = host.save(force=True)
     if host.checkpointer:
       host.checkpointer.wait()

@@ -26,6 +26,7 @@ from jax3d.hf import weights as hf_weights
 from jax3d.model import lora
 from jax3d.record import Setup
 from jax3d.trainer import checkpoint as ckpt_lib
+from jax3d.trainer.rundir import checkpoint_dir
 from jax3d.training import step as step_lib
 
 
@@ -63,16 +64,25 @@ def base_params(setup: Setup, warn: Callable[[str], None]) -> Any:
     return hf_weights.load_base(setup)
   init_from = setup.cfg.checkpoint.init_from
   if init_from:
-    base = lora.trainable(setup.dims, setup.abstract_state['params'])[1]
-    return ckpt_lib.load_params(init_from, base, setup.layout, warn=warn)[0]
+    return _warm_params(setup, lora.trainable(setup.dims, setup.abstract_state['params'])[1], warn)[0]
   return lora.trainable(setup.dims, step_lib.make_init(setup)(setup.cfg.train.seed)['params'])[1]
 
 
-def checkpoint_params(setup: Setup, directory: str, warn: Callable[[str], None]) -> tuple[Any, int]:
-  """(parameters, step) of the newest good checkpoint in `directory` (a run's checkpoints), in
-  setup's layout; a LoRA run's adapters over its base (`base_params`)."""
+def _warm_params(setup: Setup, abstract: Any, warn: Callable[[str], None]) -> tuple[Any, int]:
+  """(parameters shaped like `abstract`, step) of checkpoint.init_from's newest good checkpoint."""
+  init_from = setup.cfg.checkpoint.init_from
+  directory = checkpoint_dir(init_from)
+  return ckpt_lib.load_params(
+    directory, abstract, setup.layout, f'checkpoint.init_from={init_from}', warn=warn
+  )
+
+
+def checkpoint_params(setup: Setup, workdir: str, warn: Callable[[str], None]) -> tuple[Any, int]:
+  """(parameters, step) of the newest good checkpoint of the run `workdir`, in setup's layout; a
+  LoRA run's adapters over its base (`base_params`)."""
   abstract = saved(setup, setup.abstract_state)['params']
-  params, step = ckpt_lib.load_params(directory, abstract, setup.layout, warn=warn)
+  directory = checkpoint_dir(workdir)
+  params, step = ckpt_lib.load_params(directory, abstract, setup.layout, f'--workdir={workdir}', warn=warn)
   if setup.dims.lora_rank:
     params = lora.merge(params, base_params(setup, warn))
   return params, step
@@ -117,6 +127,6 @@ def _warm_start(setup: Setup, warn: Callable[[str], None]) -> tuple[dict, str]:
     fresh = step_lib.make_init(setup)(setup.cfg.train.seed)['params']
     state = step_lib.make_init_from_params(setup)(lora.merge(lora.trainable(setup.dims, fresh)[0], base))
     return state, f'initialised, LoRA adapters on the parameters of {init_from}'
-  params, step = ckpt_lib.load_params(init_from, setup.abstract_state['params'], setup.layout, warn=warn)
+  params, step = _warm_params(setup, setup.abstract_state['params'], warn)
   state = step_lib.make_init_from_params(setup)(params)
   return state, f'initialised, parameters warm-started from {init_from} (step {step})'

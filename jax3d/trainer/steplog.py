@@ -2,6 +2,7 @@
 
   check_finite  a non-finite step (skipped inside the step) is counted, warned about and recorded;
                 train.max_bad_steps in a row stop the run with TrainingError
+  none_finite   a run whose every step so far was non-finite saves nothing and, at its end, fails
   record        every log.every steps: the metric record (metrics.jsonl, TensorBoard), the leak
                 check on the devices' memory and the console line
   evaluation    a held-out loss: its record and its console line
@@ -44,12 +45,15 @@ class StepLog:
     self.leak = memory_lib.LeakDetector(
       window=cfg.log.leak_window, threshold_mb_per_step=cfg.log.leak_mb_per_step
     )
-    self.bad = 0
+    self.bad = self.good = 0  # non-finite steps in a row; finite steps since the state was made
+    self.first: int | None = None  # the first step this Trainer ran
 
   def check_finite(self, step: int, m: dict) -> None:
     """A non-finite step was skipped inside the step; train.max_bad_steps in a row stop the run."""
+    self.first = step if self.first is None else self.first
     if m['finite']:
       self.bad = 0
+      self.good += 1
       return
     self.bad += 1
     limit = self.cfg.train.max_bad_steps
@@ -67,6 +71,21 @@ class StepLog:
         f'(loss {loss}, grad norm {grad_norm}); the last '
         f'checkpoint holds finite values only'
       )
+
+  def none_finite(self, step: int, saving: bool) -> bool:
+    """Whether every step this Trainer ran (up to `step`) was non-finite, its update skipped: a
+    state no checkpoint gets. With `saving` (a run's end, a SIGTERM) that is TrainingError (exit
+    3): such a run never ends with status 0."""
+    if self.first is None or self.good:
+      return False
+    if saving:
+      raise TrainingError(
+        f'steps {self.first}..{step}: every step of this run was non-finite (its update skipped), so '
+        'nothing was saved and the workdir keeps the checkpoint the run started from, if any; check '
+        'the data (token ids past model.vocab_size) and train.lr'
+      )
+    self.console.warn(f'step {step}: not saved, every step of this run so far was non-finite')
+    return True
 
   def record(self, step: int, stop: int, m: dict, clock: metrics_lib.Clock, epoch: int | None = None) -> None:
     """A metrics record, TensorBoard scalars, the leak check and a console line; restarts `clock`.

@@ -3,7 +3,8 @@
 `python -m jax3d.export --verify` runs it after writing: the run's first held-out batch through
 jax3d (the checkpoint's parameters, on this machine's layout) and through
 `AutoModelForCausalLM.from_pretrained(out)` in float32 on the CPU; the largest difference relative
-to the logits' scale must stay under TOLERANCE, else the export is reported wrong (exit 3).
+to the logits' scale must stay under TOLERANCE, else the export is reported wrong (exit 3). A
+LoRA run's PEFT adapter folder is loaded by peft onto its hf: base.
 """
 
 from __future__ import annotations
@@ -63,16 +64,42 @@ def relative_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
 
 
 def verify(
-  setup: Setup, params: Any, folder: str, tokens_bt: np.ndarray, adapter: str | None = None
+  setup: Setup,
+  params: Any,
+  folder: str,
+  tokens_bt: np.ndarray,
+  name: str | None = None,
+  adapter: str | None = None,
 ) -> float:
-  """The relative difference of the export at `folder` (with the PEFT adapter folder `adapter` on
-  it, for a LoRA run's adapter export) from jax3d on `tokens_bt`; CheckpointError (exit 3) above
-  TOLERANCE."""
+  """The relative difference of the export at `folder` (called `name` in the error; with the PEFT
+  adapter folder `adapter` on it, for a LoRA run's adapter export) from jax3d on `tokens_bt`;
+  CheckpointError (exit 3) above TOLERANCE."""
   theirs = transformers_logits(folder, tokens_bt, adapter)
   diff = relative_difference(jax3d_logits(setup, params, tokens_bt), theirs)
   if not diff <= TOLERANCE:
     raise CheckpointError(
-      f"--verify: the export at {folder} gives logits {diff:.3g} off jax3d's (relative, largest), "
+      f"--verify: the export at {name or folder} gives logits {diff:.3g} off jax3d's (relative, largest), "
       f'above {TOLERANCE:g}: transformers does not compute the model jax3d trained'
     )
   return diff
+
+
+def held_out_tokens(setup: Setup) -> np.ndarray:
+  """The run's first held-out batch of inputs (one accumulation chunk's rows), as evaluation reads it."""
+  from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
+
+  cfg, plan = setup.cfg, setup.plan
+  corpus = data_lib.for_config(cfg, tokenizer_lib.load(cfg.data.tokenizer))
+  return data_lib.eval_batches(corpus, cfg.train.seed, 1, plan.chunk_batch, plan.seq_len)[0]['inputs']
+
+
+def verify_export(setup: Setup, params: Any, folder: str, name: str, adapter: str | None = None) -> None:
+  """`verify` on the run's first held-out batch (held_out_tokens), with one line saying so for the
+  export `name` (written at `folder`, where it is loaded from, or a PEFT adapter written at
+  `adapter` for the base `folder`); CheckpointError above TOLERANCE."""
+  tokens = held_out_tokens(setup)
+  diff = verify(setup, params, folder, tokens, name, adapter)
+  print(
+    f"verified {name}: transformers gives jax3d's logits on {tokens.shape[0]}x{tokens.shape[1]} "
+    f'held-out tokens within {diff:.2e} (relative, largest; tolerance {TOLERANCE:g})'
+  )

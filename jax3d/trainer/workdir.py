@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jax3d.errors import NoCheckpoint
+from jax3d.trainer.rundir import checkpoint_dir
 
 if TYPE_CHECKING:
   import jax
   import ml_collections
-  import numpy as np
 
   from jax3d.record import Setup
 
@@ -33,12 +33,6 @@ def _flatten(d: dict, prefix: str = '') -> dict:
   return out
 
 
-def checkpoint_dir(workdir: str) -> str:
-  """WORKDIR/checkpoints, or WORKDIR itself when it is the checkpoints folder."""
-  workdir = os.path.normpath(workdir)
-  return workdir if os.path.basename(workdir) == 'checkpoints' else os.path.join(workdir, 'checkpoints')
-
-
 def checkpoint_steps(workdir: str) -> list[int]:
   """The finished checkpoint steps in the workdir, oldest first; NoCheckpoint when there is none
   (Orbax writes a step under a temporary name and renames it when complete)."""
@@ -51,13 +45,10 @@ def checkpoint_steps(workdir: str) -> list[int]:
   return steps
 
 
-def saved_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config the run trained with, from its newest checkpoint's meta JSON, over the defaults of
-  this version (keys this version does not know are skipped, so older runs stay readable), without
-  its `checkpoint.init_from` (but for a LoRA run, whose base is read from there again)."""
+def saved_meta(workdir: str) -> dict:
+  """The meta JSON of the run's newest checkpoint whose meta reads (its config as saved)."""
   import orbax.checkpoint as ocp
 
-  from jax3d import config as config_lib
   from jax3d.trainer import readonly
 
   directory = checkpoint_dir(workdir)
@@ -69,14 +60,24 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
       try:
         meta = reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
         break
-      except Exception:  # noqa: BLE001, S112 - any unreadable step falls back to an older one
-        continue
+      except Exception as e:  # noqa: BLE001 - damaged: an older one (load_params warns); else raised
+        readonly.skip_damaged(e, os.path.join(directory, str(step)), lambda _: None)
   finally:
     reader.close()
   if meta is None:
     raise NoCheckpoint(f'--workdir={workdir}: no readable checkpoint in {directory}')
+  return meta
+
+
+def saved_config(workdir: str, meta: dict | None = None) -> ml_collections.ConfigDict:
+  """The config the run trained with, from its newest checkpoint's meta JSON (`meta`, else read),
+  over the defaults of this version (keys this version does not know are skipped, so older runs
+  stay readable), without its `checkpoint.init_from` (but for a LoRA run, whose base is read from
+  there again)."""
+  from jax3d import config as config_lib
+
   cfg = config_lib.base_config()
-  for key, value in _flatten(meta.get('config', {})).items():
+  for key, value in _flatten((meta or saved_meta(workdir)).get('config', {})).items():
     try:
       config_lib.set_key(cfg, key, value)
     except (config_lib.ConfigError, TypeError, KeyError):
@@ -128,15 +129,19 @@ def sampling_config(
 
 
 def load_params(
-  workdir: str, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+  workdir: str,
+  cfg: ml_collections.ConfigDict,
+  devices: Sequence[jax.Device] | None = None,
+  saved: bool = True,
 ) -> tuple[Setup, Any, int]:
-  """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout."""
+  """(setup, params, step): the newest good checkpoint's parameters, sharded for cfg's layout (cfg
+  the run's saved config unless `saved` is False: its model kept as it is, assemble.build)."""
   from jax3d import assemble
   from jax3d.trainer import state as state_lib
 
-  setup = assemble.build(cfg, devices)
+  setup = assemble.build(cfg, devices, saved=saved)
   warn = lambda m: print(f'warning: {m}', file=sys.stderr)
-  return setup, *state_lib.checkpoint_params(setup, checkpoint_dir(workdir), warn)
+  return setup, *state_lib.checkpoint_params(setup, workdir, warn)
 
 
 def sample_workdir(
@@ -160,7 +165,7 @@ def sample_workdir(
   cfg = config_lib.load_config(config) if config else saved_config(workdir)
   devices = list(devices if devices is not None else jax.devices())
   cfg = sampling_config(cfg, len(devices), overrides)
-  setup, params, _ = load_params(workdir, cfg, devices)
+  setup, params, _ = load_params(workdir, cfg, devices, saved=not config)
   return _text(setup, params, prompt, n_tokens, temperature, top_k, seed)
 
 
@@ -282,40 +287,31 @@ def export_workdir(
   max_shard_bytes: int = 2 << 30,
   verify: bool = False,
   merge: bool = False,
+  overwrite: bool = False,
 ) -> list[str]:
   """Exports the newest good checkpoint of a run (its saved config, read onto this machine's
   devices in the saved layout or the one `overrides` sets) to `out`; returns the files written.
-  With `verify`, the export is then loaded in transformers and its logits on the run's first
-  held-out batch compared with jax3d's (jax3d/trainer/verify.py): one line with the largest
-  relative difference, CheckpointError (exit 3) above the tolerance. A LoRA run: see hf.export.export_run."""
+  `out` is checked first and written whole or not at all (jax3d/hf/outdir.py; `overwrite`
+  replaces a folder that is not an earlier export). With `verify`, the export is loaded in
+  transformers before it is moved into place and its logits on the run's first held-out batch
+  compared with jax3d's (jax3d/trainer/verify.py): one line with the largest relative difference,
+  CheckpointError (exit 3) above the tolerance. A LoRA run: see hf.export.export_run."""
   import jax
 
-  from jax3d.hf import export as hf_export
+  from jax3d.hf import export as hf_export, outdir
 
   checkpoint_steps(workdir)  # NoCheckpoint when there is none
+  meta = saved_meta(workdir)
+  outdir.check(out, outdir.reads_of(meta['config'], workdir), overwrite)
   devices = list(devices if devices is not None else jax.devices())
-  cfg = sampling_config(saved_config(workdir), len(devices), overrides)
+  cfg = sampling_config(saved_config(workdir, meta), len(devices), overrides)
   setup, params, _ = load_params(workdir, cfg, devices[: _n_devices(cfg, len(devices))])
-  files, base = hf_export.export_run(params, setup, out, merge, max_shard_bytes, workdir)
+  check = None
   if verify:
     from jax3d.trainer import verify as verify_lib
 
-    tokens = held_out_tokens(setup)
-    diff = verify_lib.verify(setup, params, base or out, tokens, out if base else None)
-    print(
-      f"verified {out}: transformers gives jax3d's logits on {tokens.shape[0]}x{tokens.shape[1]} "
-      f'held-out tokens within {diff:.2e} (relative, largest; tolerance {verify_lib.TOLERANCE:g})'
-    )
-  return files
-
-
-def held_out_tokens(setup: Setup) -> np.ndarray:
-  """The run's first held-out batch of inputs (one accumulation chunk's rows), as evaluation reads it."""
-  from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
-
-  cfg, plan = setup.cfg, setup.plan
-  corpus = data_lib.for_config(cfg, tokenizer_lib.load(cfg.data.tokenizer))
-  return data_lib.eval_batches(corpus, cfg.train.seed, 1, plan.chunk_batch, plan.seq_len)[0]['inputs']
+    check = lambda folder, adapter: verify_lib.verify_export(setup, params, folder, out, adapter)
+  return hf_export.export_run(params, setup, out, merge, max_shard_bytes, workdir, check)
 
 
 def _n_devices(cfg: Any, available: int) -> int:
