@@ -98,8 +98,13 @@ LAYOUTS = {
 }
 
 
+DEFAULT_LAYOUTS = ('2-2-2 auto', '8-1-1 zero3 cudnn')  # the other two under -m slow (10-35 s each)
+
+
 @needs_plugin
-@pytest.mark.parametrize('name', list(LAYOUTS))
+@pytest.mark.parametrize(
+  'name', [n if n in DEFAULT_LAYOUTS else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
+)
 def test_cudnn_attention_compiles_on_every_layout(name):
   s, c = compile_for('h100x8', **LAYOUTS[name])
   assert s.dims.attention == 'cudnn'

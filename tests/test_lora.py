@@ -98,8 +98,14 @@ def test_only_adapters_train_and_base_is_frozen():
 @pytest.mark.parametrize(
   'over',
   [
-    {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2},
-    {'mesh__pp': 2, 'mesh__tp': 4, 'pipeline__microbatches': 2, 'train__sequence_parallel': 'true'},
+    # the 1F1B ZeRO-1 case covers 2-2-2 in the default suite; the plain 2-2-2 and SP under -m slow
+    pytest.param(
+      {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}, marks=pytest.mark.slow
+    ),
+    pytest.param(
+      {'mesh__pp': 2, 'mesh__tp': 4, 'pipeline__microbatches': 2, 'train__sequence_parallel': 'true'},
+      marks=pytest.mark.slow,
+    ),
     {
       'mesh__dp': 2,
       'mesh__pp': 2,

@@ -41,7 +41,7 @@ def groups(seed: str, over: dict) -> list[str]:
   'over',
   [
     {'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.schedule': '1f1b', 'model.n_layers': 2},
-    {'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'model.n_layers': 2},
+    pytest.param({'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'model.n_layers': 2}, marks=pytest.mark.slow),
   ],
   ids=['1f1b', 'gpipe'],
 )
