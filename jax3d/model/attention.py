@@ -27,8 +27,6 @@ import jax.numpy as jnp
 from jax3d.errors import ConfigError
 from jax3d.parallel import sharding
 
-CHOICES = ('auto', 'xla', 'cudnn')
-KERNELS = ('xla', 'cudnn')
 FUSED_DTYPES = ('bfloat16', 'float16')
 # The bias of a masked-out key: jax's cudnn wrapper's own values (cuDNN mishandles -inf - -inf);
 # fp16's range is smaller. exp of it is exactly 0 in every dtype, as a masked key's weight is.

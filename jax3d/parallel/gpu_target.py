@@ -16,6 +16,7 @@ compile directly (`compiler_options`), and autotuning off (there is no GPU to ti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -61,7 +62,7 @@ class Target:
     return f'{self.kind}x{self.n}'
 
   def spec_text(self) -> str:
-    return resources.files('jax3d.parallel').joinpath('gpu_specs', SPECS[self.kind]).read_text()
+    return _spec_text(self.kind)
 
   @property
   def memory_bytes(self) -> int:
@@ -71,6 +72,12 @@ class Target:
   @property
   def device_kind(self) -> str:
     return re.search(r'device_description_str:\s*"([^"]*)"', self.spec_text()).group(1)
+
+
+@functools.cache
+def _spec_text(kind: str) -> str:
+  """The description of `kind` (package data), read once."""
+  return resources.files('jax3d.parallel').joinpath('gpu_specs', SPECS[kind]).read_text()
 
 
 def _match(text: str) -> Target | None:
