@@ -30,7 +30,7 @@ from jax3d.parallel import gpu_target
 FLAGS = {
   'json': cli.Flag(bool, False, 'print the result as one JSON object'),
   'target': cli.TARGET,
-  'hlo': cli.Flag(str, '', "write the compiled step's optimised HLO text to this file"),
+  'hlo': cli.Flag(str, '', "write the compiled step's optimised HLO text to this file", cli.ranges.NEW_FILE),
 }
 
 

@@ -104,6 +104,10 @@ def _no_file_on_the_way(path: str) -> bool:
 # Paths of a command's flags: a file where a folder is written (a workdir, an --out) is refused.
 FOLDER = Range(lambda v: os.path.isdir(v), 'an existing folder')
 NEW_OR_FOLDER = Range(_no_file_on_the_way, 'a folder, or a path where one can be made (not a file)')
+NEW_FILE = Range(  # a file a command writes: '' (none), or a path in an existing folder, not a folder
+  lambda v: v == '' or (not os.path.isdir(v) and os.path.isdir(os.path.dirname(os.path.abspath(v)))),
+  'a file path in an existing folder',
+)
 EXISTING = Range(lambda v: v == '' or os.path.exists(v), 'an existing file or folder')
 
 POSITIVE = at_least(1)  # sizes and counts
