@@ -81,6 +81,18 @@ class Ring:
     flag = (jax.lax.axis_index(PP) == 0) & (u_last >= 0) & (u_last < (self.v - 1) * self.m)
     return jnp.mod(u_last, self.m), flag
 
+  @property
+  def first_done(self) -> int:
+    """The iteration at which stage 0 receives micro-batch 0's last pass: the outputs are the m
+    iterations from it."""
+    return (self.v - 1) * self.m + self.p - 1
+
+  def done(self, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(slot, flag): what stage 0 receives at iteration t is micro-batch `slot`'s output where
+    `flag` (its last pass round the ring). Only stage 0 holds outputs."""
+    k = t - self.first_done
+    return jnp.clip(k, 0, self.m - 1), (jax.lax.axis_index(PP) == 0) & (k >= 0) & (k < self.m)
+
   def side_at(self, side: Side, u: jax.Array) -> Side:
     """The side arrays of micro-batch u mod m (the one this stage works on)."""
     return {k: a[jnp.mod(u, self.m)] for k, a in side.items()}
@@ -88,8 +100,11 @@ class Ring:
   def forward(
     self, chunks: Any, xs: jax.Array, side: Side, stage: Callable, bubble: Callable
   ) -> tuple[jax.Array, Any]:
-    """The circulating loop: returns what each iteration received from the previous stage [n, b, t, d]
-    and each iteration's `aux`. `stage(chunks, r, x, side_u) -> (y, aux)` runs chunk r on the stage's
+    """The circulating loop: returns its outputs and each iteration's `aux`. The outputs: with one
+    chunk (v = 1) what each iteration received from the previous stage [n, b, t, d] (the scan's ys;
+    `circulate` slices the finished m); with v > 1 the m finished micro-batches [m, b, t, d], written
+    into a carried buffer as they arrive (an [n] stack and its gradient would hold v*m + p - 1
+    micro-batches each: 23 GB per GPU for Llama 3 70B at pp 8, v 5, m 16). `stage(chunks, r, x, side_u) -> (y, aux)` runs chunk r on the stage's
     input x (side_u: its micro-batch's side arrays, of `side` [m, b, t]);
     `bubble(x)` gives a bubble iteration's (y, aux) when bubbles are skipped. xs: the inputs padded
     with p-1 zero micro-batches (v = 1, taken by the scan as they come) or the stage-0 queue (v > 1)."""
@@ -97,7 +112,7 @@ class Ring:
     ring = [(i, (i + 1) % self.p) for i in range(self.p)]
 
     def iteration(carry, t_x):
-      state_btd, queue_mbtd = carry
+      state_btd, queue_mbtd, out_mbtd = carry
       t, x_t_btd = t_x
       u, r, busy = self.at(t)
       first_btd = x_t_btd if queue_mbtd is None else queue_mbtd[jnp.mod(u, self.m)]
@@ -112,12 +127,18 @@ class Ring:
         slot, again = self.again(t)
         recv32_btd = recv_btd.astype(queue_mbtd.dtype)
         queue_mbtd = queue_mbtd.at[slot].set(jnp.where(again, recv32_btd, queue_mbtd[slot]))
-      return (recv_btd, queue_mbtd), (recv_btd, aux)
+        slot, finished = self.done(t)
+        out_mbtd = out_mbtd.at[slot].set(jnp.where(finished, recv_btd, out_mbtd[slot]))
+        return (recv_btd, queue_mbtd, out_mbtd), aux
+      return (recv_btd, None, None), (recv_btd, aux)
 
     state = vary(jnp.zeros_like(xs[0], dtype=self.dtype), (PP,))  # the carry differs per stage
     ts = jnp.arange(self.iterations)
-    init, scan_xs = ((state, xs), (ts, None)) if self.v > 1 else ((state, None), (ts, xs))
-    return jax.lax.scan(iteration, init, scan_xs)[1]
+    if self.v == 1:
+      return jax.lax.scan(iteration, (state, None, None), (ts, xs))[1]
+    out = _zeros(state, (self.m, *state.shape))
+    (_, _, out_mbtd), aux_n = jax.lax.scan(iteration, (state, xs, out), (ts, None))
+    return out_mbtd, aux_n
 
   def layer_inputs(
     self, chunks: Any, r: jax.Array, x_btd: jax.Array, side_u: Side
@@ -130,11 +151,12 @@ class Ring:
     return jax.lax.scan(one, x_btd, jnp.arange(jax.tree.leaves(chunks)[0].shape[1]))
 
   def backward(
-    self, chunks: Any, aux_n: jax.Array, side: Side, ct_recv_nbtd: jax.Array, policy: str
+    self, chunks: Any, aux_n: jax.Array, side: Side, ct_out: jax.Array, policy: str
   ) -> tuple[Any, jax.Array]:
     """The loop's backward pass, written out: iterations in reverse, each layer of the chunk
     recomputed from its input and its weight gradient added in place into one accumulator of the
-    stage's weights. Returns the gradients of the weights and of `forward`'s xs."""
+    stage's weights. `ct_out`: the gradient of `forward`'s outputs. Returns the gradients of the
+    weights and of `forward`'s xs."""
     s = jax.lax.axis_index(PP)
     back = [((i + 1) % self.p, i) for i in range(self.p)]
     lc = jax.tree.leaves(chunks)[0].shape[1]
@@ -155,6 +177,9 @@ class Ring:
       ct_state, ct_queue, acc = carry
       t, ct_recv_btd, aux = inp
       u, r, busy = self.at(t)
+      if ct_queue is not None:  # the output's write, transposed: each slot is written once
+        slot, finished = self.done(t)
+        ct_recv_btd = jnp.where(finished, ct_out[slot], jnp.zeros_like(ct_state))
       ct_recv_btd = ct_recv_btd + ct_state
       if ct_queue is not None:  # the queue's write, transposed: the slot's gradient goes to recv
         slot, again = self.again(t)
@@ -174,12 +199,11 @@ class Ring:
         return (ct_state, None, acc), ct_first
       return (ct_state, _add_at(ct_queue, ct_first, (jnp.mod(u, self.m),)), acc), None
 
-    ct_queue = (
-      None if self.v == 1 else _zeros(ct_recv_nbtd[0], (self.m, *ct_recv_nbtd.shape[1:]), jnp.float32)
-    )
-    init = (_zeros(ct_recv_nbtd[0]), ct_queue, jax.tree.map(_zeros, chunks))
+    ct_queue = None if self.v == 1 else _zeros(ct_out, dtype=jnp.float32)
+    init = (_zeros(ct_out[0]), ct_queue, jax.tree.map(_zeros, chunks))
     ts = jnp.arange(self.iterations)
-    (_, ct_queue, acc), ct_xs = jax.lax.scan(iteration, init, (ts, ct_recv_nbtd, aux_n), reverse=True)
+    ct_recv = ct_out if self.v == 1 else None  # v > 1: read from ct_out at each output's iteration
+    (_, ct_queue, acc), ct_xs = jax.lax.scan(iteration, init, (ts, ct_recv, aux_n), reverse=True)
     return acc, ct_xs if ct_queue is None else ct_queue
 
   def with_backward(self, policy: str) -> Callable[[Any, jax.Array, Side], jax.Array]:
@@ -202,14 +226,14 @@ class Ring:
 
     def fwd(chunks, xs, side):
       k = lc(chunks) if policy == 'full' else 1
-      recv_nbtd, aux_n = self.forward(
+      outs, aux_n = self.forward(
         chunks, xs, side, keeping, lambda x: (x, jnp.broadcast_to(jnp.zeros_like(x), (k, *x.shape)))
       )
-      return recv_nbtd, (chunks, aux_n, side)
+      return outs, (chunks, aux_n, side)
 
-    def bwd(res, ct_recv_nbtd):
+    def bwd(res, ct_outs):
       chunks, aux_n, side = res
-      return (*self.backward(chunks, aux_n, side, ct_recv_nbtd, policy), None)
+      return (*self.backward(chunks, aux_n, side, ct_outs, policy), None)
 
     ring.defvjp(fwd, bwd)
     return ring
@@ -265,8 +289,7 @@ def circulate(
     )
     stage = lambda c, r, x, sd: (stage_fn(c, r, x, sd), None)
     recv_nbtd = ring.forward(chunks, xs, side, stage, lambda x: (x, None))[0]
-  first_done = (v - 1) * m + p - 1
-  out_mbtd = recv_nbtd[first_done : first_done + m].astype(jnp.float32)
+  out_mbtd = (recv_nbtd[p - 1 : p - 1 + m] if v == 1 else recv_nbtd).astype(jnp.float32)
   # only stage 0's are the outputs: the sum over pp
   return jnp.where(jax.lax.axis_index(PP) == 0, out_mbtd, 0.0)
 

@@ -11,7 +11,7 @@ for activations), modelling what jax3d's step really does:
     `python -m jax3d.plan --verify` checks this against XLA's figure.
   - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
-    pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
+    pass, and with v > 1 five stacks of its m micro-batches (`_gpipe_edges`). What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
     `jax3d.model.layers.Block` at the tp-local shapes, under the remat policy), so it follows the
     code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
     where the layer is Megatron's. With remat 'stage' it counts m+1 micro-batches per iteration (its
@@ -208,16 +208,32 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool)
   )
   if one_f_one_b(cfg, plan):
     return _activations_1f1b(cfg, plan, lc, res)
+  edges = _gpipe_edges(cfg, plan)
   if t.remat != 'stage':
     # under ZeRO-3's layer gather, 'none' keeps what 'dots' keeps (jax3d/parallel/zero3.py)
     kept = 'dots' if t.remat == 'none' and gather_mode(cfg, plan) == 'layer' else t.remat
-    return plan.iterations * lc * res(policy=kept) + res(policy='none')
+    return plan.iterations * lc * res(policy=kept) + res(policy='none') + edges
   # 'stage': per iteration its carry (input and, with pp > 1, the stage-0 queue of m micro-batches),
   # plus one iteration recomputed in the backward pass
   sp = plan.tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
   carry = plan.microbatches + 1 if plan.pp > 1 else 1
   act_mb = micro_activation_bytes(cfg, plan)
-  return plan.iterations * carry * act_mb / sp + lc * res(policy='full') + res(policy='none')
+  return plan.iterations * carry * act_mb / sp + lc * res(policy='full') + res(policy='none') + edges
+
+
+def _gpipe_edges(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+  """The circular loop's own stacks of m micro-batches (jax3d/parallel/ring.py `circulate`, pp > 1,
+  v > 1): its input, the stage-0 queue and the queue's gradient (fp32), and the finished outputs
+  with their gradient (compute dtype). Read off the GPU compile (`plan --verify --target`): Llama 3
+  70B at dp 2, pp 8, tp 4, m 16, v 5, remat full on 64 x H100 holds 3 fp32 and 2 bf16 such stacks
+  (estimate 101.7 GB, XLA:GPU 99.95). With one chunk (v = 1) the scan's inputs and outputs are its
+  xs and ys, which XLA:GPU places among what the estimate already counts (Llama 3 8B at pp 4, tp 2,
+  m 8 on 8 x H100: 52.1 GB estimated without this term, 49.5 compiled): nothing more."""
+  if plan.pp == 1 or plan.repeats == 1:
+    return 0.0
+  sp = plan.tp if plan.sequence_parallel else 1
+  act = micro_activation_bytes(cfg, plan) / sp
+  return plan.microbatches * act * (3 * 4 / BYTES[cfg.train.compute_dtype] + 2)
 
 
 def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
