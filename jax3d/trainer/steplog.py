@@ -87,9 +87,18 @@ class StepLog:
     self.console.warn(f'step {step}: not saved, every step of this run so far was non-finite')
     return True
 
-  def record(self, step: int, stop: int, m: dict, clock: metrics_lib.Clock, epoch: int | None = None) -> None:
+  def record(
+    self,
+    step: int,
+    stop: int,
+    m: dict,
+    clock: metrics_lib.Clock,
+    epoch: int | None = None,
+    data: dict | None = None,
+  ) -> None:
     """A metrics record, TensorBoard scalars, the leak check and a console line; restarts `clock`.
-    `epoch`: the data epoch (0-based) the step's batch came from."""
+    `epoch`: the data epoch (0-based) the step's batch came from; `data`: a mixture's entries per
+    source (tokens/NAME, epoch/NAME: jax3d/data/mixture.py)."""
     now = time.time()
     dt = (now - clock.t_last) / max(clock.steps, 1)
     tok_s = self.plan.tokens_per_step / dt if clock.steps else 0.0
@@ -107,7 +116,7 @@ class StepLog:
       'epoch': epoch,
       'mfu': mfu,
       'memory': mem,
-    }
+    } | (data or {})
     self.writer.write(record)
     self.tb.scalars(step, record)
     leak = self.leak.update(step, mem['bytes_in_use'])
