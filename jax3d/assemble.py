@@ -173,7 +173,7 @@ def _resolve(
     peft.with_lora(cfg, cfg.lora.init_from)
   if cfg.data.mixture:  # its paths absolute (recorded in checkpoints); its first source's tokenizer
     spec = sched_lib.parse(cfg.data.mixture, cfg.data.mixture_stages)
-    for key, value in zip(('data.mixture', 'data.mixture_stages'), spec.canonical()):
+    for key, value in zip(('data.mixture', 'data.mixture_stages'), spec.canonical(), strict=True):
       config_lib.set_key(cfg, key, value)
   shard_path = cfg.data.path or (spec.paths[0] if cfg.data.mixture else '')
   if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(shard_path):

@@ -53,7 +53,8 @@ def _batch(args: cli.Args) -> int:
     print(
       'sources: '
       + ', '.join(
-        f'{n} {c} rows (tokens so far {done[f"tokens/{n}"]:,})' for n, c in zip(corpus.names, counts)
+        f'{n} {c} rows (tokens so far {done[f"tokens/{n}"]:,})'
+        for n, c in zip(corpus.names, counts, strict=True)
       )
     )
   for r in range(min(args.flags['rows'] or len(b['inputs']), len(b['inputs']))):

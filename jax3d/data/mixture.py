@@ -43,7 +43,7 @@ def for_config(cfg: Any, tok: Tokenizer | None = None) -> Corpus | Mixture:
     )
   spec = sched_lib.parse(d.mixture, d.mixture_stages)
   sources = []
-  for name, path in zip(spec.names, spec.paths):
+  for name, path in zip(spec.names, spec.paths, strict=True):
     try:
       sources.append(corpus_lib.load_corpus(path, d.eval_fraction, cfg.train.seq_len + 1, tok, d.packing))
     except ConfigError as e:
@@ -89,7 +89,8 @@ class Mixture:
     """One line per source: its name, weight now and what it holds."""
     w = self.spec.stages[0][1]
     return '; '.join(
-      f'{n} ({w[i]:.3g}) {s.describe()}' for i, (n, s) in enumerate(zip(self.names, self.sources))
+      f'{n} ({w[i]:.3g}) {s.describe()}'
+      for i, (n, s) in enumerate(zip(self.names, self.sources, strict=True))
     )
 
   def layout(self, seq_len: int, split: str = 'train') -> MixLayout:
@@ -133,8 +134,8 @@ class Mixture:
     return {
       'spec': self.spec.text(),
       'origin': self.origin,
-      'base': dict(zip(self.names, self.base.tolist())),
-      'cursors': dict(zip(self.names, drawn.tolist())),
+      'base': dict(zip(self.names, self.base.tolist(), strict=True)),
+      'cursors': dict(zip(self.names, drawn.tolist(), strict=True)),
     }
 
   def resume(self, saved: dict | None, step: int) -> str | None:
@@ -151,7 +152,7 @@ class Mixture:
     cursors = (saved or {}).get('cursors', {})
     self.origin, self.base = step, np.array([cursors.get(n, 0) for n in self.names], np.int64)
     old = f'data.mixture {saved["spec"]}' if saved else 'one source (data.path)'
-    return f'data.mixture changed on resume at step {step}: was {old}, now {self.spec.text()} (each source goes on from its cursor: {dict(zip(self.names, self.base.tolist()))})'
+    return f'data.mixture changed on resume at step {step}: was {old}, now {self.spec.text()} (each source goes on from its cursor: {dict(zip(self.names, self.base.tolist(), strict=True))})'
 
 
 class MixLayout:
@@ -177,7 +178,7 @@ class MixLayout:
     return out | {'source': src.astype(np.int32)}
 
   def describe(self) -> str:
-    return '; '.join(f'{n}: {lay.describe()}' for n, lay in zip(self.names, self.layouts))
+    return '; '.join(f'{n}: {lay.describe()}' for n, lay in zip(self.names, self.layouts, strict=True))
 
 
 class MixOrder:

@@ -46,19 +46,23 @@ class Spec:
 
   def text(self) -> str:
     """The mixture in one line: 'web=0.7:/d/web,code=0.3:/d/code' and its later stages."""
-    first = ','.join(f'{n}={w:g}:{p}' for n, w, p in zip(self.names, self.stages[0][1], self.paths))
+    first = ','.join(
+      f'{n}={w:g}:{p}' for n, w, p in zip(self.names, self.stages[0][1], self.paths, strict=True)
+    )
     later = ';'.join(f'{s}:' + _weights_text(self.names, w) for s, w in self.stages[1:])
     return first + (f' stages {later}' if later else '')
 
   def canonical(self) -> tuple[str, str]:
     """(data.mixture, data.mixture_stages) that give this Spec again: absolute paths, the weights
     normalised (what a run records in its config)."""
-    first = ','.join(f'{n}={w!r}:{p}' for n, w, p in zip(self.names, self.stages[0][1], self.paths))
+    first = ','.join(
+      f'{n}={w!r}:{p}' for n, w, p in zip(self.names, self.stages[0][1], self.paths, strict=True)
+    )
     return first, ';'.join(f'{s}:' + _weights_text(self.names, w, repr) for s, w in self.stages[1:])
 
 
 def _weights_text(names: tuple[str, ...], weights: tuple[float, ...], fmt: Any = '{:g}'.format) -> str:
-  return ','.join(f'{n}={fmt(w)}' for n, w in zip(names, weights) if w > 0)
+  return ','.join(f'{n}={fmt(w)}' for n, w in zip(names, weights, strict=True) if w > 0)
 
 
 def _weight(setting: str, value: str, name: str, text: str, form: str) -> float:
