@@ -119,3 +119,95 @@ def test_stages_change_the_weights_and_keep_the_cursors():
     np.testing.assert_allclose(np.bincount(part, minlength=3) / part.size, want, atol=0.01)
   for i in range(3):
     np.testing.assert_array_equal(k[src == i], np.arange((src == i).sum()))
+
+
+def _folders(root) -> str:
+  """Three text folders (sources of different sizes) and the data.mixture naming them."""
+  rng = np.random.default_rng(0)
+  for name, n in (('web', 12), ('code', 6), ('math', 3)):
+    os.makedirs(root / name)
+    for i in range(n):
+      words = rng.choice(['alpha', 'beta', 'gamma', name], 30 + 7 * i)
+      (root / name / f'f{i}.txt').write_text(f'{name} {i}: ' + ' '.join(words))
+  return f'web=0.6:{root}/web,code=0.3:{root}/code,math=0.1:{root}/math'
+
+
+def _train(cfg, workdir, steps):
+  from jax3d.trainer.trainer import Trainer
+
+  t = Trainer(cfg, workdir=str(workdir), devices=jax.devices()[:1], console=False)
+  try:
+    return t.train(steps=steps), t
+  finally:
+    t.close()
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_resume_mid_mixture_is_exact_and_a_changed_mixture_goes_on_from_the_cursors(tmp_path):
+  """8 steps in one go and 4 + 4 (a resume) give the same losses and per-source tokens; metrics
+  record tokens/NAME (summing to tokens); a resume with other weights is logged (one record naming
+  old and new) and each source's rows go on from its saved cursor."""
+  mix = _folders(tmp_path)
+  over = {'data.mixture': mix, 'eval.every': 0, 'log.every': 1, 'checkpoint.every': 4}
+  over |= {'checkpoint.async_save': False, 'train.steps': 8, 'model.n_layers': 1, 'sample.tokens': 1}
+  cfg = small_cfg(**over)
+  _train(cfg, tmp_path / 'one', 8)
+  _train(cfg, tmp_path / 'two', 4)
+  _, t = _train(cfg, tmp_path / 'two', 4)
+  one, two = (
+    {r['step']: r for r in _records(tmp_path / d) if 'loss' in r and 'event' not in r} for d in ('one', 'two')
+  )
+  assert sorted(one) == sorted(two) == list(range(1, 9))
+  for s in one:
+    assert one[s]['loss'] == two[s]['loss'], s
+    assert {k: v for k, v in one[s].items() if '/' in k} == {k: v for k, v in two[s].items() if '/' in k}
+  last = one[8]
+  assert sum(last[f'tokens/{n}'] for n in ('web', 'code', 'math')) == last['tokens'] == 8 * 32 * 16
+  assert last['tokens/web'] > last['tokens/code'] > last['tokens/math'] > 0
+  meta = t.checkpointer.read_meta(8)['mixture']
+  assert meta['cursors'] == {n: last[f'tokens/{n}'] // 16 for n in ('web', 'code', 'math')}
+  # The mixture changed on resume: logged, and each source's next row is the one at its cursor.
+  cfg2 = small_cfg(**(over | {'data.mixture': mix.replace('web=0.6', 'web=0.1'), 'train.steps': 10}))
+  _, t2 = _train(cfg2, tmp_path / 'two', 2)
+  changed = [r for r in _records(tmp_path / 'two') if r.get('event') == 'mixture_changed']
+  assert len(changed) == 1 and changed[0]['step'] == 8
+  assert 'was data.mixture web=0.6' in changed[0]['message'] and 'now web=0.2' in changed[0]['message']
+  order = t2.corpus.order(cfg.train.seed, 16)
+  src, k = order.draws(8, 32)
+  for i, n in enumerate(t2.corpus.names):
+    assert k[src == i].min(initial=meta['cursors'][n]) == meta['cursors'][n]
+  after = t2.checkpointer.read_meta(10)['mixture']
+  assert after['origin'] == 8 and after['base'] == meta['cursors']
+  assert after['cursors']['web'] - meta['cursors']['web'] < 0.2 * 64  # web now 0.1 of 2 x 32 rows
+
+
+def test_resume_keeps_the_schedule_and_a_changed_mixture_goes_on_from_the_cursors():
+  """A mixture loaded afresh and resumed from step 37's metadata gives the rows of the run that
+  never stopped; other weights on resume (logged: old and new) start each source at its saved
+  cursor, and a resume of that run keeps the new schedule (origin and base) exactly."""
+  m = _mixture(stages='30:web=0.5,code=0.5')
+  meta = m.meta(3, 37, 16, 16)
+  fresh = _mixture(stages='30:web=0.5,code=0.5')
+  assert fresh.resume(json.loads(json.dumps(meta)), 37) is None
+  for s in (37, 38, 90):
+    np.testing.assert_array_equal(fresh.order(3, 16).rows(s, 16), m.order(3, 16).rows(s, 16))
+  changed = _mixture('web=0.1:/d/web,code=0.1:/d/code,math=0.8:/d/math')
+  note = changed.resume(meta, 37)
+  assert note.startswith('data.mixture changed on resume at step 37: was data.mixture web=0.7')
+  assert 'now web=0.1:/d/web,code=0.1:/d/code,math=0.8:/d/math' in note
+  src, k = changed.order(3, 16).draws(37, 16)
+  for i, n in enumerate(changed.names):
+    assert k[src == i].min(initial=meta['cursors'][n]) == meta['cursors'][n]
+  later = changed.meta(3, 60, 16, 16)
+  again = _mixture('web=0.1:/d/web,code=0.1:/d/code,math=0.8:/d/math')
+  assert again.resume(later, 60) is None and (again.origin, list(again.base)) == (37, list(meta['cursors'].values()))
+  np.testing.assert_array_equal(again.order(3, 16).rows(61, 16), changed.order(3, 16).rows(61, 16))
+  share = np.bincount(np.concatenate([changed.order(3, 16).draws(s, 16)[0] for s in range(37, 137)]), minlength=3)
+  np.testing.assert_allclose(share / share.sum(), [0.1, 0.1, 0.8], atol=0.01)
+  with pytest.raises(ConfigError, match='step 36 is before step 37, where this run changed data.mixture'):
+    changed.order(3, 16).rows(36, 16)
