@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d.config import ConfigError
-from jax3d.data import corpus as data_lib, mixture, schedule
+from jax3d.data import corpus as data_lib, mixture, schedule, tokenizer as tok_lib
 
 from helpers import small_cfg
 
@@ -211,3 +211,52 @@ def test_resume_keeps_the_schedule_and_a_changed_mixture_goes_on_from_the_cursor
   np.testing.assert_allclose(share / share.sum(), [0.1, 0.1, 0.8], atol=0.01)
   with pytest.raises(ConfigError, match='step 36 is before step 37, where this run changed data.mixture'):
     changed.order(3, 16).rows(36, 16)
+
+
+@pytest.mark.parametrize(
+  'mix, stages, match',
+  [
+    ('web:', '', r"data.mixture='web:': 'web:' is not NAME=WEIGHT:PATH \(the form is NAME=WEIGHT:PATH"),
+    ('web=0:/d/w', '', r"the weight of 'web' is '0'; a weight is a number > 0"),
+    ('web=-1:/d/w', '', r"the weight of 'web' is '-1'; a weight is a number > 0"),
+    ('web=x:/d/w', '', r"the weight of 'web' is 'x'"),
+    ('web=1:/d/a,web=2:/d/b', '', r"the name 'web' is given twice"),
+    ('w b=1:/d/a', '', r"the name 'w b' may hold only letters, digits"),
+    ('web=1:/d/a,code:/d/b', '', r'give every source a weight, or none'),
+    ('web:/d/a,code:/d/b', '', r'gives no weights: give them .* or start data.mixture_stages at step 0'),
+    ('web=1:/d/a', '0:web=1', r'step 0 has weights in data.mixture already'),
+    ('web=1:/d/a,c=1:/d/c', '10:web=1;5:c=1', r'the steps must increase \(5 after 10\)'),
+    ('web=1:/d/a', '10:math=1', r"'math' is no source of data.mixture \(its sources: web\)"),
+    ('web=1:/d/a', '10:web=1,web=2', r"'web=2' in step 10 \(the form is STEP:NAME=WEIGHT"),
+    ('web=1:/d/a', 'x:web=1', r"'x:web=1' is not STEP:NAME=WEIGHT"),
+  ],
+)
+def test_bad_mixtures_are_refused_naming_the_setting_and_the_valid_form(mix, stages, match):
+  with pytest.raises(ConfigError, match=match):
+    schedule.parse(mix, stages)
+
+
+def test_a_mixture_of_sources_that_cannot_mix_is_refused(tmp_path):
+  """A missing folder (named with its source), data.path beside data.mixture, stages without a
+  mixture, token shards of another tokenizer: ConfigError before anything compiles."""
+  from jax3d import prepare
+
+  mix = _folders(tmp_path)
+  for name in ('web', 'code'):
+    assert prepare.main([f'--input={tmp_path / name}', f'--out={tmp_path / (name + "_t")}', '--noprogress']) == 0
+  cases = [
+    ({'data.mixture': mix.replace('/math', '/nowhere')}, r"data.mixture source 'math' \(.*/nowhere\): data.path=.* does not exist"),
+    ({'data.mixture': mix, 'data.path': str(tmp_path / 'web')}, 'data.path=.* and data.mixture=.* are both set'),
+    ({'data.mixture_stages': '10:web=1'}, r"data.mixture_stages='10:web=1' needs data.mixture"),
+  ]
+  index = tmp_path / 'code_t' / 'index.json'
+  meta = json.loads(index.read_text())
+  meta['tokenizer'] = {'path': '/elsewhere/tokenizer.json', 'sha256': 'f' * 64}
+  index.write_text(json.dumps(meta))
+  shard_mix = f'web=1:{tmp_path}/web_t,code=1:{tmp_path}/code_t'
+  cases.append(({'data.mixture': shard_mix}, "sources 'web' and 'code' were tokenized with different tokenizers"))
+  for over, match in cases:
+    with pytest.raises(ConfigError, match=match):
+      mixture.for_config(small_cfg(**over))
+  with pytest.raises(ConfigError, match="data.mixture source 'code' .* was tokenized with /elsewhere/tokenizer.json"):
+    mixture.for_config(small_cfg(**{'data.mixture': shard_mix}), tok_lib.load('bytes'))  # as a run loads it
