@@ -183,7 +183,7 @@ def test_resume_mid_mixture_is_exact_and_a_changed_mixture_goes_on_from_the_curs
     assert k[src == i].min(initial=meta['cursors'][n]) == meta['cursors'][n]
   after = t2.checkpointer.read_meta(10)['mixture']
   assert after['origin'] == 8 and after['base'] == meta['cursors']
-  assert after['cursors']['web'] - meta['cursors']['web'] < 0.2 * 64  # web now 0.1 of 2 x 32 rows
+  assert abs(after['cursors']['web'] - meta['cursors']['web'] - 0.2 * 64) < 1  # web now 0.2 of 2 x 32 rows
 
 
 def test_resume_keeps_the_schedule_and_a_changed_mixture_goes_on_from_the_cursors():
@@ -205,9 +205,14 @@ def test_resume_keeps_the_schedule_and_a_changed_mixture_goes_on_from_the_cursor
     assert k[src == i].min(initial=meta['cursors'][n]) == meta['cursors'][n]
   later = changed.meta(3, 60, 16, 16)
   again = _mixture('web=0.1:/d/web,code=0.1:/d/code,math=0.8:/d/math')
-  assert again.resume(later, 60) is None and (again.origin, list(again.base)) == (37, list(meta['cursors'].values()))
+  assert again.resume(later, 60) is None and (again.origin, list(again.base)) == (
+    37,
+    list(meta['cursors'].values()),
+  )
   np.testing.assert_array_equal(again.order(3, 16).rows(61, 16), changed.order(3, 16).rows(61, 16))
-  share = np.bincount(np.concatenate([changed.order(3, 16).draws(s, 16)[0] for s in range(37, 137)]), minlength=3)
+  share = np.bincount(
+    np.concatenate([changed.order(3, 16).draws(s, 16)[0] for s in range(37, 137)]), minlength=3
+  )
   np.testing.assert_allclose(share / share.sum(), [0.1, 0.1, 0.8], atol=0.01)
   with pytest.raises(ConfigError, match='step 36 is before step 37, where this run changed data.mixture'):
     changed.order(3, 16).rows(36, 16)
@@ -243,10 +248,18 @@ def test_a_mixture_of_sources_that_cannot_mix_is_refused(tmp_path):
 
   mix = _folders(tmp_path)
   for name in ('web', 'code'):
-    assert prepare.main([f'--input={tmp_path / name}', f'--out={tmp_path / (name + "_t")}', '--noprogress']) == 0
+    assert (
+      prepare.main([f'--input={tmp_path / name}', f'--out={tmp_path / (name + "_t")}', '--noprogress']) == 0
+    )
   cases = [
-    ({'data.mixture': mix.replace('/math', '/nowhere')}, r"data.mixture source 'math' \(.*/nowhere\): data.path=.* does not exist"),
-    ({'data.mixture': mix, 'data.path': str(tmp_path / 'web')}, 'data.path=.* and data.mixture=.* are both set'),
+    (
+      {'data.mixture': mix.replace('/math', '/nowhere')},
+      r"data.mixture source 'math' \(.*/nowhere\): data.path=.* does not exist",
+    ),
+    (
+      {'data.mixture': mix, 'data.path': str(tmp_path / 'web')},
+      'data.path=.* and data.mixture=.* are both set',
+    ),
     ({'data.mixture_stages': '10:web=1'}, r"data.mixture_stages='10:web=1' needs data.mixture"),
   ]
   index = tmp_path / 'code_t' / 'index.json'
@@ -254,9 +267,36 @@ def test_a_mixture_of_sources_that_cannot_mix_is_refused(tmp_path):
   meta['tokenizer'] = {'path': '/elsewhere/tokenizer.json', 'sha256': 'f' * 64}
   index.write_text(json.dumps(meta))
   shard_mix = f'web=1:{tmp_path}/web_t,code=1:{tmp_path}/code_t'
-  cases.append(({'data.mixture': shard_mix}, "sources 'web' and 'code' were tokenized with different tokenizers"))
+  cases.append(
+    ({'data.mixture': shard_mix}, "sources 'web' and 'code' were tokenized with different tokenizers")
+  )
   for over, match in cases:
     with pytest.raises(ConfigError, match=match):
       mixture.for_config(small_cfg(**over))
-  with pytest.raises(ConfigError, match="data.mixture source 'code' .* was tokenized with /elsewhere/tokenizer.json"):
+  with pytest.raises(
+    ConfigError, match="data.mixture source 'code' .* was tokenized with /elsewhere/tokenizer.json"
+  ):
     mixture.for_config(small_cfg(**{'data.mixture': shard_mix}), tok_lib.load('bytes'))  # as a run loads it
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_one_two_and_four_processes_train_on_the_same_mixture(tmp_path):
+  """The same mixture run as 1 process x 8 devices, 2 x 4 and 4 x 2 (scripts/launch_local.py): the
+  same losses and the same tokens per source at every step."""
+  from test_multihost import finish, launch, single, train_cmd
+
+  mix = _folders(tmp_path)
+  args = [f'--config.data.mixture={mix}', '--config.data.mixture_stages=3:web=0.2,code=0.2,math=0.6']
+  runs = {}
+  for n in (1, 2, 4):
+    wd = str(tmp_path / f'p{n}')
+    cmd = train_cmd(wd, *args, steps=6)
+    finish(single(cmd) if n == 1 else launch(n, cmd))
+    runs[n] = {r['step']: r for r in _records(wd) if 'loss' in r and 'event' not in r}
+  assert sorted(runs[1]) == list(range(1, 7))
+  for n in (2, 4):
+    for s, r in runs[1].items():
+      np.testing.assert_allclose(runs[n][s]['loss'], r['loss'], rtol=1e-5, err_msg=f'{n} processes, step {s}')
+      assert {k: v for k, v in runs[n][s].items() if '/' in k} == {k: v for k, v in r.items() if '/' in k}
+  assert runs[1][6]['tokens/math'] > runs[1][3]['tokens/math'] * 2  # the stage at step 3 took effect
