@@ -11,7 +11,7 @@ to load the data (`mixture.for_config`: indexes, document starts, the rows' layo
 first batch (step 0) and a batch far into the run (step 100,000: the mixture's schedule is
 state-free, nothing before it is replayed), of train.global_batch_size 64 x seq_len 1024. The
 variants run interleaved, --rounds times each; the table gives medians and the mixture / one
-source ratio, the JSON every round.
+source ratio (written beside the JSON as .txt), the JSON every round too.
 """
 
 from __future__ import annotations
@@ -114,17 +114,23 @@ def main(argv: list[str] | None = None) -> int:
       rounds[name].append(probe(over))
   keys = ('import_s', 'load_s', 'first_batch_s', 'far_batch_s')
   med = {n: {k: statistics.median(r[k] for r in rs) for k in keys} for n, rs in rounds.items()}
-  print(f'{a.mb:g} MB of text, batch 64 x 1024, medians of {a.rounds} fresh processes each (seconds)')
-  print(f'{"":18s}' + ''.join(f'{k:>15s}' for k in keys))
+  lines = [f'{a.mb:g} MB of text, batch 64 x 1024, medians of {a.rounds} fresh processes each (seconds)']
+  lines.append(f'{"":18s}' + ''.join(f'{k:>15s}' for k in keys))
   for n, m in med.items():
-    print(f'{n:18s}' + ''.join(f'{m[k]:15.3f}' for k in keys))
+    lines.append(f'{n:18s}' + ''.join(f'{m[k]:15.3f}' for k in keys))
   one, mix = med['one source'], med['3-source mixture']
   ratio = {k: mix[k] / one[k] for k in keys}
-  print(f'{"mixture / one":18s}' + ''.join(f'{ratio[k]:15.2f}' for k in keys))
-  if a.json:
+  lines.append(f'{"mixture / one":18s}' + ''.join(f'{ratio[k]:15.2f}' for k in keys))
+  print('\n'.join(lines))
+  if a.json:  # the figures, and the table beside them (.txt)
     with open(a.json, 'w') as f:
       json.dump({'mb': a.mb, 'rounds': rounds, 'medians': med, 'ratio': ratio}, f, indent=1)
-    print(f'wrote {a.json}')
+    with open(os.path.splitext(a.json)[0] + '.txt', 'w') as f:
+      f.write(
+        '$ python scripts/bench_mixture.py ' + ' '.join(argv if argv is not None else sys.argv[1:]) + '\n'
+      )
+      f.write('\n'.join(lines) + '\n')
+    print(f'wrote {a.json} and its .txt')
   return 0
 
 
