@@ -57,7 +57,7 @@ def _write_text(folder: str, mb: float, seed: int) -> None:
       lines += open(path, encoding='utf-8', errors='replace').read().splitlines()
   rng, size, i = random.Random(seed), 0, 0
   while size < mb * 1e6:
-    text = '\n'.join(rng.choice(lines) for _ in range(2000))
+    text = '\n'.join(rng.choice(lines) for _ in range(300))
     with open(os.path.join(folder, f'f{i:04d}.txt'), 'w') as f:
       f.write(text)
     size, i = size + len(text), i + 1
