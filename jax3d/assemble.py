@@ -139,7 +139,9 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     shapes, from the safetensors headers), and PATH's own tokenizer when data.tokenizer is 'bytes';
     any other init_from (a run to warm-start from), data.path and lora.init_from: their absolute
     paths, and lora.rank, alpha and targets from lora.init_from's adapter_config.json;
-  * token shards (data.path) made with a subword tokenizer: that one when data.tokenizer is 'bytes';
+  * token shards (data.path, or data.mixture's first source) made with a subword tokenizer: that
+    one when data.tokenizer is 'bytes'; data.mixture and data.mixture_stages parsed (ConfigError
+    on a fault) and written canonically: absolute paths, normalised weights;
   * a subword `data.tokenizer`: its absolute path (recorded in checkpoints, so that jax3d.sample
     finds it) and model.vocab_size from it, or, when an import fixes the vocabulary, a check that
     the tokenizer's fits in it.

@@ -153,7 +153,7 @@ def test_resume_mid_mixture_is_exact_and_a_changed_mixture_goes_on_from_the_curs
   record tokens/NAME (summing to tokens); a resume with other weights is logged (one record naming
   old and new) and each source's rows go on from its saved cursor."""
   mix = _folders(tmp_path)
-  over = {'data.mixture': mix, 'eval.every': 0, 'log.every': 1, 'checkpoint.every': 4}
+  over = {'data.mixture': mix, 'eval.every': 4, 'eval.batches': 4, 'log.every': 1, 'checkpoint.every': 4}
   over |= {'checkpoint.async_save': False, 'train.steps': 8, 'model.n_layers': 1, 'sample.tokens': 1}
   cfg = small_cfg(**over)
   _train(cfg, tmp_path / 'one', 8)
@@ -166,6 +166,13 @@ def test_resume_mid_mixture_is_exact_and_a_changed_mixture_goes_on_from_the_curs
   for s in one:
     assert one[s]['loss'] == two[s]['loss'], s
     assert {k: v for k, v in one[s].items() if '/' in k} == {k: v for k, v in two[s].items() if '/' in k}
+  evals = {d: [r for r in _records(tmp_path / d) if 'eval_loss' in r] for d in ('one', 'two')}
+  assert [r['step'] for r in evals['one']] == [0, 4, 8] and evals['one'][1:] == evals['two'][-2:]
+  ev = evals['one'][-1]  # the mixture's held-out loss is over its sources' batches (2, 1, 1 of 4)
+  assert set(ev) == {'step', 'eval_loss', 'eval_loss/web', 'eval_loss/code', 'eval_loss/math'}
+  each = [ev[f'eval_loss/{n}'] for n in ('web', 'code', 'math')]
+  lo, hi = min(each), max(each)
+  assert lo < ev['eval_loss'] < hi
   last = one[8]
   assert sum(last[f'tokens/{n}'] for n in ('web', 'code', 'math')) == last['tokens'] == 8 * 32 * 16
   assert last['tokens/web'] > last['tokens/code'] > last['tokens/math'] > 0
@@ -300,3 +307,38 @@ def test_one_two_and_four_processes_train_on_the_same_mixture(tmp_path):
       np.testing.assert_allclose(runs[n][s]['loss'], r['loss'], rtol=1e-5, err_msg=f'{n} processes, step {s}')
       assert {k: v for k, v in runs[n][s].items() if '/' in k} == {k: v for k, v in r.items() if '/' in k}
   assert runs[1][6]['tokens/math'] > runs[1][3]['tokens/math'] * 2  # the stage at step 3 took effect
+
+
+def test_jax3d_batch_names_each_rows_source(tmp_path, capsys):
+  """`python -m jax3d.batch` on a mixture: each row's source (the one its tokens come from) and
+  each source's rows in the batch; the Python API's batch carries `source`."""
+  import jax3d
+  from jax3d import batch as batch_cmd, config as config_lib
+
+  mix = _folders(tmp_path)
+  assert (
+    batch_cmd.main(['--step=2', '--rows=0', f'--config.data.mixture={mix}', '--config.train.seq_len=16']) == 0
+  )
+  out = capsys.readouterr().out
+  b = jax3d.batch(config_lib.load_config('tiny', {'data.mixture': mix, 'train.seq_len': 16}), 2)
+  names = ('web', 'code', 'math')
+  for r, s in enumerate(b['source']):
+    assert f'row {r} ({names[s]}):' in out
+  counts = np.bincount(b['source'], minlength=3)
+  assert f'sources: web {counts[0]} rows' in out and f'math {counts[2]} rows' in out
+  np.testing.assert_allclose(counts / counts.sum(), [0.6, 0.3, 0.1], atol=1.5 / counts.sum())
+
+
+def test_held_out_batches_are_shared_among_the_sources_by_weight():
+  """eval.batches=8 of a 0.7/0.2/0.1 mixture: 6, 1 and 1 batches (largest remainder), each the
+  source's own held-out batches (those a run of that source alone evaluates on); at least one each."""
+  m = _mixture()
+  got = mixture.eval_batches(m, 3, 8, 16, 16)
+  assert [n for n, _ in got] == ['web'] * 6 + ['code', 'math']
+  for i, name in enumerate(m.names):
+    mine = [b for n, b in got if n == name]
+    want = data_lib.eval_batches(m.sources[i], 3, len(mine), 16, 16)
+    for b, w in zip(mine, want, strict=True):
+      for k in data_lib.STEP_KEYS:
+        np.testing.assert_array_equal(b[k], w[k])
+  assert [n for n, _ in mixture.eval_batches(m, 3, 1, 16, 16)] == ['web', 'code', 'math']

@@ -242,3 +242,23 @@ def resume(corpus: Corpus | Mixture, saved: dict | None, step: int) -> str | Non
   if saved:
     return f'data.mixture changed on resume at step {step}: was data.mixture {saved["spec"]}, now one source ({corpus.source})'
   return None
+
+
+def eval_batches(
+  corpus: Corpus | Mixture, seed: int, n: int, batch: int, seq_len: int
+) -> list[tuple[str | None, dict[str, np.ndarray]]]:
+  """The fixed held-out batches, each with its source's name (None for one corpus): a corpus's
+  `corpus.eval_batches`; a mixture's n batches shared among its sources by the first stage's
+  weights (largest remainder, at least one each), each source's batches its own held-out rows'
+  (`corpus.eval_batches` of the source), so that the evaluation gives each source's loss too."""
+  if not isinstance(corpus, Mixture):
+    return [(None, b) for b in corpus_lib.eval_batches(corpus, seed, n, batch, seq_len)]
+  share = np.asarray(corpus.spec.stages[0][1]) * n
+  counts = np.floor(share).astype(int)
+  counts[np.argsort(-np.round(share - counts, 9), kind='stable')[: n - counts.sum()]] += (
+    1  # ties: listed first
+  )
+  out = []
+  for name, src, c in zip(corpus.names, corpus.sources, np.maximum(counts, 1), strict=True):
+    out += [(name, b) for b in corpus_lib.eval_batches(src, seed, int(c), batch, seq_len)]
+  return out

@@ -55,6 +55,7 @@ class Host(Protocol):
   workdir: str | None
   layout: dict
   step: int
+  eval_losses: dict[str, float]
 
   def log(self, msg: str = '') -> None: ...
   def init_state(self) -> str: ...
@@ -217,7 +218,8 @@ class _Loop:
       )
 
   def _evaluate(self, step: int) -> None:
-    self.host.steplog.evaluation(step, self.host.evaluate())
+    loss = self.host.evaluate()
+    self.host.steplog.evaluation(step, loss, {k: v for k, v in self.host.eval_losses.items() if '/' in k})
 
   def _preempted(self, step: int) -> None:
     """SIGTERM (or a peer's, through JAX's preemption sync): save this step and stop cleanly."""

@@ -132,8 +132,11 @@ class StepLog:
     )
     clock.t_last, clock.steps = now, 0
 
-  def evaluation(self, step: int, loss: float) -> None:
-    """The held-out loss at `step`: its record, TensorBoard scalar and console line."""
-    self.writer.write({'step': step, 'eval_loss': loss})
-    self.tb.scalars(step, {'eval_loss': loss})
-    self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits)')
+  def evaluation(self, step: int, loss: float, per_source: dict[str, float] | None = None) -> None:
+    """The held-out loss at `step`: its record, TensorBoard scalar and console line; a mixture's
+    loss per source (`per_source`: eval_loss/NAME) in the record and on the line."""
+    record = {'step': step, 'eval_loss': loss} | (per_source or {})
+    self.writer.write(record)
+    self.tb.scalars(step, record)
+    each = ''.join(f', {k.split("/", 1)[1]} {v:.4f}' for k, v in (per_source or {}).items())
+    self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits){each}')

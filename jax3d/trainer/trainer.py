@@ -79,6 +79,7 @@ class Trainer:
       else None
     )
     self.state = None
+    self.eval_losses: dict[str, float] = {}
     self.compiled: assemble.CompiledStep | None = None
     self._eval_step = None
     self._stop = loop_lib.StopFlag()
@@ -163,10 +164,14 @@ class Trainer:
 
   # ------------------------------------------------------------------ evaluation and text
   def evaluate(self) -> float:
-    """The held-out loss in nats per token (jax3d/trainer/evaluation.py); compiles first if needed."""
+    """The held-out loss in nats per token (jax3d/trainer/evaluation.py); compiles first if needed.
+    `eval_losses` keeps it with a mixture's loss per source (eval_loss/NAME)."""
     for line in self.compile():
       self.log('  ' + line)
-    return evaluation.held_out_loss(self.setup, self.corpus, self._eval_step, self.state['params'])
+    self.eval_losses = evaluation.held_out_losses(
+      self.setup, self.corpus, self._eval_step, self.state['params']
+    )
+    return self.eval_losses['eval_loss']
 
   def sample(
     self,
