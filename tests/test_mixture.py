@@ -211,6 +211,10 @@ def test_resume_keeps_the_schedule_and_a_changed_mixture_goes_on_from_the_cursor
   for i, n in enumerate(changed.names):
     assert k[src == i].min(initial=meta['cursors'][n]) == meta['cursors'][n]
   later = changed.meta(3, 60, 16, 16)
+  drawn = np.bincount(
+    np.concatenate([changed.order(3, 16).draws(s, 16)[0] for s in range(37, 60)]), minlength=3
+  )
+  assert later['cursors'] == {n: meta['cursors'][n] + int(drawn[i]) for i, n in enumerate(changed.names)}
   again = _mixture('web=0.1:/d/web,code=0.1:/d/code,math=0.8:/d/math')
   assert again.resume(later, 60) is None and (again.origin, list(again.base)) == (
     37,
