@@ -176,10 +176,10 @@ def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:
   and weights (float32): rows of `data.packing` in the epoch order of train.seed (docs/data.md).
   Reads the data only: nothing is compiled and no device is used."""
   from jax3d import assemble
-  from jax3d.data import corpus as data_lib, tokenizer as tok_lib
+  from jax3d.data import corpus as data_lib, mixture as mixture_lib, tokenizer as tok_lib
 
   cfg = assemble.resolve(cfg)  # the tokenizer of token shards or an import, as a run takes it
-  corpus = data_lib.for_config(cfg, tok_lib.load(cfg.data.tokenizer))
+  corpus = mixture_lib.for_config(cfg, tok_lib.load(cfg.data.tokenizer))
   return data_lib.batch_at(corpus, cfg.train.seed, step, cfg.train.global_batch_size, cfg.train.seq_len)
 
 

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import config as config_lib
 from jax3d.analysis import inspection
-from jax3d.data import corpus as data_lib, packing, shards, tokenizer as tok_lib
+from jax3d.data import corpus as data_lib, packing, schedule as sched_lib, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config, peft
 from jax3d.model import attention, llama, lora
@@ -139,7 +139,9 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     shapes, from the safetensors headers), and PATH's own tokenizer when data.tokenizer is 'bytes';
     any other init_from (a run to warm-start from), data.path and lora.init_from: their absolute
     paths, and lora.rank, alpha and targets from lora.init_from's adapter_config.json;
-  * token shards (data.path) made with a subword tokenizer: that one when data.tokenizer is 'bytes';
+  * token shards (data.path, or data.mixture's first source) made with a subword tokenizer: that
+    one when data.tokenizer is 'bytes'; data.mixture and data.mixture_stages parsed (ConfigError
+    on a fault) and written canonically: absolute paths, normalised weights;
   * a subword `data.tokenizer`: its absolute path (recorded in checkpoints, so that jax3d.sample
     finds it) and model.vocab_size from it, or, when an import fixes the vocabulary, a check that
     the tokenizer's fits in it.
@@ -171,8 +173,13 @@ def _resolve(
   if cfg.lora.init_from:  # absolute; lora.rank, alpha and targets from the PEFT adapter's own config
     config_lib.set_key(cfg, 'lora.init_from', os.path.abspath(cfg.lora.init_from))
     peft.with_lora(cfg, cfg.lora.init_from)
-  if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(cfg.data.path):
-    made_with = shards.read_index(cfg.data.path).get('tokenizer', {}).get('path', tok_lib.BYTES)
+  if cfg.data.mixture:  # its paths absolute (recorded in checkpoints); its first source's tokenizer
+    spec = sched_lib.parse(cfg.data.mixture, cfg.data.mixture_stages)
+    for key, value in zip(('data.mixture', 'data.mixture_stages'), spec.canonical(), strict=True):
+      config_lib.set_key(cfg, key, value)
+  shard_path = cfg.data.path or (spec.paths[0] if cfg.data.mixture else '')
+  if cfg.data.tokenizer == tok_lib.BYTES and shards.is_shards(shard_path):
+    made_with = shards.read_index(shard_path).get('tokenizer', {}).get('path', tok_lib.BYTES)
     if made_with != tok_lib.BYTES and os.path.exists(made_with):  # the shards' own tokenizer
       config_lib.set_key(cfg, 'data.tokenizer', made_with)
   if cfg.data.tokenizer != tok_lib.BYTES:

@@ -405,6 +405,21 @@ TABLE = [
   (T, ['--config.data.path=/nonexistent/corpus'], ["data.path='/nonexistent/corpus'", 'does not exist']),
   (
     T,
+    ['--config.data.mixture=web=1:FILES/nowhere'],
+    ["data.mixture source 'web' (FILES/nowhere)", 'does not exist'],
+  ),
+  (
+    T,
+    ['--config.data.mixture=web=0:FILES/emptydir'],
+    ["data.mixture='web=0:FILES/emptydir'", "the weight of 'web' is '0'; a weight is a number > 0"],
+  ),
+  (
+    ['batch', '--step=0', '--config.data.mixture=web=1:FILES/a,web=2:FILES/b'],
+    ["the name 'web' is given twice"],
+  ),
+  (T, ['--config.data.mixture_stages=5:web=1'], ["data.mixture_stages='5:web=1' needs data.mixture"]),
+  (
+    T,
     ['--config.data.path=FILES/text.jsonl.gz'],
     ["data.path='FILES/text.jsonl.gz' is JSONL", 'jax3d.prepare'],
   ),

@@ -159,6 +159,10 @@ def declared() -> Declared:
   c.data.tokenizer = 'bytes', text('bytes, or a path')
   # auto | concat | pack: rows of documents (docs/data.md); auto = pack for chat data, else concat
   c.data.packing = 'auto', one_of(*PACKINGS)
+  # weighted sources instead of data.path: NAME=WEIGHT:PATH,... (docs/data.md, mixtures); '' = none
+  c.data.mixture = '', ANY
+  # weights from later steps on: STEP:NAME=WEIGHT,...;STEP:... ('' = data.mixture's weights throughout)
+  c.data.mixture_stages = '', ANY
 
   c.log.every = 10, POSITIVE  # steps between metric records and console lines
   c.log.tensorboard = False, ANY  # also write TensorBoard event files to WORKDIR/tensorboard

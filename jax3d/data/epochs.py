@@ -30,7 +30,12 @@ class Order:
 
   def rows(self, step: int, batch: int, which: slice | np.ndarray = slice(None)) -> np.ndarray:
     """The row indices of batch rows `which` (default all `batch`) of step `step`."""
-    entry = step * batch + np.arange(batch, dtype=np.int64)[which]
+    return self.at(step * batch + np.arange(batch, dtype=np.int64)[which])
+
+  def at(self, entries: np.ndarray) -> np.ndarray:
+    """The row indices of entries `entries` of the sequence (entry e: epoch e // n_rows); a
+    mixture's source reads its k-th row this way (jax3d/data/mixture.py)."""
+    entry = np.asarray(entries, np.int64)
     epoch, k = np.divmod(entry, self.n_rows)
     out = np.empty(entry.shape, np.int64)
     for e in np.unique(epoch):

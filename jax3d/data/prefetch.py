@@ -13,7 +13,7 @@ import threading
 
 import jax
 
-from jax3d.data import corpus as data_lib
+from jax3d.data import corpus as data_lib, mixture as mixture_lib
 from jax3d.data.corpus import Corpus, DataError
 
 
@@ -28,7 +28,7 @@ class Prefetcher:
 
   def __init__(
     self,
-    corpus: Corpus,
+    corpus: Corpus | mixture_lib.Mixture,
     seed: int,
     start: int,
     stop: int,
@@ -44,8 +44,10 @@ class Prefetcher:
     self.q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
     self._stop = threading.Event()
     # The mapped files (one .bin, or every token shard), each with its size at the start.
-    files = getattr(corpus.train, 'filenames', None) or [getattr(corpus.train, 'filename', None)]
-    files += getattr(corpus.train_weights, 'filenames', [])
+    files = []
+    for part in mixture_lib.parts(corpus):
+      files += getattr(part.train, 'filenames', None) or [getattr(part.train, 'filename', None)]
+      files += getattr(part.train_weights, 'filenames', [])
     self._watch: list[tuple[str, int, int]] = []
     for file in filter(None, files):
       try:  # a file deleted since it was mapped cannot be truncated: nothing to watch
@@ -70,6 +72,13 @@ class Prefetcher:
     """The epoch (0-based) of the batch of step `step` (corpus.epoch_at)."""
     seed, batch, seq_len = self.args
     return data_lib.epoch_at(self.corpus, seed, step, batch, seq_len)
+
+  def per_source(self, step: int) -> dict[str, int]:
+    """A mixture's tokens/NAME and epoch/NAME once the steps before `step` are done (none for one source)."""
+    if not isinstance(self.corpus, mixture_lib.Mixture):
+      return {}
+    seed, batch, seq_len = self.args
+    return self.corpus.per_source(seed, step, batch, seq_len)
 
   def _run(self, start: int, stop: int) -> None:
     seed, batch, seq_len = self.args

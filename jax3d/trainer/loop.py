@@ -32,7 +32,7 @@ import ml_collections
 
 from jax3d import assemble
 from jax3d.config import RunPlan
-from jax3d.data import corpus as data_lib, prefetch as prefetch_lib
+from jax3d.data import corpus as data_lib, mixture as mixture_lib, prefetch as prefetch_lib
 from jax3d.errors import TrainingError
 from jax3d.record import Setup
 from jax3d.trainer import checkpoint as ckpt_lib, distributed, metrics as metrics_lib
@@ -45,7 +45,7 @@ class Host(Protocol):
   cfg: ml_collections.ConfigDict
   setup: Setup
   plan: RunPlan
-  corpus: data_lib.Corpus
+  corpus: data_lib.Corpus | mixture_lib.Mixture
   state: dict | None
   compiled: assemble.CompiledStep | None
   checkpointer: ckpt_lib.Checkpointer | None
@@ -55,6 +55,7 @@ class Host(Protocol):
   workdir: str | None
   layout: dict
   step: int
+  eval_losses: dict[str, float]
 
   def log(self, msg: str = '') -> None: ...
   def init_state(self) -> str: ...
@@ -195,7 +196,9 @@ class _Loop:
     self._profile(step, start=False)
     host.steplog.check_finite(step, m)
     if step % self.cfg.log.every == 0 or step == self.stop:
-      host.steplog.record(step, self.stop, m, self.clock, epoch=self.prefetch.epoch(step - 1))
+      host.steplog.record(
+        step, self.stop, m, self.clock, self.prefetch.epoch(step - 1), self.prefetch.per_source(step)
+      )
     dt = max(time.time() - t0, 1e-9)
     host.console.progress(step, self.start, float(m['loss']), host.plan.tokens_per_step / dt, dt)
 
@@ -215,7 +218,8 @@ class _Loop:
       )
 
   def _evaluate(self, step: int) -> None:
-    self.host.steplog.evaluation(step, self.host.evaluate())
+    loss = self.host.evaluate()
+    self.host.steplog.evaluation(step, loss, {k: v for k, v in self.host.eval_losses.items() if '/' in k})
 
   def _preempted(self, step: int) -> None:
     """SIGTERM (or a peer's, through JAX's preemption sync): save this step and stop cleanly."""

@@ -5,6 +5,8 @@ take the last record of a step). Kinds of record:
   {"event": "start", "layout": {...}, "config": {...}}                 once per (re)start
   {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "tokens", "epoch", "mfu", "memory"}
   {"step", "eval_loss"}                                                  held-out evaluations
+  with data.mixture: "tokens/NAME", "epoch/NAME" in the step records, "eval_loss/NAME" in the
+  evaluations (per source), and {"step", "event": "mixture_changed", "message"} on a resume
   {"step", "event": "nonfinite", "loss", "grad_norm", "consecutive"}   a skipped update
   {"step", "event": "memory_leak", "message", ...}                      the leak detector's warning
   {"step", "event": "preempted", "checkpoint"}                          a SIGTERM that saved

@@ -87,9 +87,18 @@ class StepLog:
     self.console.warn(f'step {step}: not saved, every step of this run so far was non-finite')
     return True
 
-  def record(self, step: int, stop: int, m: dict, clock: metrics_lib.Clock, epoch: int | None = None) -> None:
+  def record(
+    self,
+    step: int,
+    stop: int,
+    m: dict,
+    clock: metrics_lib.Clock,
+    epoch: int | None = None,
+    data: dict | None = None,
+  ) -> None:
     """A metrics record, TensorBoard scalars, the leak check and a console line; restarts `clock`.
-    `epoch`: the data epoch (0-based) the step's batch came from."""
+    `epoch`: the data epoch (0-based) the step's batch came from; `data`: a mixture's entries per
+    source (tokens/NAME, epoch/NAME: jax3d/data/mixture.py)."""
     now = time.time()
     dt = (now - clock.t_last) / max(clock.steps, 1)
     tok_s = self.plan.tokens_per_step / dt if clock.steps else 0.0
@@ -107,7 +116,7 @@ class StepLog:
       'epoch': epoch,
       'mfu': mfu,
       'memory': mem,
-    }
+    } | (data or {})
     self.writer.write(record)
     self.tb.scalars(step, record)
     leak = self.leak.update(step, mem['bytes_in_use'])
@@ -123,8 +132,11 @@ class StepLog:
     )
     clock.t_last, clock.steps = now, 0
 
-  def evaluation(self, step: int, loss: float) -> None:
-    """The held-out loss at `step`: its record, TensorBoard scalar and console line."""
-    self.writer.write({'step': step, 'eval_loss': loss})
-    self.tb.scalars(step, {'eval_loss': loss})
-    self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits)')
+  def evaluation(self, step: int, loss: float, per_source: dict[str, float] | None = None) -> None:
+    """The held-out loss at `step`: its record, TensorBoard scalar and console line; a mixture's
+    loss per source (`per_source`: eval_loss/NAME) in the record and on the line."""
+    record = {'step': step, 'eval_loss': loss} | (per_source or {})
+    self.writer.write(record)
+    self.tb.scalars(step, record)
+    each = ''.join(f', {k.split("/", 1)[1]} {v:.4f}' for k, v in (per_source or {}).items())
+    self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits){each}')

@@ -27,7 +27,7 @@ import ml_collections
 
 from jax3d import assemble
 from jax3d.analysis import inspection
-from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
+from jax3d.data import corpus as data_lib, mixture as mixture_lib, tokenizer as tokenizer_lib
 from jax3d.errors import TrainingError
 from jax3d.planning import oom
 from jax3d.trainer import (
@@ -65,7 +65,7 @@ class Trainer:
       else None
     )
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
-    self.corpus = data_lib.for_config(cfg, self.tokenizer)
+    self.corpus = mixture_lib.for_config(cfg, self.tokenizer)
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
     self.plan, self.mesh = self.setup.plan, self.setup.mesh
     self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)
@@ -79,6 +79,7 @@ class Trainer:
       else None
     )
     self.state = None
+    self.eval_losses: dict[str, float] = {}
     self.compiled: assemble.CompiledStep | None = None
     self._eval_step = None
     self._stop = loop_lib.StopFlag()
@@ -108,6 +109,13 @@ class Trainer:
     """Restores the newest good checkpoint, or warm-starts, or initialises (jax3d/trainer/state.py).
     Returns what it did."""
     self.state, what = state_lib.initial_state(self.setup, self.checkpointer, self.console.warn)
+    step = self.step
+    if self.checkpointer and step in self.checkpointer.steps():  # resumed: the mixture goes on
+      saved = self.checkpointer.read_meta(step).get('mixture')
+      note = mixture_lib.resume(self.corpus, saved, step)
+      if note:
+        self.writer.write({'step': step, 'event': 'mixture_changed', 'message': note})
+        what += f'\n  {note}'
     return what
 
   def compile(self) -> list[str]:
@@ -129,13 +137,21 @@ class Trainer:
   # ------------------------------------------------------------------ checkpoints
   def meta(self) -> dict:
     step = self.step
-    return {
-      'step': step,
-      'data_step': step,
-      'seed': self.cfg.train.seed,
-      'layout': self.layout,
-      'config': self.cfg.to_dict(),
-    } | ({'lora_base': state_lib.base_source(self.cfg)} if self.setup.dims.lora_rank else {})
+    return (
+      {
+        'step': step,
+        'data_step': step,
+        'seed': self.cfg.train.seed,
+        'layout': self.layout,
+        'config': self.cfg.to_dict(),
+      }
+      | ({'lora_base': state_lib.base_source(self.cfg)} if self.setup.dims.lora_rank else {})
+      | (
+        {'mixture': self.corpus.meta(self.cfg.train.seed, step, self.plan.global_batch, self.plan.seq_len)}
+        if isinstance(self.corpus, mixture_lib.Mixture)
+        else {}
+      )
+    )
 
   def save(self, force: bool = True) -> str | None:
     if not self.checkpointer:
@@ -148,10 +164,14 @@ class Trainer:
 
   # ------------------------------------------------------------------ evaluation and text
   def evaluate(self) -> float:
-    """The held-out loss in nats per token (jax3d/trainer/evaluation.py); compiles first if needed."""
+    """The held-out loss in nats per token (jax3d/trainer/evaluation.py); compiles first if needed.
+    `eval_losses` keeps it with a mixture's loss per source (eval_loss/NAME)."""
     for line in self.compile():
       self.log('  ' + line)
-    return evaluation.held_out_loss(self.setup, self.corpus, self._eval_step, self.state['params'])
+    self.eval_losses = evaluation.held_out_losses(
+      self.setup, self.corpus, self._eval_step, self.state['params']
+    )
+    return self.eval_losses['eval_loss']
 
   def sample(
     self,

@@ -86,11 +86,11 @@ def verify(
 
 def held_out_tokens(setup: Setup) -> np.ndarray:
   """The run's first held-out batch of inputs (one accumulation chunk's rows), as evaluation reads it."""
-  from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
+  from jax3d.data import mixture as mixture_lib, tokenizer as tokenizer_lib
 
   cfg, plan = setup.cfg, setup.plan
-  corpus = data_lib.for_config(cfg, tokenizer_lib.load(cfg.data.tokenizer))
-  return data_lib.eval_batches(corpus, cfg.train.seed, 1, plan.chunk_batch, plan.seq_len)[0]['inputs']
+  corpus = mixture_lib.for_config(cfg, tokenizer_lib.load(cfg.data.tokenizer))
+  return mixture_lib.eval_batches(corpus, cfg.train.seed, 1, plan.chunk_batch, plan.seq_len)[0][1]['inputs']
 
 
 def verify_export(setup: Setup, params: Any, folder: str, name: str, adapter: str | None = None) -> None:
