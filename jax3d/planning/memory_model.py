@@ -285,8 +285,10 @@ def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dic
     'params': n_local * pb,
     # + the accumulator of gradient accumulation, and the pipeline loop's own: each iteration's
     # gradient of the stage's weights (JAX's transpose of the loop-invariant operand) is a fresh
-    # buffer added into the loop's carry, so the stage's weight gradients are held twice.
-    'grads': n_local * pb * (2 if plan.grad_accum > 1 else 1) + local['layers'] * pb,
+    # buffer added into the loop's carry, so the stage's weight gradients are held twice. A loop
+    # of one iteration (pp = 1, one micro-batch) is no loop to XLA: held once (Llama 3 8B at
+    # dp 32, tp 2 on 64 x H100: XLA:GPU 67.7 GB, 84.6 estimated with the second copy, 70.6 without).
+    'grads': n_local * pb * (2 if plan.grad_accum > 1 else 1) + _loop_copy(plan) * local['layers'] * pb,
     'optimizer': 2 * n_local * pb / (plan.dp if t.shard_optimizer else 1),
     'activations': activation_bytes(cfg, plan, flash),
     'head': head_bytes(cfg, plan),
@@ -295,6 +297,12 @@ def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dic
   if cfg.lora.rank:
     return out | _lora(cfg, plan, local, mode)
   return out if mode is None else out | _zero3(local, pb, plan, mode, cfg.model.n_layers)
+
+
+def _loop_copy(plan: RunPlan) -> int:
+  """1 where the pipeline's loop holds a second gradient of the stage's weights (more than one
+  iteration), else 0."""
+  return int(plan.iterations > 1)
 
 
 def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str | None) -> dict:
@@ -309,7 +317,7 @@ def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str 
   stored = (sum(local.values()) * bb + adapters) / (plan.dp if mode else 1)
   out = {
     'params': stored,
-    'grads': adapters * (3 if plan.grad_accum > 1 else 2),
+    'grads': adapters * ((2 if plan.grad_accum > 1 else 1) + _loop_copy(plan)),
     'optimizer': 2 * adapters / (plan.dp if t.shard_optimizer or mode else 1),
   }
   if mode:
@@ -333,7 +341,7 @@ def _zero3(local: dict, pb: int, plan: RunPlan, mode: str, n_layers: int) -> dic
   layers, shared = local['layers'] * pb, local['embed_head'] * pb
   slices = stored * (2 if plan.grad_accum > 1 else 1)
   if mode == 'step':
-    grads, gathered = slices + layers + shared + layers, layers + shared
+    grads, gathered = slices + layers + shared + _loop_copy(plan) * layers, layers + shared
   else:
     one = layers / (n_layers // plan.pp)
     grads, gathered = slices + layers / plan.dp + shared + one, one + shared
