@@ -28,7 +28,7 @@ swapped in only when complete, so a failed rerun leaves it as it was (jax3d/data
 Exit status: 0 done; 2 bad flags or input (one line on stderr naming the file, and the line of a
 JSONL one: a binary file, text that is not UTF-8, a field that is missing or not a string, no text
 at all, --out inside --input; for chat data also a line without
-"messages", an unknown role, a template that fails or does not render prefixes consistently, a
+"messages", an unknown role, a template that fails or renders the text around an answer differently as the answer changes, a
 conversation with no supervised token, a tokenizer folder without a chat template).
 """
 
