@@ -153,24 +153,33 @@ def render(t: Template, messages: list[dict], add_generation_prompt: bool = Fals
   )
 
 
-def parse(line: str, where: str) -> list[dict]:
-  """The messages of one JSONL line, each message's content a string (`content`); ValueError
-  naming `where` (file:line) when it has none, a message has an unknown role or its content is
-  neither text nor a list of text parts."""
+def parse(line: str, where: str, field: str = 'messages') -> list[dict]:
+  """The messages of one JSONL line (its `field`); ValueError naming `where` (file:line) when it
+  has none, or they are not a conversation (`messages`)."""
   try:
     record = json.loads(line)
   except ValueError as e:
     raise ValueError(f'{where}: not a JSON object ({e})') from None
-  messages = record.get('messages') if isinstance(record, dict) else None
-  if not isinstance(messages, list) or not messages:
-    raise ValueError(f'{where}: no "messages" list in {line.strip()[:80]!r}')
-  for j, m in enumerate(messages):
+  value = record.get(field) if isinstance(record, dict) else None
+  if not isinstance(value, list) or not value:
+    raise ValueError(f'{where}: no "{field}" list in {line.strip()[:80]!r}')
+  return messages(value, where, field)
+
+
+def messages(value: Any, where: str, field: str = 'messages') -> list[dict]:
+  """A conversation, each message's content a string (`content`); ValueError naming `where` when
+  it is not a list of messages, a message has an unknown role or its content is neither text nor
+  a list of text parts."""
+  if not isinstance(value, list) or not value:
+    raise ValueError(f'{where}: {field!r} is {json.dumps(value, default=str)[:40]}, not a list of messages')
+  out = list(value)
+  for j, m in enumerate(out):
     role = m.get('role') if isinstance(m, dict) else None
     if role not in ROLES:
       raise ValueError(f'{where}: unknown role {role!r} in a message (expected one of {", ".join(ROLES)})')
     if m.get('content') is not None:
-      messages[j] = m | {'content': content(m['content'], f'{where}: message {j + 1} ({role})')}
-  return messages
+      out[j] = m | {'content': content(m['content'], f'{where}: message {j + 1} ({role})')}
+  return out
 
 
 def content(value: Any, where: str) -> str:

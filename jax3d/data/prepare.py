@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from jax3d.data import chat, documents, inputs, shards, staging, tokenizer as tok_lib
+from jax3d.data import chat, documents, inputs, shards, sources, staging, tables, tokenizer as tok_lib
 from jax3d.data.reading import JSONL_SUFFIXES, Piece, input_files, locate, pieces, read_documents, units
 from jax3d.errors import ConfigError
 
@@ -62,10 +62,10 @@ def run_unit(job: tuple) -> dict:
   for chat); returns its record."""
   i, unit, out, settings, fingerprint = job
   field, fraction, dtype, fmt = (settings[k] for k in ('field', 'eval_fraction', 'dtype', 'format'))
-  split, bad = {'train': [], 'val': []}, {}
+  split, bad, bad_rows = {'train': [], 'val': []}, {}, {}
   try:
     for p in unit:
-      for name, doc in read_documents(p, field, fmt, bad):
+      for name, doc in read_documents(p, field, fmt, bad, settings['on_bad'], bad_rows):
         split['val' if documents.held_out(name, fraction) else 'train'].append((name, doc))
     encoded = {key: _encode(docs, fmt) for key, docs in split.items()}
   except ValueError as e:
@@ -73,8 +73,9 @@ def run_unit(job: tuple) -> dict:
   rec = {
     'unit': i,
     'fingerprint': fingerprint,
-    'bytes': sum(p.end - p.start for p in unit),
+    'bytes': sum(p.size for p in unit),
     'undecodable': bad,
+    'bad_rows': bad_rows,
   }
   for key, (ids, weights) in encoded.items():
     arr = np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=sum(map(len, ids)))
@@ -148,16 +149,23 @@ def tokenize(
   workers: int = 0,
   progress: bool = True,
   fmt: str = 'text',
+  split: str = '',
+  on_bad: str = 'fail',
 ) -> dict:
-  """Tokenizes the corpus at `path` into `out` (see the module docstring; `fmt` 'text' or 'chat');
-  returns the index with the run's figures added ('seconds', 'mb_per_s', 'workers', 'units_done',
-  'units_skipped', 'bytes', 'undecodable'). A complete dataset at `out` is replaced only once the
-  new one is complete (jax3d/data/staging.py). ConfigError for input that holds no document."""
+  """Tokenizes the corpus at `path` into `out` (see the module docstring; `fmt` 'text' or 'chat';
+  `split` of a DatasetDict or hf: input; a bad row or line raises, or with on_bad='skip' is left
+  out and counted); returns the index with the run's figures added ('seconds', 'mb_per_s',
+  'workers', 'units_done', 'units_skipped', 'bytes', 'undecodable', 'bad_rows'). A complete
+  dataset at `out` is replaced only once the new one is complete (jax3d/data/staging.py).
+  ConfigError for input that holds no document."""
   staging.check(path, out)
   staging.recover(out)
   new = staging.folder(out)
+  read = (split, on_bad)
   try:
-    index = _tokenize(path, out, new, tok_path, field, eval_fraction, shard_bytes, workers, progress, fmt)
+    index = _tokenize(
+      path, out, new, tok_path, field, eval_fraction, shard_bytes, workers, progress, fmt, read
+    )
   finally:
     shutil.rmtree(os.path.join(new, '.inputs'), ignore_errors=True)  # decompressed inputs
   staging.swap(out, new)
@@ -175,8 +183,10 @@ def _tokenize(
   workers: int,
   progress: bool,
   fmt: str,
+  read: tuple[str, str] = ('', 'fail'),
 ) -> dict:
-  """`tokenize`, writing into the folder `new` (OUT, or OUT.partial beside a complete dataset)."""
+  """`tokenize`, writing into the folder `new` (OUT, or OUT.partial beside a complete dataset);
+  `read`: (split, on_bad)."""
   tok = tok_lib.load(tok_path)
   dtype = shards.dtype_for(tok.vocab_size)
   settings = {
@@ -185,14 +195,15 @@ def _tokenize(
     'eval_fraction': eval_fraction,
     'dtype': dtype,
     'format': fmt,
+    'on_bad': read[1],
   }
   if fmt == 'chat':  # the template is part of what the shards are made with
     source = chat.load_template(os.path.dirname(tok.path)).source
     settings['template'] = hashlib.sha256(source.encode()).hexdigest()
-  root, files = input_files(path)
+  root, files = input_files(path, read[0])
   if fmt == 'chat':
-    files = [f for f in files if inputs.plain_name(f).endswith(JSONL_SUFFIXES)]
-  work = units(pieces(root, files, shard_bytes, os.path.join(new, '.inputs')), shard_bytes)
+    files = [f for f in files if inputs.plain_name(f).endswith(JSONL_SUFFIXES) or tables.is_table(f)]
+  work = units(pieces(root, files, shard_bytes, os.path.join(new, '.inputs'), field, fmt), shard_bytes)
   if not work:
     raise ConfigError(
       f'--input={path}: no {"JSONL " if fmt == "chat" else ""}text to prepare '
@@ -200,7 +211,7 @@ def _tokenize(
     )
   jobs, records = _jobs(work, out, new, settings)
   workers = workers or os.cpu_count() or 1
-  total = sum(p.end - p.start for j in jobs for p in j[1])
+  total = sum(p.size for j in jobs for p in j[1])
   t0 = time.perf_counter()
   if jobs:
     records |= _run_jobs(jobs, (tok.path or tok_lib.BYTES, fmt), workers, total, progress)
@@ -216,7 +227,7 @@ def _tokenize(
     'bos_id': tok.bos_id,
     'eos_id': tok.eos_id,
     'tokenizer': {'path': tok.path or tok_lib.BYTES, 'sha256': settings['tokenizer']},
-    'source': os.path.abspath(path) if path else root,
+    'source': (path if path.startswith(sources.HF) else os.path.abspath(path)) if path else root,
     'eval_fraction': eval_fraction,
     'data_format': fmt,
     'train': [records[i]['train'] for i in sorted(records)],
@@ -225,7 +236,18 @@ def _tokenize(
   _write_index(new, index)
   figures = {'seconds': seconds, 'mb_per_s': total / 1e6 / max(seconds, 1e-9), 'workers': workers}
   done = {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
-  return index | figures | done | {'undecodable': bad}
+  return index | figures | done | {'undecodable': bad, 'bad_rows': _bad_rows(records)}
+
+
+def _bad_rows(records: dict[int, dict]) -> dict:
+  """{'count': bad rows skipped, 'rows': the first of them named} over the units, in order."""
+  out: dict = {'count': 0, 'rows': []}
+  for i in sorted(records):
+    got = records[i].get('bad_rows', {})
+    out['count'] += got.get('count', 0)
+    out['rows'] += got.get('rows', [])
+  out['rows'] = out['rows'][: tables.EXAMPLES]
+  return out
 
 
 def _undecodable(records: dict[int, dict], work: list[list[Piece]]) -> dict[str, int]:
