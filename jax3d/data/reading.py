@@ -126,7 +126,9 @@ def read_documents(
   ValueError naming it (relative path:byte offset, `locate` makes it file:line; a table's file
   and row), with 'skip' counted into `bad_rows` (tables.note) and left out."""
   if p.table:
-    yield from tables.rows(p.file, p.table, p.rel, p.start, p.end, field, fmt, on_bad, bad_rows or {})
+    yield from tables.rows(
+      p.file, p.table, p.rel, p.start, p.end, field, fmt, on_bad, {} if bad_rows is None else bad_rows
+    )
     return
   with open(p.file, 'rb') as f:
     f.seek(p.start)
