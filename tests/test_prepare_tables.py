@@ -183,7 +183,6 @@ def test_chat_conversations_in_a_table_column(tmp_path):
   """--format=chat on a Parquet column of conversations (list of structs) and on the same as
   JSONL: the same ids and weights; a row with an unknown role is skipped and named."""
   from test_chat import CONVERSATIONS, SPECIALS, make_folder
-
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
   b = Tokenizer(models.BPE())
