@@ -38,6 +38,7 @@ from jax3d.data.reading import JSONL_SUFFIXES, Piece, input_files, locate, piece
 from jax3d.errors import ConfigError
 
 VERSION = 2  # 2: document starts (and chat weights) beside each shard
+CHUNK_CHARS = 4 << 20  # text encoded at a time within a unit
 
 
 # --- the work units, in worker processes ---------------------------------------------------------
@@ -63,11 +64,17 @@ def run_unit(job: tuple) -> dict:
   i, unit, out, settings, fingerprint = job
   field, fraction, dtype, fmt = (settings[k] for k in ('field', 'eval_fraction', 'dtype', 'format'))
   split, bad, bad_rows = {'train': [], 'val': []}, {}, {}
+  encoded: dict = {'train': ([], []), 'val': ([], [])}  # (ids, weights) arrays of each document
   try:
+    chars = 0
     for p in unit:
       for name, doc in read_documents(p, field, fmt, bad, settings['on_bad'], bad_rows):
         split['val' if documents.held_out(name, fraction) else 'train'].append((name, doc))
-    encoded = {key: _encode(docs, fmt) for key, docs in split.items()}
+        chars += len(doc) if isinstance(doc, str) else 1000
+        if chars > CHUNK_CHARS:  # encoded a batch at a time: memory follows the batch, not the unit
+          _encode_into(encoded, split, fmt, dtype, unit[0].origin)
+          chars = 0
+    _encode_into(encoded, split, fmt, dtype, unit[0].origin)
   except ValueError as e:
     raise ValueError(locate(str(e), unit)) from None
   rec = {
@@ -78,12 +85,7 @@ def run_unit(job: tuple) -> dict:
     'bad_rows': bad_rows,
   }
   for key, (ids, weights) in encoded.items():
-    arr = np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=sum(map(len, ids)))
-    if arr.size and int(arr.max()) >= _TOK['tok'].vocab_size:
-      raise ConfigError(
-        f'{unit[0].origin}: the tokenizer gave token id {int(arr.max())}, past its own vocabulary of '
-        f'{_TOK["tok"].vocab_size} (a tokenizer.json whose added tokens are not counted?)'
-      )
+    arr = np.concatenate(ids) if ids else np.zeros(0, dtype)
     name = f'{key}-{i:05d}'
     _write(os.path.join(out, f'{name}.bin'), arr)
     starts = np.concatenate([[0], np.cumsum([len(d) for d in ids])[:-1]]) if ids else np.zeros(0)
@@ -95,13 +97,29 @@ def run_unit(job: tuple) -> dict:
       'starts': f'{name}.starts.bin',
       'max_id': int(arr.max()) if arr.size else -1,
     }
-    if weights is not None:
+    if fmt == 'chat':
       w = np.concatenate(weights) if weights else np.zeros(0, np.uint8)
       _write(os.path.join(out, f'{name}.weights.bin'), w)
       rec[key] |= {'weights': f'{name}.weights.bin', 'supervised': int(w.sum())}
   with open(os.path.join(out, f'unit-{i:05d}.json'), 'w') as f:
     json.dump(rec, f)
   return rec
+
+
+def _encode_into(encoded: dict, split: dict, fmt: str, dtype: str, origin: str) -> None:
+  """Encodes the documents waiting in `split` into `encoded` ({key: (ids, weights)}, arrays of
+  `dtype` and uint8), and empties it. ConfigError for an id past the tokenizer's vocabulary."""
+  for key, docs in split.items():
+    ids, weights = _encode(docs, fmt)
+    top = max((max(d) for d in ids if d), default=-1)
+    if top >= _TOK['tok'].vocab_size:
+      raise ConfigError(
+        f'{origin}: the tokenizer gave token id {top}, past its own vocabulary of '
+        f'{_TOK["tok"].vocab_size} (a tokenizer.json whose added tokens are not counted?)'
+      )
+    encoded[key][0].extend(np.asarray(d, dtype) for d in ids)
+    encoded[key][1].extend(weights or [])
+    docs.clear()
 
 
 def _encode(docs: list[tuple[str, Any]], fmt: str) -> tuple[list[list[int]], list[np.ndarray] | None]:

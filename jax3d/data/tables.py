@@ -15,7 +15,6 @@ with 'skip' counted and left out. Imports no jax; pyarrow is imported only for a
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,8 +183,3 @@ def is_table(path: str) -> str | None:
       return kind(f.read(16))
   except OSError:
     return None
-
-
-def rel_name(path: str, root: str) -> str:
-  """A table's name in the corpus: its path relative to the input's root."""
-  return os.path.relpath(path, root)
