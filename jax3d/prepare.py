@@ -77,7 +77,12 @@ FLAGS = {
     'text, or chat: .jsonl conversations ({"messages": [...]})',
     cli.one_of(*FORMATS),
   ),
-  'field': cli.Flag(str, '', 'the column or JSON field of the documents (default: text; chat: messages)'),
+  'field': cli.Flag(
+    str,
+    None,
+    'the column or JSON field of the documents (default: text; chat: messages)',
+    cli.ranges.text('a column or JSON key'),
+  ),
   'split': cli.Flag(str, '', 'the split of a DatasetDict or hf: input (default: train, or the only one)'),
   'on_bad': cli.Flag(
     str, 'fail', 'a bad row: fail (exit 2 naming it) or skip (counted)', cli.one_of(*ON_BAD)

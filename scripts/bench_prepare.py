@@ -12,7 +12,8 @@ The data is made here, no download: documents of 1-8 KB cut from the standard li
 packages. Each prepare run is a fresh process (wall time, start-up included; its own figure of the
 tokenizing alone is printed too); memory is the sum over the process and its workers, sampled
 every 50 ms (psutil). The reference tokenizes the same texts in this process, row group by row
-group, with RAYON_NUM_THREADS=1, timing encode_batch alone. Prints a table; writes JSON.
+group, with RAYON_NUM_THREADS=1, timing encode_batch alone; prepare runs with RAYON_NUM_THREADS=1
+too (one core per worker process, also for --workers=1). Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -92,9 +93,16 @@ def make_tokenizer(path: str, vocab: int) -> str:
 
 
 def reference_mb_per_s(parquet: str, tok_path: str, limit_mb: float) -> float:
-  """The `tokenizers` library's encode_batch alone, one thread, over the file's first `limit_mb`
-  MB of text, row group by row group; MB/s."""
-  os.environ['RAYON_NUM_THREADS'] = '1'  # read when the library starts its pool: before the import
+  """The `tokenizers` library's encode_batch alone, one thread (a fresh process with
+  RAYON_NUM_THREADS=1), over the file's first `limit_mb` MB of text, row group by row group; MB/s."""
+  code = f'import sys; sys.path.insert(0, {ROOT + "/scripts"!r}); import bench_prepare as b; '
+  code += f'print(b._reference({parquet!r}, {tok_path!r}, {limit_mb}))'
+  env = dict(os.environ, RAYON_NUM_THREADS='1')
+  out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
+  return float(out.stdout.strip().splitlines()[-1])
+
+
+def _reference(parquet: str, tok_path: str, limit_mb: float) -> float:
   import pyarrow.parquet as pq
   from tokenizers import Tokenizer
 
@@ -126,7 +134,7 @@ def run_prepare(parquet: str, out: str, tok_path: str, workers: int) -> dict:
     f'--tokenizer={tok_path}',
   ]
   argv += ['--noprogress', f'--workers={workers}', '--eval_fraction=0.01']
-  env = dict(os.environ, PYTHONPATH=ROOT)
+  env = dict(os.environ, PYTHONPATH=ROOT, RAYON_NUM_THREADS='1')  # one core per worker, also for 1
   t0 = time.perf_counter()
   proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   ps, peak = psutil.Process(proc.pid), 0

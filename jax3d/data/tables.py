@@ -35,25 +35,30 @@ def kind(head: bytes) -> str | None:
   return 'stream' if head.startswith(STREAM) and len(head) > 8 else None
 
 
-def _batches(path: str, what: str, columns: list[str] | None = None) -> Iterator[Any]:
-  """The file's record batches in order (Parquet: one a row group), only `columns` where given."""
+def _batches(
+  path: str, what: str, columns: list[str] | None = None, start: int = 0
+) -> Iterator[tuple[int, Any]]:
+  """(first row, record batch or table) of the file in order, from the one holding row `start`
+  (Parquet: a row group each, those before `start` skipped by the footer alone), only `columns`."""
   import pyarrow as pa
   import pyarrow.parquet as pq
 
+  row = 0
   if what == 'parquet':
     pf = pq.ParquetFile(path)
     for g in range(pf.num_row_groups):
-      yield from pf.iter_batches(batch_size=1 << 62, row_groups=[g], columns=columns)
+      n = pf.metadata.row_group(g).num_rows
+      if row + n > start:
+        yield row, pf.read_row_group(g, columns=columns)
+      row += n
     return
-  source = pa.memory_map(path)
+  source = pa.memory_map(path)  # batches are views of the mapped file: skipping one reads nothing
   reader = pa.ipc.open_file(source) if what == 'arrow' else pa.ipc.open_stream(source)
-  if what == 'arrow':
-    for i in range(reader.num_record_batches):
-      b = reader.get_batch(i)
-      yield b.select(columns) if columns else b
-  else:
-    for b in reader:
-      yield b.select(columns) if columns else b
+  batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if what == 'arrow' else reader
+  for b in batches:
+    if row + b.num_rows > start:
+      yield row, b.select(columns) if columns else b
+    row += b.num_rows
 
 
 def _schema(path: str, what: str) -> Any:
@@ -98,7 +103,7 @@ def plan(path: str, what: str, field: str, fmt: str, shard_bytes: int) -> list[t
       groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
       sizes = [(g.num_rows, _chunk_bytes(g, field)) for g in groups]
     else:
-      sizes = [(b.num_rows, b.column(0).nbytes) for b in _batches(path, what, [field])]
+      sizes = [(b.num_rows, b.column(0).nbytes) for _, b in _batches(path, what, [field])]
   except (pa.ArrowException, OSError) as e:
     name = {'parquet': 'Parquet', 'arrow': 'Arrow IPC', 'stream': 'Arrow IPC stream'}[what]
     raise ConfigError(f'{path}: not a readable {name} file ({str(e)[:160]})') from None
@@ -124,16 +129,23 @@ def rows(
 ) -> Iterator[tuple[str, Any]]:
   """(name, text) of the rows [start, end) of a table (fmt='chat': (name, messages)); a bad row
   raises ValueError (on_bad='fail') or is counted into `bad` ({'count', 'rows'}: the first ones)."""
+  import pyarrow as pa
+
+  try:
+    yield from _rows(path, what, rel, start, end, field, fmt, on_bad, bad)
+  except (pa.ArrowException, OSError) as e:
+    raise ValueError(f'{path}: rows {start}-{end} cannot be read ({str(e)[:160]})') from None
+
+
+def _rows(
+  path: str, what: str, rel: str, start: int, end: int, field: str, fmt: str, on_bad: str, bad: dict
+) -> Iterator[tuple[str, Any]]:
   from jax3d.data import chat
 
-  row = 0
-  for batch in _batches(path, what, [field]):
-    n = batch.num_rows
-    if row + n <= start:
-      row += n
-      continue
+  for row, batch in _batches(path, what, [field], start):
     if row >= end:
       return
+    n = batch.num_rows
     values = batch.column(0).slice(max(start - row, 0), min(end, row + n) - max(start, row)).to_pylist()
     for i, v in enumerate(values, max(start, row)):
       where = f'{path}: row {i}'
@@ -145,7 +157,6 @@ def rows(
         note(bad, where, str(e).removeprefix(f'{where}: '))
         continue
       yield f'{rel}:{i}', doc
-    row += n
 
 
 def note(bad: dict, where: str, why: str) -> None:
