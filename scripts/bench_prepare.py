@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
   for mb in sizes:
     parquet = os.path.join(a.dir, f'text{mb}.parquet')
     text_bytes = make_parquet(parquet, mb)
-    ref = reference_mb_per_s(parquet, tok, 50)
+    ref = reference_mb_per_s(parquet, tok, 20)
     for w in workers:
       r = run_prepare(parquet, os.path.join(a.dir, 'out'), tok, w)
       mbps = text_bytes / 1e6 / r['wall_s']

@@ -5,7 +5,8 @@ jax3d/data/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
 Documents (read by jax3d/data/reading.py, every file for what it is: jax3d/data/inputs.py): a
 text file is one document (a file over `shard_bytes` is cut at line ends into several), a JSONL
 line is one document (its `field`, a string). Each document ends with EOS (and starts with
-BOS when the tokenizer has one). With `fmt='chat'` a JSONL line is a conversation ({"messages":
+BOS when the tokenizer has one); a table row is one (its `field` column: jax3d/data/tables.py,
+read a row group at a time; a bad row fails or with on_bad='skip' is counted). With `fmt='chat'` a JSONL line is a conversation ({"messages":
 [...]}) rendered with the tokenizer folder's chat template, with no BOS/EOS added (the template
 writes its own), and a loss weight per token (jax3d/data/chat.py). Each shard's document starts
 and (chat) weights are written beside it (jax3d/data/shards.py). A document is held out when a hash of its name (relative path,
@@ -111,11 +112,10 @@ def _encode_into(encoded: dict, split: dict, fmt: str, dtype: str, origin: str) 
   `dtype` and uint8), and empties it. ConfigError for an id past the tokenizer's vocabulary."""
   for key, docs in split.items():
     ids, weights = _encode(docs, fmt)
-    top = max((max(d) for d in ids if d), default=-1)
-    if top >= _TOK['tok'].vocab_size:
+    if (top := max((max(d) for d in ids if d), default=-1)) >= (vocab := _TOK['tok'].vocab_size):
+      why = '(a tokenizer.json whose added tokens are not counted?)'
       raise ConfigError(
-        f'{origin}: the tokenizer gave token id {top}, past its own vocabulary of '
-        f'{_TOK["tok"].vocab_size} (a tokenizer.json whose added tokens are not counted?)'
+        f'{origin}: the tokenizer gave token id {top}, past its own vocabulary of {vocab} {why}'
       )
     encoded[key][0].extend(np.asarray(d, dtype) for d in ids)
     encoded[key][1].extend(weights or [])
@@ -170,12 +170,11 @@ def tokenize(
   split: str = '',
   on_bad: str = 'fail',
 ) -> dict:
-  """Tokenizes the corpus at `path` into `out` (see the module docstring; `fmt` 'text' or 'chat';
-  `split` of a DatasetDict or hf: input; a bad row or line raises, or with on_bad='skip' is left
-  out and counted); returns the index with the run's figures added ('seconds', 'mb_per_s',
-  'workers', 'units_done', 'units_skipped', 'bytes', 'undecodable', 'bad_rows'). A complete
-  dataset at `out` is replaced only once the new one is complete (jax3d/data/staging.py).
-  ConfigError for input that holds no document."""
+  """Tokenizes the corpus at `path` into `out` (the module docstring; `fmt` 'text' or 'chat',
+  `split` and `on_bad` as jax3d.prepare's flags); returns the index with the run's figures added
+  ('seconds', 'mb_per_s', 'workers', 'units_done', 'units_skipped', 'bytes', 'undecodable',
+  'bad_rows'). A complete dataset at `out` is replaced only once the new one is complete
+  (jax3d/data/staging.py). ConfigError for input that holds no document."""
   staging.check(path, out)
   staging.recover(out)
   new = staging.folder(out)
@@ -203,8 +202,7 @@ def _tokenize(
   fmt: str,
   read: tuple[str, str] = ('', 'fail'),
 ) -> dict:
-  """`tokenize`, writing into the folder `new` (OUT, or OUT.partial beside a complete dataset);
-  `read`: (split, on_bad)."""
+  """`tokenize` into the folder `new` (OUT, or OUT.partial beside a complete one); `read`: (split, on_bad)."""
   tok = tok_lib.load(tok_path)
   dtype = shards.dtype_for(tok.vocab_size)
   settings = {
@@ -254,18 +252,8 @@ def _tokenize(
   _write_index(new, index)
   figures = {'seconds': seconds, 'mb_per_s': total / 1e6 / max(seconds, 1e-9), 'workers': workers}
   done = {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
-  return index | figures | done | {'undecodable': bad, 'bad_rows': _bad_rows(records)}
-
-
-def _bad_rows(records: dict[int, dict]) -> dict:
-  """{'count': bad rows skipped, 'rows': the first of them named} over the units, in order."""
-  out: dict = {'count': 0, 'rows': []}
-  for i in sorted(records):
-    got = records[i].get('bad_rows', {})
-    out['count'] += got.get('count', 0)
-    out['rows'] += got.get('rows', [])
-  out['rows'] = out['rows'][: tables.EXAMPLES]
-  return out
+  skipped = tables.merged([records[i].get('bad_rows', {}) for i in sorted(records)])
+  return index | figures | done | {'undecodable': bad, 'bad_rows': skipped}
 
 
 def _undecodable(records: dict[int, dict], work: list[list[Piece]]) -> dict[str, int]:

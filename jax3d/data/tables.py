@@ -166,6 +166,12 @@ def note(bad: dict, where: str, why: str) -> None:
     bad['rows'].append(f'{where} ({why})')
 
 
+def merged(counts: list[dict]) -> dict:
+  """The bad rows of several units (`note`'s dicts, in order) as one: the count, the first named."""
+  rows = [r for c in counts for r in c.get('rows', [])][:EXAMPLES]
+  return {'count': sum(c.get('count', 0) for c in counts), 'rows': rows}
+
+
 def _text(v: Any, field: str) -> str:
   if v is None:
     raise ValueError(f'field {field!r} is null')
