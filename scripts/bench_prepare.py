@@ -3,12 +3,11 @@ second per worker process, beside the `tokenizers` library's own `encode_batch` 
 (one thread: what one worker has), and the peak resident memory of the prepare process tree at
 several input sizes (it should stay flat: tables are read row group by row group).
 
-  python scripts/bench_prepare.py [--sizes_mb=100,300] [--workers=1,2] [--vocab=8192]
+  python scripts/bench_prepare.py [--sizes_mb=100,300] [--workers=1,2] [--shard_mb=8] [--vocab=8192]
                                   [--dir=/tmp/jax3d_bench_prepare] [--json=docs/bench/bench_prepare.json]
 
 The data is made here, no download: documents of 1-8 KB cut from the standard library's source
-(shuffled, so that neighbouring rows differ), written with pyarrow in row groups of about 16 MB
-(as FineWeb's are), and a byte-level BPE tokenizer trained on the standard library's json and email
+(shuffled, so that neighbouring rows differ), written with pyarrow in row groups of about 4 MB, and a byte-level BPE tokenizer trained on the standard library's json and email
 packages. Each prepare run is a fresh process (wall time, start-up included; its own figure of the
 tokenizing alone is printed too); memory is the sum over the process and its workers, sampled
 every 50 ms (psutil). The reference tokenizes the same texts in this process, row group by row
@@ -31,7 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB = sysconfig.get_paths()['stdlib']
-GROUP_BYTES = 16 << 20
+GROUP_BYTES = 4 << 20  # row groups of 4 MB of text: several in each work unit
 
 
 def _sources() -> list[str]:
@@ -120,7 +119,7 @@ def _reference(parquet: str, tok_path: str, limit_mb: float) -> float:
   return done / 1e6 / seconds
 
 
-def run_prepare(parquet: str, out: str, tok_path: str, workers: int) -> dict:
+def run_prepare(parquet: str, out: str, tok_path: str, workers: int, shard_mb: float) -> dict:
   """One prepare run in a fresh process: wall seconds, its own MB/s, peak RSS of the tree (MB)."""
   import psutil
 
@@ -133,7 +132,7 @@ def run_prepare(parquet: str, out: str, tok_path: str, workers: int) -> dict:
     f'--out={out}',
     f'--tokenizer={tok_path}',
   ]
-  argv += ['--noprogress', f'--workers={workers}', '--eval_fraction=0.01']
+  argv += ['--noprogress', f'--workers={workers}', '--eval_fraction=0.01', f'--shard_mb={shard_mb}']
   env = dict(os.environ, PYTHONPATH=ROOT, RAYON_NUM_THREADS='1')  # one core per worker, also for 1
   t0 = time.perf_counter()
   proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -157,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--sizes_mb', default='100,300')
   p.add_argument('--workers', default='1,2')
+  p.add_argument('--shard_mb', type=float, default=8.0, help='work units: several at every size measured')
   p.add_argument('--vocab', type=int, default=8192)
   p.add_argument('--dir', default='/tmp/jax3d_bench_prepare')
   p.add_argument('--json', default=os.path.join(ROOT, 'docs', 'bench', 'bench_prepare.json'))
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     text_bytes = make_parquet(parquet, mb)
     ref = reference_mb_per_s(parquet, tok, 20)
     for w in workers:
-      r = run_prepare(parquet, os.path.join(a.dir, 'out'), tok, w)
+      r = run_prepare(parquet, os.path.join(a.dir, 'out'), tok, w, a.shard_mb)
       mbps = text_bytes / 1e6 / r['wall_s']
       rows.append(
         {

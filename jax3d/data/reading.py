@@ -1,7 +1,8 @@
 """What `jax3d.prepare` reads: its input files (checked to be text, compressed ones decompressed:
 jax3d/data/inputs.py), cut into pieces (byte ranges ending at line ends), grouped into work units,
 and the documents of each piece: a text file (or a piece of a long one) is one document, a JSONL
-line is one (its text field, a string), or one conversation (--format=chat). A document's name is
+line is one (its text field, a string), or one conversation (--format=chat); a table (Parquet,
+Arrow: jax3d/data/tables.py) is cut into row ranges, a row one document. A document's name is
 its relative path (without a compression suffix), plus the byte offset for JSONL lines and cut
 files: the held-out split hashes it (jax3d/data/documents.py). Imports no jax.
 """
