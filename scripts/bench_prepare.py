@@ -195,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
   print('peak RSS, largest input over smallest, per worker count:', {k: round(v, 2) for k, v in flat.items()})
   with open(a.json, 'w') as f:
     json.dump(
-      {'cpus': os.cpu_count(), 'vocab': a.vocab, 'rows': rows, 'rss_largest_over_smallest': flat}, f, indent=1
+      {'cpus': os.cpu_count(), 'load_avg': os.getloadavg(), 'vocab': a.vocab, 'shard_mb': a.shard_mb}
+      | {'rows': rows, 'rss_largest_over_smallest': flat},
+      f,
+      indent=1,
     )
   return 0
 
