@@ -59,6 +59,7 @@ def cached(spec: str, split: str = '') -> list[str]:
   """The Arrow files of `hf:NAME[:CONFIG]`'s split in the Hugging Face cache, found offline;
   ConfigError when `datasets` is missing or the dataset is not in the cache."""
   name, _, config = spec.removeprefix(HF).partition(':')
+  os.environ['HF_HUB_OFFLINE'] = os.environ['HF_DATASETS_OFFLINE'] = '1'  # read at import: before it
   try:
     import datasets
   except ImportError:
