@@ -180,8 +180,8 @@ def test_bad_rows_fail_naming_the_row_or_are_skipped_and_counted(tmp_path, tok, 
 
 
 def test_chat_conversations_in_a_table_column(tmp_path):
-  """--format=chat on a Parquet column of conversations (list of structs) and on the same as
-  JSONL: the same ids and weights; a row with an unknown role is skipped and named."""
+  """--format=chat on a Parquet column of conversations (list of structs; or their JSON text) and
+  on the same as JSONL: the same ids and weights; a row with an unknown role is skipped."""
   from test_chat import CONVERSATIONS, SPECIALS, make_folder
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -208,6 +208,10 @@ def test_chat_conversations_in_a_table_column(tmp_path):
     == 0
   )
   assert prepare_cli.main([f'--input={tmp_path}/chat.jsonl', f'--out={tmp_path}/j', *common]) == 0
+  as_text = pa.table({'conversation': [json.dumps(c) for c in convs]})  # the JSON text in a string column
+  pq.write_table(as_text, f'{tmp_path}/text.parquet')
+  assert prepare_cli.main([f'--input={tmp_path}/text.parquet', f'--out={tmp_path}/t', *common]) == 0
   for kind in ('train-00000.bin', 'train-00000.weights.bin', 'train-00000.starts.bin'):
     assert open(f'{tmp_path}/p/{kind}', 'rb').read() == open(f'{tmp_path}/j/{kind}', 'rb').read(), kind
+    assert open(f'{tmp_path}/t/{kind}', 'rb').read() == open(f'{tmp_path}/j/{kind}', 'rb').read(), kind
   assert np.fromfile(f'{tmp_path}/p/train-00000.weights.bin', np.uint8).sum() > 0
