@@ -1,12 +1,21 @@
 """`python -m jax3d.prepare --out=DIR [--input=PATH] [--train_tokenizer=VOCAB | --tokenizer=PATH]
-[--format=text|chat] [--field=text] [--workers=N] [--eval_fraction=0.05] [--shard_mb=64]`
+[--format=text|chat] [--field=text] [--split=train] [--on_bad=fail|skip] [--workers=N]
+[--eval_fraction=0.05] [--shard_mb=64]`
 
 Turns text into the token shards jax3d trains on (`--config.data.path=DIR`):
 
   --input       a text file, a folder of text files (.py .txt .md ...) and/or .jsonl files, or a
                 .jsonl file (one document per line, text in --field: a string); any of them
                 compressed with gzip, zstd, bzip2 or xz (read by content, jax3d/data/inputs.py);
+                Parquet and Arrow/Feather files (and folders of them), a folder written by
+                `datasets`' save_to_disk (a DatasetDict's --split), or hf:NAME[:CONFIG], a dataset
+                in the Hugging Face cache (offline: never downloaded), its column --field read
+                row group by row group (jax3d/data/tables.py, sources.py);
                 default: the Python standard library's own source (no download)
+  --field       the column or JSON field of the documents (default text; messages for chat)
+  --on_bad      a bad row or JSONL line (field missing, null, not text, not UTF-8, not a
+                conversation): fail (exit 2 naming file and row, nothing written over) or skip
+                (left out, counted, the first ones named)
   --train_tokenizer=VOCAB   first train a byte-level BPE tokenizer of VOCAB tokens on the training
                 documents (`tokenizers`), saved as DIR/tokenizer.json (reused when it exists)
   --tokenizer   or use this one: a tokenizer.json, a SentencePiece .model, a folder with one, or
@@ -26,9 +35,9 @@ and template (jax3d/data/prepare.py); over a complete dataset the new one is wri
 swapped in only when complete, so a failed rerun leaves it as it was (jax3d/data/staging.py).
 
 Exit status: 0 done; 2 bad flags or input (one line on stderr naming the file, and the line of a
-JSONL one: a binary file, text that is not UTF-8, a field that is missing or not a string, no text
+JSONL one or the row of a table: a binary file, text that is not UTF-8, a field that is missing or not a string, no text
 at all, --out inside --input; for chat data also a line without
-"messages", an unknown role, a template that fails or does not render prefixes consistently, a
+"messages", an unknown role, a template that fails or renders the text around an answer differently as the answer changes, a
 conversation with no supervised token, a tokenizer folder without a chat template).
 """
 
@@ -41,12 +50,19 @@ import tempfile
 from jax3d import cli
 
 FORMATS = ('text', 'chat')
+ON_BAD = ('fail', 'skip')
 FLAGS = {
   'out': cli.Flag(
     str, None, 'the folder of the token shards (and a trained tokenizer)', cli.ranges.NEW_OR_FOLDER, True
   ),
   'input': cli.Flag(
-    str, '', "text file, folder or .jsonl (default: the standard library's source)", cli.ranges.EXISTING
+    str,
+    '',
+    "text, .jsonl, Parquet or Arrow file, folder, or hf:NAME (default: the standard library's source)",
+    cli.ranges.Range(
+      lambda v: v == '' or str(v).startswith('hf:') or os.path.exists(v),
+      'an existing file or folder, or hf:NAME (a dataset in the Hugging Face cache)',
+    ),
   ),
   'tokenizer': cli.Flag(str, '', "tokenizer.json, SentencePiece .model, folder or 'bytes'"),
   'train_tokenizer': cli.Flag(
@@ -61,7 +77,16 @@ FLAGS = {
     'text, or chat: .jsonl conversations ({"messages": [...]})',
     cli.one_of(*FORMATS),
   ),
-  'field': cli.Flag(str, 'text', 'the text field of .jsonl records', cli.ranges.text('a JSON key')),
+  'field': cli.Flag(
+    str,
+    None,
+    'the column or JSON field of the documents (default: text; chat: messages)',
+    cli.ranges.text('a column or JSON key'),
+  ),
+  'split': cli.Flag(str, '', 'the split of a DatasetDict or hf: input (default: train, or the only one)'),
+  'on_bad': cli.Flag(
+    str, 'fail', 'a bad row: fail (exit 2 naming it) or skip (counted)', cli.one_of(*ON_BAD)
+  ),
   'workers': cli.Flag(int, 0, 'worker processes (0 = every core)', cli.NON_NEGATIVE),
   'eval_fraction': cli.Flag(
     float, 0.05, 'held-out share of the documents', cli.ranges.between(0, 1, high_open=True)
@@ -82,6 +107,7 @@ def _prepare(args: cli.Args) -> int:
   from jax3d.data import bpe, prepare, reading, staging, tokenizer as tok_lib
 
   f = args.flags
+  f['field'] = f['field'] or ('messages' if f['format'] == 'chat' else 'text')
   staging.check(f['input'], f['out'])  # --out inside --input, or over what prepare did not write
   if f['train_tokenizer'] and f['tokenizer']:
     return cli.fail(f'--tokenizer={f["tokenizer"]} and --train_tokenizer={f["train_tokenizer"]}: give one')
@@ -91,7 +117,9 @@ def _prepare(args: cli.Args) -> int:
     if f['train_tokenizer'] and not os.path.exists(own):
       os.makedirs(f['out'], exist_ok=True)
       with tempfile.TemporaryDirectory(dir=f['out']) as scratch:  # decompressed inputs
-        texts = reading.training_texts(f['input'], f['field'], f['eval_fraction'], shard_bytes, scratch)
+        texts = reading.training_texts(
+          f['input'], f['field'], f['eval_fraction'], shard_bytes, scratch, f['split']
+        )
         bpe.train_tokenizer(texts, f['train_tokenizer'], own)
       print(f'trained a BPE tokenizer: {tok_lib.load(own).describe()}')
     spec = f['tokenizer'] or (own if os.path.exists(own) else tok_lib.BYTES)
@@ -112,6 +140,8 @@ def _prepare(args: cli.Args) -> int:
     f['workers'],
     f['progress'],
     f['format'],
+    f['split'],
+    f['on_bad'],
   )
   n = lambda split, key='tokens': sum(s.get(key, 0) for s in r[split])
   print(
@@ -125,6 +155,9 @@ def _prepare(args: cli.Args) -> int:
       f'note: {sum(r["undecodable"].values()):,} byte(s) that are not UTF-8 replaced by U+FFFD: {where}',
       file=sys.stderr,
     )
+  if r['bad_rows']['count']:
+    where = '; '.join(r['bad_rows']['rows'])
+    print(f'note: {r["bad_rows"]["count"]:,} bad row(s) skipped (--on_bad=skip): {where}', file=sys.stderr)
   if f['format'] == 'chat':
     docs, sup = (
       n('train', 'documents') + n('val', 'documents'),
@@ -138,7 +171,7 @@ def _prepare(args: cli.Args) -> int:
 def _check_chat(f: dict, tok: object) -> None:
   """ValueError unless chat data can be made: a Hugging Face tokenizer.json whose folder has a
   chat template, and JSONL input."""
-  from jax3d.data import chat, inputs, tokenizer as tok_lib
+  from jax3d.data import chat, inputs, tables, tokenizer as tok_lib
   from jax3d.data.reading import JSONL_SUFFIXES
 
   if not isinstance(tok, tok_lib.HFTokenizer):
@@ -147,12 +180,12 @@ def _check_chat(f: dict, tok: object) -> None:
       '(tokenizer.json and its chat template)'
     )
   chat.load_template(os.path.dirname(tok.path))
-  if (
-    f['input']
-    and not os.path.isdir(f['input'])
-    and not inputs.plain_name(f['input']).endswith(JSONL_SUFFIXES)
-  ):
-    raise ValueError(f'--input={f["input"]}: --format=chat reads .jsonl files (one conversation a line)')
+  name = f['input']
+  if name and not (os.path.isdir(name) or name.startswith('hf:') or tables.is_table(name)):
+    if not inputs.plain_name(name).endswith(JSONL_SUFFIXES):
+      raise ValueError(
+        f'--input={name}: --format=chat reads .jsonl files (one conversation a line) or tables'
+      )
 
 
 if __name__ == '__main__':

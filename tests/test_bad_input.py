@@ -101,9 +101,23 @@ def _write_files(d: str) -> None:
       f.write(raw)
   with zipfile.ZipFile(os.path.join(d, 'archive.zip'), 'w') as z:
     z.writestr('a.txt', 'hello')
+  _write_tables(d)
   os.makedirs(os.path.join(d, 'chat'))
   os.makedirs(os.path.join(d, 'dangling'))
   os.symlink(os.path.join(d, 'gone.txt'), os.path.join(d, 'dangling', 'a.txt'))
+
+
+def _write_tables(d: str) -> None:
+  """Tables: a Parquet file with a null row, and a DatasetDict folder with two splits."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  texts = [r['text'] for r in DOCS[:3]]
+  pq.write_table(pa.table({'id': [0, 1, 2, 3], 'text': texts[:2] + [None] + texts[2:]}), f'{d}/rows.parquet')
+  for split in ('train', 'test'):
+    os.makedirs(f'{d}/dsdict/{split}')
+  with open(f'{d}/dsdict/dataset_dict.json', 'w') as f:
+    json.dump({'splits': ['train', 'test']}, f)
 
 
 def _shards(d: str) -> None:
@@ -340,8 +354,29 @@ TABLE = [
   ([*PREP, '--input=FILES/image.png.gz', '--out=FILES/o'], ['a PNG image (inside its gzip compression)']),
   (
     [*PREP, '--input=FILES/table.parquet', '--out=FILES/o'],
-    ['FILES/table.parquet: not text but a Parquet file'],
+    ['FILES/table.parquet: not a readable Parquet file'],
   ),
+  (
+    [*PREP, '--input=FILES/rows.parquet', '--field=body', '--out=FILES/o'],
+    ["--field=body: FILES/rows.parquet has no column 'body' (its columns: id, text)"],
+  ),
+  (
+    [*PREP, '--input=FILES/rows.parquet', '--field=id', '--out=FILES/o'],
+    ["--field=id: column 'id' of FILES/rows.parquet is int64, not text"],
+  ),
+  (
+    [*PREP, '--input=FILES/rows.parquet', '--out=FILES/out_rows'],
+    ["FILES/rows.parquet: row 2: field 'text' is null"],
+  ),
+  (
+    [*PREP, '--input=FILES/dsdict', '--split=valid', '--out=FILES/o'],
+    ['--split=valid: FILES/dsdict has no such split (its splits: train, test)'],
+  ),
+  (
+    [*PREP, '--input=hf:nobody/nothing', '--out=FILES/o'],
+    ['--input=hf:nobody/nothing: not in the Hugging Face cache', 'never downloads'],
+  ),
+  ([*PREP, '--input=FILES/notes.txt', '--on_bad=maybe', '--out=FILES/o'], ['--on_bad=maybe', 'fail, skip']),
   ([*PREP, '--input=FILES/archive.zip', '--out=FILES/o'], ['FILES/archive.zip: not text but a ZIP archive']),
   ([*PREP, '--input=FILES/utf16.txt', '--out=FILES/o'], ['FILES/utf16.txt: not text but UTF-16 text']),
   (

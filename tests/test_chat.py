@@ -25,6 +25,12 @@ SPECIALS = [
   '<|eot_id|>',
   '<|im_start|>',
   '<|im_end|>',
+  '<s>',
+  '</s>',
+  '[INST]',
+  '[/INST]',
+  '<think>',
+  '</think>',
 ]
 LLAMA3 = (  # Meta's Llama 3 template, with the assistant's answer and end of turn marked
   "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' "
@@ -171,12 +177,19 @@ def test_prepare_chat_shards_hold_the_ids_weights_and_boundaries(tmp_path, base_
   assert index['data_format'] == 'chat' and shards.weighted(index)
 
 
-BAD_TEMPLATE = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+BAD_TEMPLATE = "{% for m in messages %}{{ m['content'] | length }}:{{ m['content'] }}{% endfor %}"
 
 
 @pytest.mark.parametrize(
   'case',
-  ['no_messages', 'unknown_role', 'inconsistent_template', 'no_supervised_token', 'no_template', 'raises'],
+  [
+    'no_messages',
+    'unknown_role',
+    'answer_dependent_template',
+    'no_supervised_token',
+    'no_template',
+    'raises',
+  ],
 )
 def test_bad_chat_input_exits_2_with_one_line(tmp_path, base_tokenizer, capsys, case):
   good = {'messages': CONVERSATIONS[1]}
@@ -191,7 +204,7 @@ def test_bad_chat_input_exits_2_with_one_line(tmp_path, base_tokenizer, capsys, 
     lines.append({'messages': [{'role': 'tool', 'content': '42'}, CONVERSATIONS[1][1]]})
     name = 'default_system'
   folder = make_folder(tmp_path / 'tok', base_tokenizer, None if case == 'no_template' else name)
-  if case == 'inconsistent_template':
+  if case == 'answer_dependent_template':
     with open(os.path.join(folder, 'chat_template.jinja'), 'w') as f:
       f.write(BAD_TEMPLATE)
   status, src, _ = _prepare(tmp_path, folder, lines)
@@ -200,7 +213,7 @@ def test_bad_chat_input_exits_2_with_one_line(tmp_path, base_tokenizer, capsys, 
   want = {
     'no_messages': f'{src}:3: no "messages" list in \'{{"text": "hello"}}\'',
     'unknown_role': f"{src}:3: unknown role 'narrator' in a message (expected one of system, developer, user,",
-    'inconsistent_template': f'{src}:1: the chat template does not render prefixes consistently: the first 1 messages with the generation prompt',
+    'answer_dependent_template': f'{src}:1: the chat template renders the text around answer 1 differently when the answer changes',
     'no_supervised_token': f'{src}:3: the conversation has no supervised token',
     'no_template': f'--tokenizer={folder}: the folder has no chat template',
     'raises': f'{src}:3: the chat template fails on this conversation: unexpected role tool',

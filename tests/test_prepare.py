@@ -206,7 +206,9 @@ def test_prepare_bad_input_exits_2(tmp_path):
   r = _prepare('--input=/nonexistent', f'--out={tmp_path}')
   assert (
     r.returncode == 2
-    and r.stderr.strip() == 'error: --input=/nonexistent is invalid: an existing file or folder'
+    and r.stderr.strip()
+    == 'error: --input=/nonexistent is invalid: an existing file or folder, '
+    'or hf:NAME (a dataset in the Hugging Face cache)'
   )
   r = _prepare(f'--out={tmp_path}', '--train_tokenizer=100')
   assert r.returncode == 2 and '--train_tokenizer=100' in r.stderr and '>= 257' in r.stderr

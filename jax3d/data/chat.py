@@ -10,16 +10,21 @@ escape HTML, the tokenizer's special tokens (bos_token, eos_token, ...) as varia
 add_generation_prompt=False. The text is tokenized whole with no special tokens added, so the ids
 are those of `apply_chat_template(messages, tokenize=True)`.
 
-The supervised tokens are found by rendering prefixes, so a stock template works unchanged: for
-the assistant message j, the first j messages with the generation prompt render to where its
-answer starts, the first j + 1 messages to where its turn ends (the end-of-turn token included).
-Every such prefix must be a prefix of the whole conversation's text, or the template does not
-render prefixes consistently and the conversation is refused. A token is supervised when its
-characters overlap an answer's (transformers' rule for assistant masks).
+The supervised tokens are the assistant turns as the WHOLE conversation renders them, so a stock
+template works unchanged, also one that renders an earlier turn differently once a later one
+exists (Qwen3 drops the reasoning of turns before the last question; Mistral puts the system
+prompt in the last question only). The conversation is rendered once more with each answer
+replaced by a marker: the text between two markers (end of a turn, the next messages, the next
+assistant header) is found in the real text, so each answer's rendering lies between them,
+however the template transforms it (trims it, splits off its reasoning). A turn starts where the
+assistant header ends (what the generation prompt adds) and ends with the end-of-turn text that
+follows the answer (what follows it both in the conversation and when it is the last message). A
+token is supervised when its characters overlap a turn's (transformers' rule for assistant
+masks). An assistant message without text content (tool calls only) is not supervised.
 
 Errors are ValueError naming the file, the line and the value: a line without a `messages` list,
-an unknown role, a template that fails or does not render prefixes consistently, a conversation
-with no supervised token. (jax3d.prepare turns them into exit status 2 and one line.)
+an unknown role, a template that fails, or whose text around an answer changes with the answer,
+a conversation with no supervised token. (jax3d.prepare turns them into exit status 2 and one line.)
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from datetime import datetime
 from typing import Any
 
@@ -36,6 +42,11 @@ ROLES = ('system', 'developer', 'user', 'assistant', 'tool', 'ipython')
 SUPERVISED_ROLE = 'assistant'
 SPECIAL_TOKENS = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token')
 _REASONING = ('reasoning_content', 'thinking', 'reasoning')
+MARK = '\ue000%d\ue001'  # an answer's place in the skeleton of a conversation (private-use characters)
+CHANGES = (
+  'the chat template renders the text around answer %d differently when the answer changes '
+  "(or drops it): the assistant turns cannot be found in the conversation's text"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,24 +153,33 @@ def render(t: Template, messages: list[dict], add_generation_prompt: bool = Fals
   )
 
 
-def parse(line: str, where: str) -> list[dict]:
-  """The messages of one JSONL line, each message's content a string (`content`); ValueError
-  naming `where` (file:line) when it has none, a message has an unknown role or its content is
-  neither text nor a list of text parts."""
+def parse(line: str, where: str, field: str = 'messages') -> list[dict]:
+  """The messages of one JSONL line (its `field`); ValueError naming `where` (file:line) when it
+  has none, or they are not a conversation (`messages`)."""
   try:
     record = json.loads(line)
   except ValueError as e:
     raise ValueError(f'{where}: not a JSON object ({e})') from None
-  messages = record.get('messages') if isinstance(record, dict) else None
-  if not isinstance(messages, list) or not messages:
-    raise ValueError(f'{where}: no "messages" list in {line.strip()[:80]!r}')
-  for j, m in enumerate(messages):
+  value = record.get(field) if isinstance(record, dict) else None
+  if not isinstance(value, list) or not value:
+    raise ValueError(f'{where}: no "{field}" list in {line.strip()[:80]!r}')
+  return messages(value, where, field)
+
+
+def messages(value: Any, where: str, field: str = 'messages') -> list[dict]:
+  """A conversation, each message's content a string (`content`); ValueError naming `where` when
+  it is not a list of messages, a message has an unknown role or its content is neither text nor
+  a list of text parts."""
+  if not isinstance(value, list) or not value:
+    raise ValueError(f'{where}: {field!r} is {json.dumps(value, default=str)[:40]}, not a list of messages')
+  out = list(value)
+  for j, m in enumerate(out):
     role = m.get('role') if isinstance(m, dict) else None
     if role not in ROLES:
       raise ValueError(f'{where}: unknown role {role!r} in a message (expected one of {", ".join(ROLES)})')
     if m.get('content') is not None:
-      messages[j] = m | {'content': content(m['content'], f'{where}: message {j + 1} ({role})')}
-  return messages
+      out[j] = m | {'content': content(m['content'], f'{where}: message {j + 1} ({role})')}
+  return out
 
 
 def content(value: Any, where: str) -> str:
@@ -183,27 +203,71 @@ def content(value: Any, where: str) -> str:
   return '\n'.join(texts)
 
 
+def _marked(messages: list[dict]) -> tuple[list[dict], list[int]]:
+  """The messages with each assistant answer (non-empty text content) replaced by a marker
+  (MARK % j), and the indices of those answers. An answer with its reasoning inline ('<think>R
+  </think>A', no reasoning field) gives R as its reasoning, as the templates that render
+  reasoning read it (Qwen3)."""
+  out, marked = [], []
+  for j, m in enumerate(messages):
+    c = m.get('content')
+    if m['role'] != SUPERVISED_ROLE or not isinstance(c, str) or not c:
+      out.append(m)
+      continue
+    if '</think>' in c and not any(m.get(k) is not None for k in _REASONING):
+      m = m | {'reasoning_content': c.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n')}
+    out.append(m | {'content': MARK % j})
+    marked.append(j)
+  return out, marked
+
+
+def _prompt(t: Template, messages: list[dict]) -> str:
+  """What the generation prompt adds after `messages` (an assistant header), '' when the template
+  adds none or cannot render them alone (no message yet)."""
+  import jinja2
+
+  try:
+    with_prompt = render(t, messages, add_generation_prompt=True)
+    return with_prompt[len(render(t, messages)) :]
+  except jinja2.exceptions.TemplateError:
+    return ''
+
+
+def _common(a: str, b: str) -> int:
+  """The length of the longest common prefix of a and b."""
+  return len(os.path.commonprefix([a, b]))
+
+
 def supervised_spans(t: Template, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-  """(the conversation's text, the character spans of its assistant turns): see the module
-  docstring. ValueError naming `where` when a prefix does not render as a prefix of the text."""
+  """(the conversation's text, the character spans of its assistant turns), found in the whole
+  conversation's rendering (see the module docstring). ValueError naming `where` when the
+  template fails, or renders the answers' surroundings differently once they are marked."""
   import jinja2
 
   try:
     text = render(t, messages)
-    spans = []
-    for j, m in enumerate(messages):
-      if m['role'] != SUPERVISED_ROLE:
-        continue
-      start, end = render(t, messages[:j], add_generation_prompt=True), render(t, messages[: j + 1])
-      for n, how, prefix in ((j, ' with the generation prompt', start), (j + 1, '', end)):
-        if not text.startswith(prefix):
-          raise ValueError(
-            f'{where}: the chat template does not render prefixes consistently: the first {n} '
-            f"messages{how} render to text that is not a prefix of the whole conversation's "
-            f'(it ends {prefix[-40:]!r})'
-          )
-      if len(end) > len(start):
-        spans.append((len(start), len(end)))
+    mk, marked = _marked(messages)
+    skeleton = render(t, mk)
+    cut = re.split('(' + re.escape(MARK).replace('%d', '[0-9]+') + ')', skeleton)
+    pieces, found = cut[0::2], [int(x[1:-1]) for x in cut[1::2]]
+    spans, at = [], len(pieces[0])
+    if MARK[0] in text:
+      raise ValueError(f'{where}: the conversation holds the character U+E000, which marks answers')
+    if found != marked or not text.startswith(pieces[0]):
+      raise ValueError(f'{where}: {CHANGES % 1}')
+    for k, j in enumerate(marked):  # answer j: its content between pieces[k] and pieces[k + 1]
+      after = pieces[k + 1]
+      stop = text.find(after, at) if k + 1 < len(marked) else len(text) - len(after)
+      if stop < at or (k + 1 == len(marked) and not text.endswith(after)):
+        raise ValueError(f'{where}: {CHANGES % (k + 1)}')
+      # The turn starts where the generation prompt ends (its header) ...
+      prompt = _prompt(t, mk[:j])
+      head = pieces[k].rfind(prompt) + len(prompt) if prompt and prompt in pieces[k] else len(pieces[k])
+      # ... and ends with the end of turn the answer is followed by, alone as in the conversation.
+      alone = render(t, mk[: j + 1])
+      tail = _common(after, alone[alone.index(MARK % j) + len(MARK % j) :])
+      spans.append((at - len(pieces[k]) + head, stop + tail))
+      at = stop + len(after)
   except jinja2.exceptions.TemplateError as e:
     raise ValueError(f'{where}: the chat template fails on this conversation: {str(e)[:200]}') from None
   return text, spans

@@ -5,7 +5,8 @@ jax3d/data/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
 Documents (read by jax3d/data/reading.py, every file for what it is: jax3d/data/inputs.py): a
 text file is one document (a file over `shard_bytes` is cut at line ends into several), a JSONL
 line is one document (its `field`, a string). Each document ends with EOS (and starts with
-BOS when the tokenizer has one). With `fmt='chat'` a JSONL line is a conversation ({"messages":
+BOS when the tokenizer has one); a table row is one (its `field` column: jax3d/data/tables.py,
+read a row group at a time; a bad row fails or with on_bad='skip' is counted). With `fmt='chat'` a JSONL line is a conversation ({"messages":
 [...]}) rendered with the tokenizer folder's chat template, with no BOS/EOS added (the template
 writes its own), and a loss weight per token (jax3d/data/chat.py). Each shard's document starts
 and (chat) weights are written beside it (jax3d/data/shards.py). A document is held out when a hash of its name (relative path,
@@ -33,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from jax3d.data import chat, documents, inputs, shards, staging, tokenizer as tok_lib
+from jax3d.data import chat, documents, inputs, shards, sources, staging, tables, tokenizer as tok_lib
 from jax3d.data.reading import JSONL_SUFFIXES, Piece, input_files, locate, pieces, read_documents, units
 from jax3d.errors import ConfigError
 
 VERSION = 2  # 2: document starts (and chat weights) beside each shard
+CHUNK_CHARS = 4 << 20  # text encoded at a time within a unit
 
 
 # --- the work units, in worker processes ---------------------------------------------------------
@@ -62,27 +64,29 @@ def run_unit(job: tuple) -> dict:
   for chat); returns its record."""
   i, unit, out, settings, fingerprint = job
   field, fraction, dtype, fmt = (settings[k] for k in ('field', 'eval_fraction', 'dtype', 'format'))
-  split, bad = {'train': [], 'val': []}, {}
+  split, bad, bad_rows = {'train': [], 'val': []}, {}, {}
+  encoded: dict = {'train': ([], []), 'val': ([], [])}  # (ids, weights) arrays of each document
   try:
+    chars = 0
     for p in unit:
-      for name, doc in read_documents(p, field, fmt, bad):
+      for name, doc in read_documents(p, field, fmt, bad, settings['on_bad'], bad_rows):
         split['val' if documents.held_out(name, fraction) else 'train'].append((name, doc))
-    encoded = {key: _encode(docs, fmt) for key, docs in split.items()}
+        chars += len(doc) if isinstance(doc, str) else 1000
+        if chars > CHUNK_CHARS:  # encoded a batch at a time: memory follows the batch, not the unit
+          _encode_into(encoded, split, fmt, dtype, unit[0].origin)
+          chars = 0
+    _encode_into(encoded, split, fmt, dtype, unit[0].origin)
   except ValueError as e:
     raise ValueError(locate(str(e), unit)) from None
   rec = {
     'unit': i,
     'fingerprint': fingerprint,
-    'bytes': sum(p.end - p.start for p in unit),
+    'bytes': sum(p.size for p in unit),
     'undecodable': bad,
+    'bad_rows': bad_rows,
   }
   for key, (ids, weights) in encoded.items():
-    arr = np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=sum(map(len, ids)))
-    if arr.size and int(arr.max()) >= _TOK['tok'].vocab_size:
-      raise ConfigError(
-        f'{unit[0].origin}: the tokenizer gave token id {int(arr.max())}, past its own vocabulary of '
-        f'{_TOK["tok"].vocab_size} (a tokenizer.json whose added tokens are not counted?)'
-      )
+    arr = np.concatenate(ids) if ids else np.zeros(0, dtype)
     name = f'{key}-{i:05d}'
     _write(os.path.join(out, f'{name}.bin'), arr)
     starts = np.concatenate([[0], np.cumsum([len(d) for d in ids])[:-1]]) if ids else np.zeros(0)
@@ -94,13 +98,28 @@ def run_unit(job: tuple) -> dict:
       'starts': f'{name}.starts.bin',
       'max_id': int(arr.max()) if arr.size else -1,
     }
-    if weights is not None:
+    if fmt == 'chat':
       w = np.concatenate(weights) if weights else np.zeros(0, np.uint8)
       _write(os.path.join(out, f'{name}.weights.bin'), w)
       rec[key] |= {'weights': f'{name}.weights.bin', 'supervised': int(w.sum())}
   with open(os.path.join(out, f'unit-{i:05d}.json'), 'w') as f:
     json.dump(rec, f)
   return rec
+
+
+def _encode_into(encoded: dict, split: dict, fmt: str, dtype: str, origin: str) -> None:
+  """Encodes the documents waiting in `split` into `encoded` ({key: (ids, weights)}, arrays of
+  `dtype` and uint8), and empties it. ConfigError for an id past the tokenizer's vocabulary."""
+  for key, docs in split.items():
+    ids, weights = _encode(docs, fmt)
+    if (top := max((max(d) for d in ids if d), default=-1)) >= (vocab := _TOK['tok'].vocab_size):
+      why = '(a tokenizer.json whose added tokens are not counted?)'
+      raise ConfigError(
+        f'{origin}: the tokenizer gave token id {top}, past its own vocabulary of {vocab} {why}'
+      )
+    encoded[key][0].extend(np.asarray(d, dtype) for d in ids)
+    encoded[key][1].extend(weights or [])
+    docs.clear()
 
 
 def _encode(docs: list[tuple[str, Any]], fmt: str) -> tuple[list[list[int]], list[np.ndarray] | None]:
@@ -148,16 +167,22 @@ def tokenize(
   workers: int = 0,
   progress: bool = True,
   fmt: str = 'text',
+  split: str = '',
+  on_bad: str = 'fail',
 ) -> dict:
-  """Tokenizes the corpus at `path` into `out` (see the module docstring; `fmt` 'text' or 'chat');
-  returns the index with the run's figures added ('seconds', 'mb_per_s', 'workers', 'units_done',
-  'units_skipped', 'bytes', 'undecodable'). A complete dataset at `out` is replaced only once the
-  new one is complete (jax3d/data/staging.py). ConfigError for input that holds no document."""
+  """Tokenizes the corpus at `path` into `out` (the module docstring; `fmt` 'text' or 'chat',
+  `split` and `on_bad` as jax3d.prepare's flags); returns the index with the run's figures added
+  ('seconds', 'mb_per_s', 'workers', 'units_done', 'units_skipped', 'bytes', 'undecodable',
+  'bad_rows'). A complete dataset at `out` is replaced only once the new one is complete
+  (jax3d/data/staging.py). ConfigError for input that holds no document."""
   staging.check(path, out)
   staging.recover(out)
   new = staging.folder(out)
+  read = (split, on_bad)
   try:
-    index = _tokenize(path, out, new, tok_path, field, eval_fraction, shard_bytes, workers, progress, fmt)
+    index = _tokenize(
+      path, out, new, tok_path, field, eval_fraction, shard_bytes, workers, progress, fmt, read
+    )
   finally:
     shutil.rmtree(os.path.join(new, '.inputs'), ignore_errors=True)  # decompressed inputs
   staging.swap(out, new)
@@ -175,8 +200,9 @@ def _tokenize(
   workers: int,
   progress: bool,
   fmt: str,
+  read: tuple[str, str] = ('', 'fail'),
 ) -> dict:
-  """`tokenize`, writing into the folder `new` (OUT, or OUT.partial beside a complete dataset)."""
+  """`tokenize` into the folder `new` (OUT, or OUT.partial beside a complete one); `read`: (split, on_bad)."""
   tok = tok_lib.load(tok_path)
   dtype = shards.dtype_for(tok.vocab_size)
   settings = {
@@ -185,14 +211,15 @@ def _tokenize(
     'eval_fraction': eval_fraction,
     'dtype': dtype,
     'format': fmt,
+    'on_bad': read[1],
   }
   if fmt == 'chat':  # the template is part of what the shards are made with
     source = chat.load_template(os.path.dirname(tok.path)).source
     settings['template'] = hashlib.sha256(source.encode()).hexdigest()
-  root, files = input_files(path)
+  root, files = input_files(path, read[0])
   if fmt == 'chat':
-    files = [f for f in files if inputs.plain_name(f).endswith(JSONL_SUFFIXES)]
-  work = units(pieces(root, files, shard_bytes, os.path.join(new, '.inputs')), shard_bytes)
+    files = [f for f in files if inputs.plain_name(f).endswith(JSONL_SUFFIXES) or tables.is_table(f)]
+  work = units(pieces(root, files, shard_bytes, os.path.join(new, '.inputs'), field, fmt), shard_bytes)
   if not work:
     raise ConfigError(
       f'--input={path}: no {"JSONL " if fmt == "chat" else ""}text to prepare '
@@ -200,7 +227,7 @@ def _tokenize(
     )
   jobs, records = _jobs(work, out, new, settings)
   workers = workers or os.cpu_count() or 1
-  total = sum(p.end - p.start for j in jobs for p in j[1])
+  total = sum(p.size for j in jobs for p in j[1])
   t0 = time.perf_counter()
   if jobs:
     records |= _run_jobs(jobs, (tok.path or tok_lib.BYTES, fmt), workers, total, progress)
@@ -216,7 +243,7 @@ def _tokenize(
     'bos_id': tok.bos_id,
     'eos_id': tok.eos_id,
     'tokenizer': {'path': tok.path or tok_lib.BYTES, 'sha256': settings['tokenizer']},
-    'source': os.path.abspath(path) if path else root,
+    'source': (path if path.startswith(sources.HF) else os.path.abspath(path)) if path else root,
     'eval_fraction': eval_fraction,
     'data_format': fmt,
     'train': [records[i]['train'] for i in sorted(records)],
@@ -225,7 +252,8 @@ def _tokenize(
   _write_index(new, index)
   figures = {'seconds': seconds, 'mb_per_s': total / 1e6 / max(seconds, 1e-9), 'workers': workers}
   done = {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
-  return index | figures | done | {'undecodable': bad}
+  skipped = tables.merged([records[i].get('bad_rows', {}) for i in sorted(records)])
+  return index | figures | done | {'undecodable': bad, 'bad_rows': skipped}
 
 
 def _undecodable(records: dict[int, dict], work: list[list[Piece]]) -> dict[str, int]:
