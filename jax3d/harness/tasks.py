@@ -90,22 +90,23 @@ def load(names: Sequence[str], include_path: str | None = None) -> list[Any]:
 
 def evaluate(
   lm: Any,
-  names: Sequence[str],
-  include_path: str | None = None,
+  loaded: Sequence[Any],
   limit: int | float | None = None,
   num_fewshot: int | None = None,
+  bootstrap_iters: int = 100000,
   log_samples: bool = False,
 ) -> dict:
-  """lm-eval's results dict of the tasks `names` on the model `lm` (an lm_eval LM)."""
+  """lm-eval's results dict of the tasks `loaded` (as `load` returns them) on the model `lm` (an
+  lm_eval LM); `bootstrap_iters` 0: no bootstrapped standard errors (lm-eval's default 100000)."""
   from lm_eval import evaluator
 
   return evaluator.simple_evaluate(
     model=lm,
-    tasks=load(names, include_path),
+    tasks=list(loaded),
     limit=limit,
     num_fewshot=num_fewshot,
     log_samples=log_samples,
-    bootstrap_iters=0 if not log_samples else 100000,
+    bootstrap_iters=bootstrap_iters,
     verbosity='ERROR',
   )
 
