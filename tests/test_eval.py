@@ -39,15 +39,20 @@ def _samples(results: dict) -> dict:
   return {t: [(s['doc_id'], s['resps']) for s in v] for t, v in results['samples'].items()}
 
 
-@pytest.fixture(scope='module')
-def reference(folders):
-  """lm-eval's `hf` model on the folder: results with samples (batch 1: no padding in generation)."""
+_REFERENCE = {}
+
+
+def reference(folders, tasks: tuple[str, ...], limit: int) -> dict:
+  """lm-eval's `hf` model on the folder: results with samples (batch 1: no padding in generation),
+  computed once per task list."""
   from lm_eval.models.huggingface import HFLM
 
-  model, tasks = folders
-  lm = HFLM(pretrained=model, device='cpu', dtype='float32', batch_size=1, max_length=eh.MAX_LENGTH)
-  loaded = harness_tasks.load(TASKS, tasks)
-  return harness_tasks.evaluate(lm, loaded, LIMIT, bootstrap_iters=0, log_samples=True)
+  if (tasks, limit) not in _REFERENCE:
+    model, folder = folders
+    lm = HFLM(pretrained=model, device='cpu', dtype='float32', batch_size=1, max_length=eh.MAX_LENGTH)
+    loaded = harness_tasks.load(list(tasks), folder)
+    _REFERENCE[tasks, limit] = harness_tasks.evaluate(lm, loaded, limit, bootstrap_iters=0, log_samples=True)
+  return _REFERENCE[tasks, limit]
 
 
 def _jax_lm(model: str, layout: tuple[int, int, int], rows: int = 4) -> harness_model.JaxLM:
@@ -68,10 +73,10 @@ def _jax_lm(model: str, layout: tuple[int, int, int], rows: int = 4) -> harness_
   return harness_model.JaxLM(s, weights.load_params(s))
 
 
-def _check_equal(got: dict, ref: dict) -> None:
+def _check_equal(got: dict, ref: dict, tasks: tuple[str, ...]) -> None:
   want, have = _samples(ref), _samples(got)
-  assert set(have) == set(TASKS)
-  for task in TASKS:
+  assert set(have) == set(tasks)
+  for task in tasks:
     assert [d for d, _ in have[task]] == [d for d, _ in want[task]], task
     for (_, h), (_, w) in zip(have[task], want[task], strict=True):
       if task == eh.GEN_TASK:
@@ -81,30 +86,33 @@ def _check_equal(got: dict, ref: dict) -> None:
         assert [r[0][1] for r in h] == [r[0][1] for r in w], task
       else:
         np.testing.assert_allclose([r[0] for r in h], [r[0] for r in w], rtol=0, atol=1e-4)
-  for task in TASKS:  # the same scores (accuracy, exact match, perplexities)
+  for task in tasks:  # the same scores (accuracy, exact match, perplexities)
     for key, value in ref['results'][task].items():
       if isinstance(value, float) and 'stderr' not in key:
         np.testing.assert_allclose(got['results'][task][key], value, rtol=1e-5, err_msg=f'{task} {key}')
 
 
-def _run(folders, layout):
-  model, tasks = folders
+def _run(folders, layout, tasks, limit):
+  model, folder = folders
   lm = _jax_lm(model, layout)
-  results = harness_tasks.evaluate(lm, harness_tasks.load(TASKS, tasks), LIMIT, bootstrap_iters=0, log_samples=True)
-  return lm, results
+  loaded = harness_tasks.load(list(tasks), folder)
+  return lm, harness_tasks.evaluate(lm, loaded, limit, bootstrap_iters=0, log_samples=True)
 
 
-def test_scores_equal_lm_evals_hf_model_on_one_device(folders, reference):
-  lm, got = _run(folders, (1, 1, 1))
-  _check_equal(got, reference)
-  # the multiple-choice task's 4 x LIMIT requests went several to a row
-  assert lm.stats['rows'] < lm.stats['requests']
-  assert reference['results'][eh.MC_TASK]['acc,none'] not in (None,)
+def test_multiple_choice_equals_lm_evals_hf_model_on_one_device(folders):
+  """The default-suite case: 2 documents x 4 choices, packed into rows on 1-1-1."""
+  tasks = (eh.MC_TASK,)
+  lm, got = _run(folders, (1, 1, 1), tasks, 2)
+  _check_equal(got, reference(folders, tasks, 2), tasks)
+  assert lm.stats['rows'] < lm.stats['requests']  # several requests to a row
 
 
 @pytest.mark.slow
-def test_scores_equal_lm_evals_hf_model_on_2_2_2(folders, reference):
-  _check_equal(_run(folders, (2, 2, 2))[1], reference)
+@pytest.mark.parametrize('layout', [(1, 1, 1), (2, 2, 2)])
+def test_all_request_kinds_equal_lm_evals_hf_model(folders, layout):
+  """Multiple choice, greedy generation and rolling log-likelihoods (windows of 64 tokens)."""
+  tasks = tuple(TASKS)
+  _check_equal(_run(folders, layout, tasks, LIMIT)[1], reference(folders, tasks, LIMIT), tasks)
 
 
 def test_packing_changes_no_loglikelihood(folders):
@@ -136,11 +144,11 @@ def _network_task(folder) -> str:
   return str(folder)
 
 
-def test_a_task_that_needs_the_network_exits_2(tmp_path, capsys, folders):
+def test_a_task_that_needs_the_network_exits_2(tmp_path, capsys):
   from jax3d import eval as eval_cmd
 
-  folder = _network_task(tmp_path / 'tasks')
-  base = [f'--config.checkpoint.init_from=hf:{folders[0]}', f'--include_path={folder}']
+  folder = _network_task(tmp_path / 'tasks')  # the tasks are checked before the model is read
+  base = [f'--config.checkpoint.init_from=hf:{tmp_path}/model', f'--include_path={folder}']
   assert eval_cmd.main(base + ['--tasks=hub_task']) == 2
   err = capsys.readouterr().err.strip().splitlines()[-1]
   assert err.startswith('error:') and "'hub_task'" in err and 'network' in err and 'dataset_path: json' in err
@@ -164,6 +172,7 @@ def test_missing_lm_eval_names_the_extra(monkeypatch):
     harness_tasks.require_lm_eval()
 
 
+@pytest.mark.slow
 def test_tasks_in_training_and_after_agree(folders, tmp_path):
   """eval.tasks: scores in metrics.jsonl and WORKDIR/eval/<step>.json at the end of a run; then
   `python -m jax3d.eval --workdir` on another layout gives the same scores from the checkpoint."""
