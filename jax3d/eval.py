@@ -38,7 +38,9 @@ FLAGS = {
   'tasks': cli.Flag(str, None, "lm-eval task names, a comma list (e.g. 'my_mc,my_gen')", required=True),
   'include_path': cli.Flag(str, None, 'a folder of task YAML files, searched first'),
   'limit': cli.Flag(int, None, 'at most this many documents per task', cli.POSITIVE),
-  'num_fewshot': cli.Flag(int, None, "few-shot examples per prompt (default: the task's own)", cli.NON_NEGATIVE),
+  'num_fewshot': cli.Flag(
+    int, None, "few-shot examples per prompt (default: the task's own)", cli.NON_NEGATIVE
+  ),
   'batch_rows': cli.Flag(int, None, 'rows per score step (default: the run batch)', cli.POSITIVE),
   'max_length': cli.Flag(int, None, 'tokens a request keeps (default: train.seq_len)', cli.POSITIVE),
   'out': cli.Flag(str, None, 'the results JSON (default: WORKDIR/eval/<step>.json)'),

@@ -82,7 +82,11 @@ def write_tasks(folder: str, n: int = 6) -> str:
   os.makedirs(folder, exist_ok=True)
   data = {
     MC_TASK: [
-      {'q': _sentence(rng, 3 + i % 4), 'choices': [_sentence(rng, 1 + (i + j) % 3) for j in range(4)], 'label': i % 4}
+      {
+        'q': _sentence(rng, 3 + i % 4),
+        'choices': [_sentence(rng, 1 + (i + j) % 3) for j in range(4)],
+        'label': i % 4,
+      }
       for i in range(n)
     ],
     GEN_TASK: [{'q': _sentence(rng, 2 + i % 5), 'a': _sentence(rng, 2)} for i in range(n)],

@@ -27,7 +27,8 @@ PACKAGE = 'jax3d'
 # The commands behind `python -m jax3d.NAME` (and their shared flag parsing): they sit on top of
 # the library, which must not import them back.
 COMMAND_MODULES = frozenset(
-  f'jax3d.{n}' for n in ('train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export', 'batch', 'eval', 'cli')
+  f'jax3d.{n}'
+  for n in ('train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export', 'batch', 'eval', 'cli')
 )
 
 # The packages (and top-level modules) from the bottom up. A unit imports only units before it.

@@ -121,7 +121,10 @@ def test_packing_changes_no_loglikelihood(folders):
   lm = _jax_lm(model, (2, 1, 1), rows=2)
   rng = np.random.default_rng(0)
   pairs = [
-    (rng.integers(2, 300, int(rng.integers(1, 40))).tolist(), rng.integers(2, 300, int(rng.integers(1, 9))).tolist())
+    (
+      rng.integers(2, 300, int(rng.integers(1, 40))).tolist(),
+      rng.integers(2, 300, int(rng.integers(1, 9))).tolist(),
+    )
     for _ in range(12)
   ]
   pairs.append((list(range(2, 80)), [5, 6, 7]))  # longer than a row: left-truncated
@@ -153,12 +156,16 @@ def test_a_task_that_needs_the_network_exits_2(tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()[-1]
   assert err.startswith('error:') and "'hub_task'" in err and 'network' in err and 'dataset_path: json' in err
 
-  
+
 @pytest.mark.slow  # indexes lm-eval's ~15,000 own tasks first
 def test_an_unknown_task_exits_2(tmp_path, capsys, folders):
   from jax3d import eval as eval_cmd
 
-  argv = [f'--config.checkpoint.init_from=hf:{folders[0]}', f'--include_path={folders[1]}', '--tasks=no_such_task']
+  argv = [
+    f'--config.checkpoint.init_from=hf:{folders[0]}',
+    f'--include_path={folders[1]}',
+    '--tasks=no_such_task',
+  ]
   assert eval_cmd.main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()[-1]
   assert "'no_such_task'" in err and 'no such task' in err
@@ -219,4 +226,27 @@ def test_tasks_in_training_and_after_agree(folders, tmp_path):
     after = json.load(f)
   assert after['step'] == 2
   for task, metric in ((eh.MC_TASK, 'acc'), (eh.MC_TASK, 'acc_norm'), (eh.ROLL_TASK, 'bits_per_byte')):
-    np.testing.assert_allclose(after['results'][task][f'{metric},none'], scores[0][f'task/{task}/{metric}'], rtol=1e-6)
+    np.testing.assert_allclose(
+      after['results'][task][f'{metric},none'], scores[0][f'task/{task}/{metric}'], rtol=1e-6
+    )
+
+
+def test_the_report_plots_task_scores(tmp_path):
+  """metrics.jsonl task records (as eval.tasks writes them) -> the report's task figure; a resumed
+  run's later records replace the earlier ones of the same steps."""
+  from jax3d.analysis import report
+
+  recs = [
+    {'event': 'start', 'step': 0},
+    {'step': 1, 'loss': 3.0},
+    {'step': 2, 'task/mc/acc': 0.25, 'task/mc/acc_norm': 0.5},
+    {'step': 4, 'task/mc/acc': 0.5, 'task/mc/acc_norm': 0.5},
+    {'event': 'start', 'step': 2},
+    {'step': 4, 'task/mc/acc': 0.75, 'task/mc/acc_norm': 0.5},
+  ]
+  with open(tmp_path / 'metrics.jsonl', 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in recs)
+  run = report.load(str(tmp_path / 'metrics.jsonl'))
+  assert [(r['step'], r['task/mc/acc']) for r in run['tasks']] == [(2, 0.25), (4, 0.75)]
+  page = open(report.write_report(str(tmp_path))).read()
+  assert 'tasks.png' in page and (tmp_path / 'report' / 'tasks.png').exists()

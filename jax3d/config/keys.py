@@ -175,7 +175,8 @@ def declared() -> Declared:
   c.eval.tasks_limit = 0, at_least(0, '0 = all')  # documents per task (0 = all)
   # a folder of task YAML files (tasks over local data files), searched before lm-eval's own
   c.eval.tasks_include_path = '', ANY
-  c.eval.tasks_num_fewshot = -1, either(-1, NON_NEGATIVE, "the task's own")  # few-shot examples; -1 = the task's own
+  # few-shot examples per prompt; -1 = the task's own
+  c.eval.tasks_num_fewshot = -1, either(-1, NON_NEGATIVE, "the task's own")
   # steps between checkpoints (also at the end and on SIGTERM)
   c.checkpoint.every = 200, at_least(0, '0 = only at the end')
   c.checkpoint.keep = 3, POSITIVE  # newest checkpoints kept

@@ -45,7 +45,9 @@ class JaxLM(TemplateLM):
     self.tok = tok_lib.load(setup.cfg.data.tokenizer)
     self._max_length = max_length or setup.plan.seq_len
     if self._max_length > setup.plan.seq_len:
-      raise UsageError(f'max_length={self._max_length} is longer than a row (train.seq_len={setup.plan.seq_len})')
+      raise UsageError(
+        f'max_length={self._max_length} is longer than a row (train.seq_len={setup.plan.seq_len})'
+      )
     self._score = None
     self.stats = {'requests': 0, 'rows': 0, 'slots': 0, 'steps': 0, 'seconds': 0.0}
 
@@ -156,7 +158,7 @@ class JaxLM(TemplateLM):
       room = self._max_length - max_gen
       if room <= 0:
         raise UsageError(
-          f'a generation task asks for max_gen_toks={max_gen} tokens, not less than the model\'s '
+          f"a generation task asks for max_gen_toks={max_gen} tokens, not less than the model's "
           f'max_length={self._max_length} (train.seq_len): set generation_kwargs.max_gen_toks lower '
           'in the task, or a longer --config.train.seq_len'
         )

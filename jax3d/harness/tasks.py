@@ -80,7 +80,9 @@ def load(names: Sequence[str], include_path: str | None = None) -> list[Any]:
         'as --include_path, or a name that `lm_eval ls tasks` lists)'
       ) from None
     except (ConnectionError, TimeoutError) as e:
-      raise UsageError(f'task {name!r} needs the network to download its data ({e}); {LOCAL_TASK_HINT}') from None
+      raise UsageError(
+        f'task {name!r} needs the network to download its data ({e}); {LOCAL_TASK_HINT}'
+      ) from None
     except FileNotFoundError as e:
       raise UsageError(f'task {name!r}: its data files are not there ({e}); {LOCAL_TASK_HINT}') from None
     objs = loaded['groups'].get(name) or loaded['tasks'].get(name)
@@ -138,7 +140,16 @@ def scores(results: dict) -> dict[str, float]:
 def write_json(results: dict, path: str, extra: dict | None = None) -> str:
   """The results (lm-eval's `results`, `versions`, `n-shot`, `configs`, groups) and `extra` as
   JSON at `path` (its folder made); returns the path."""
-  keep = ('results', 'groups', 'group_subtasks', 'versions', 'n-shot', 'higher_is_better', 'n-samples', 'configs')
+  keep = (
+    'results',
+    'groups',
+    'group_subtasks',
+    'versions',
+    'n-shot',
+    'higher_is_better',
+    'n-samples',
+    'configs',
+  )
   doc = {k: results[k] for k in keep if k in results} | dict(extra or {})
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, 'w') as f:
