@@ -100,17 +100,32 @@ def evaluate(
 ) -> dict:
   """lm-eval's results dict of the tasks `loaded` (as `load` returns them) on the model `lm` (an
   lm_eval LM); `bootstrap_iters` 0: no bootstrapped standard errors (lm-eval's default 100000)."""
+  from unittest import mock
+
   from lm_eval import evaluator
 
-  return evaluator.simple_evaluate(
-    model=lm,
-    tasks=list(loaded),
-    limit=limit,
-    num_fewshot=num_fewshot,
-    log_samples=log_samples,
-    bootstrap_iters=bootstrap_iters,
-    verbosity='ERROR',
-  )
+  # lm-eval's environment report runs torch's collect_env (pip, nvcc and more in subprocesses:
+  # seconds per call, at every evaluation of a training run); the versions are kept instead.
+  with mock.patch.object(evaluator, 'add_env_info', _versions):
+    return evaluator.simple_evaluate(
+      model=lm,
+      tasks=list(loaded),
+      limit=limit,
+      num_fewshot=num_fewshot,
+      log_samples=log_samples,
+      bootstrap_iters=bootstrap_iters,
+      verbosity='ERROR',
+    )
+
+
+def _versions(results: dict) -> None:
+  """What lm-eval's environment report records that jax3d keeps: the libraries' versions."""
+  from importlib.metadata import version
+
+  import jax
+
+  results['lm_eval_version'] = version('lm_eval')
+  results['jax_version'] = jax.__version__
 
 
 def table(results: dict) -> str:
