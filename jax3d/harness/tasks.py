@@ -103,6 +103,7 @@ def evaluate(
   from unittest import mock
 
   from lm_eval import evaluator
+  from lm_eval.tasks import TaskManager
 
   # lm-eval's environment report runs torch's collect_env (pip, nvcc and more in subprocesses:
   # seconds per call, at every evaluation of a training run); the versions are kept instead.
@@ -115,6 +116,8 @@ def evaluate(
       log_samples=log_samples,
       bootstrap_iters=bootstrap_iters,
       verbosity='ERROR',
+      # the tasks are built: an empty index (simple_evaluate's default indexes all of lm-eval's)
+      task_manager=TaskManager(include_defaults=False),
     )
 
 
