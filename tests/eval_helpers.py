@@ -103,7 +103,7 @@ def write_tasks(folder: str, n: int = 6) -> str:
     MC_TASK: 'output_type: multiple_choice\ndoc_to_text: "Q: {{q}}\\nA:"\ndoc_to_choice: "{{choices}}"\n'
     'doc_to_target: label\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n',
     GEN_TASK: 'output_type: generate_until\ndoc_to_text: "Q: {{q}}\\nA:"\ndoc_to_target: " {{a}}"\n'
-    'generation_kwargs:\n  until: ["\\n", "."]\n  max_gen_toks: 12\n  do_sample: false\n'
+    'generation_kwargs:\n  until: ["\\n", "p"]\n  max_gen_toks: 12\n  do_sample: false\n'
     'metric_list:\n  - metric: exact_match\n',
     ROLL_TASK: 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
     'metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n',
