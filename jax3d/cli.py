@@ -1,4 +1,4 @@
-"""The one command-line convention of the jax3d commands (train, plan, inspect, report, sample).
+"""The one command-line convention of the jax3d commands (train, plan, inspect, report, sample, eval).
 
 Each command declares its flags as a dict `name -> Flag(type, default, help, check, required)` and
 calls `parse(argv, __doc__, FLAGS, config=..., positional=...)`, which understands:

@@ -27,7 +27,8 @@ PACKAGE = 'jax3d'
 # The commands behind `python -m jax3d.NAME` (and their shared flag parsing): they sit on top of
 # the library, which must not import them back.
 COMMAND_MODULES = frozenset(
-  f'jax3d.{n}' for n in ('train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export', 'batch', 'cli')
+  f'jax3d.{n}'
+  for n in ('train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export', 'batch', 'eval', 'cli')
 )
 
 # The packages (and top-level modules) from the bottom up. A unit imports only units before it.
@@ -44,6 +45,7 @@ RANK = (
   'jax3d.analysis',  # compiled memory, FLOPs, collectives; memory curves; plots
   'jax3d.assemble',  # the one build path
   'jax3d.planning',  # cost model, planner, OOM ladder
+  'jax3d.harness',  # lm-evaluation-harness: jax3d as its model, requests in rows, local tasks
   'jax3d.trainer',  # the Trainer, its loop, checkpoints, metrics, multi-host, a run's workdir
   'jax3d.api',  # the Python API
   'jax3d.cli',  # the commands' flag parsing
@@ -55,6 +57,7 @@ RANK = (
   'jax3d.prepare',
   'jax3d.export',
   'jax3d.batch',
+  'jax3d.eval',
   'jax3d',  # the package: lazy access to the API and the submodules
 )
 

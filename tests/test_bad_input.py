@@ -748,10 +748,11 @@ def test_validation_raises_real_exceptions_not_asserts():
 # ---------------------------------------------------------------------------------------------
 # One command-line convention for the five commands (jax3d/cli.py)
 # ---------------------------------------------------------------------------------------------
-COMMANDS = ['train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export']
-WITH_CONFIG = ['train', 'plan', 'inspect', 'sample', 'export']
+COMMANDS = ['train', 'plan', 'inspect', 'report', 'sample', 'prepare', 'export', 'eval']
+WITH_CONFIG = ['train', 'plan', 'inspect', 'sample', 'export', 'eval']
 REQUIRED = {  # so that the error is about the flag tested
   'sample': ['--workdir=/nonexistent/run'],
+  'eval': ['--workdir=/nonexistent/run', '--tasks=some_task'],
   'prepare': ['--out=/nonexistent/out'],
   'export': ['--workdir=/nonexistent/run', '--out=/nonexistent/out'],
 }

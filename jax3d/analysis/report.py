@@ -25,7 +25,7 @@ from jax3d.errors import ConfigError
 def load(path: str) -> dict:
   """{'train': [...], 'eval': [...], 'events': [...], 'bad_lines': n}, train and eval sorted by
   step with one record per step (the latest run's)."""
-  train, evals, events, bad = {}, {}, [], 0
+  train, evals, tasks, events, bad = {}, {}, {}, [], 0
   cut = None  # after a 'start' event: drop earlier records from this step on
   with open(path, 'rb') as f:
     for line in f:
@@ -48,7 +48,7 @@ def load(path: str) -> dict:
         continue
       if cut is not None:
         first = cut[1] + 1 if cut[1] is not None else rec['step']
-        for table in (train, evals):
+        for table in (train, evals, tasks):
           for s in [s for s in table if s >= first]:
             del table[s]
         cut = None
@@ -56,9 +56,12 @@ def load(path: str) -> dict:
         evals[rec['step']] = rec
       if 'loss' in rec:
         train[rec['step']] = rec
+      if any(k.startswith('task/') for k in rec):  # lm-eval task scores (eval.tasks)
+        tasks[rec['step']] = rec
   return {
     'train': [train[s] for s in sorted(train)],
     'eval': [evals[s] for s in sorted(evals)],
+    'tasks': [tasks[s] for s in sorted(tasks)],
     'events': events,
     'bad_lines': bad,
   }
@@ -170,14 +173,29 @@ def _step_time_figure(plt: Any, run: dict) -> Any:
   return fig
 
 
+def _tasks_figure(plt: Any, run: dict) -> Any:
+  """Every lm-eval task score (eval.tasks: 'task/TASK/METRIC') against steps."""
+  records = run.get('tasks', [])
+  keys = sorted({k for r in records for k in r if k.startswith('task/')})
+  if not keys:
+    return None
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for k in keys:
+    ax.plot(*_col(records, k), 'o-', label=k[len('task/') :], ms=3)
+  ax.set_xlabel('step'), ax.set_ylabel('score'), ax.grid(alpha=0.3), ax.legend(fontsize=8)
+  return fig
+
+
 FIGURES = (  # (name, draw(plt, run) -> figure or None), in the report's order
   ('loss', _loss_figure),
+  ('tasks', _tasks_figure),
   ('throughput', _throughput_figure),
   ('memory', _memory_figure),
   ('step_time', _step_time_figure),
 )
 CAPTIONS = {
   'loss': 'Loss',
+  'tasks': 'Task scores (lm-evaluation-harness)',
   'throughput': 'Throughput and MFU',
   'memory': 'Memory per device',
   'step_time': 'Step time distribution',

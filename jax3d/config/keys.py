@@ -173,6 +173,14 @@ def declared() -> Declared:
   # steps between held-out evaluations (0 = only at the end)
   c.eval.every = 100, at_least(0, '0 = only at the end')
   c.eval.batches = 8, POSITIVE  # held-out batches per evaluation (fixed, the same for every layout)
+  # lm-evaluation-harness tasks run during training: a comma list of names ('' = none; docs/evaluation.md)
+  c.eval.tasks = '', ANY
+  c.eval.tasks_every = 0, at_least(0, '0 = only at the end')  # steps between task evaluations
+  c.eval.tasks_limit = 0, at_least(0, '0 = all')  # documents per task (0 = all)
+  # a folder of task YAML files (tasks over local data files), searched before lm-eval's own
+  c.eval.tasks_include_path = '', ANY
+  # few-shot examples per prompt; -1 = the task's own
+  c.eval.tasks_num_fewshot = -1, either(-1, NON_NEGATIVE, "the task's own")
   # steps between checkpoints (also at the end and on SIGTERM)
   c.checkpoint.every = 200, at_least(0, '0 = only at the end')
   c.checkpoint.keep = 3, POSITIVE  # newest checkpoints kept

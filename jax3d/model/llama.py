@@ -82,10 +82,16 @@ def cross_entropy_sum(
   weight (padding, an unsupervised token) gives its target zero gradient. Vocab-parallel: max,
   sum-exp and the target logit are reduced over the vocab shards (tp); the full-vocabulary logits
   are never gathered on one device."""
+  ce_bt = token_cross_entropy(logits_btv, targets_bt)
+  return jnp.sum(ce_bt if weights_bt is None else ce_bt * weights_bt.astype(ce_bt.dtype))
+
+
+def token_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+  """Each token's loss [b, t]: logsumexp(logits) - logits[target], the negative log-probability of
+  the target (vocab-parallel, as `cross_entropy_sum`, which sums it)."""
   lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
   onehot_btv = jax.nn.one_hot(targets_bt, logits_btv.shape[-1], dtype=logits_btv.dtype)
-  ce_bt = lse_bt - jnp.sum(logits_btv * onehot_btv, axis=-1)
-  return jnp.sum(ce_bt if weights_bt is None else ce_bt * weights_bt.astype(ce_bt.dtype))
+  return lse_bt - jnp.sum(logits_btv * onehot_btv, axis=-1)
 
 
 def head_loss_sum(

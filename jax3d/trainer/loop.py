@@ -61,6 +61,7 @@ class Host(Protocol):
   def init_state(self) -> str: ...
   def compile(self) -> list[str]: ...
   def evaluate(self) -> float: ...
+  def evaluate_tasks(self) -> dict: ...
   def save(self, force: bool = True) -> str | None: ...
 
 
@@ -149,8 +150,14 @@ class _Loop:
       evaluate, save = _every(cfg.eval.every, step), _every(cfg.checkpoint.every, step)
       if evaluate or save or step == stop or self.flag.set:
         self._flush()
+      tasks = bool(cfg.eval.tasks) and _every(cfg.eval.tasks_every, step) and step != stop
+      if tasks and not evaluate:
+        self._flush()
       if evaluate and step != stop:
         self._evaluate(step)
+      if tasks:
+        self._evaluate_tasks(step)
+      if (evaluate or tasks) and step != stop:
         self.clock.t_last = time.time()
       if host.checkpointer and save and step != stop and not host.steplog.none_finite(step, False):
         host.save(force=True)
@@ -162,6 +169,8 @@ class _Loop:
         return
     host.steplog.none_finite(stop, True)
     self._evaluate(host.step)
+    if cfg.eval.tasks:
+      self._evaluate_tasks(host.step)
     if host.checkpointer and stop > self.start:
       host.save(force=True)
       host.checkpointer.wait()
@@ -220,6 +229,11 @@ class _Loop:
   def _evaluate(self, step: int) -> None:
     loss = self.host.evaluate()
     self.host.steplog.evaluation(step, loss, {k: v for k, v in self.host.eval_losses.items() if '/' in k})
+
+  def _evaluate_tasks(self, step: int) -> None:
+    """eval.tasks at `step`: lm-eval's table on the console, the scores as one record (and
+    TensorBoard scalars), the results' JSON in WORKDIR/eval/<step>.json."""
+    self.host.steplog.tasks(step, self.host.evaluate_tasks(), self.host.workdir)
 
   def _preempted(self, step: int) -> None:
     """SIGTERM (or a peer's, through JAX's preemption sync): save this step and stop cleanly."""

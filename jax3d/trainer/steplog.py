@@ -140,3 +140,16 @@ class StepLog:
     self.tb.scalars(step, record)
     each = ''.join(f', {k.split("/", 1)[1]} {v:.4f}' for k, v in (per_source or {}).items())
     self.log(f'step {step:>6}  held-out loss {loss:.4f} nats/token ({loss / math.log(2):.3f} bits){each}')
+
+  def tasks(self, step: int, results: dict, workdir: str | None) -> None:
+    """lm-eval task results at `step`: one record of their scores ('task/TASK/METRIC'), their
+    TensorBoard scalars, the table on the console and WORKDIR/eval/<step>.json (process 0)."""
+    from jax3d.harness import tasks as harness_tasks
+    from jax3d.trainer.tasks import json_path
+
+    scores = harness_tasks.scores(results)
+    self.writer.write({'step': step, **scores})
+    self.tb.scalars(step, scores)
+    self.log(f'step {step:>6}  tasks:\n{harness_tasks.table(results)}')
+    if workdir and metrics_lib.is_main_process():
+      harness_tasks.write_json(results, json_path(workdir, step), {'step': step})

@@ -38,6 +38,7 @@ from jax3d.trainer import (
   metrics as metrics_lib,
   state as state_lib,
   steplog as steplog_lib,
+  tasks as tasks_lib,
   workdir as workdir_lib,
 )
 from jax3d.training import step as step_lib
@@ -64,6 +65,8 @@ class Trainer:
       if workdir and jax.process_index() == 0
       else None
     )
+    tasks_lib.check(cfg)  # eval.tasks: found, their data local (exit 2 before anything compiles)
+    self._tasks: tasks_lib.TaskEvaluator | None = None
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     self.corpus = mixture_lib.for_config(cfg, self.tokenizer)
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
@@ -172,6 +175,15 @@ class Trainer:
       self.setup, self.corpus, self._eval_step, self.state['params']
     )
     return self.eval_losses['eval_loss']
+
+  def evaluate_tasks(self) -> dict:
+    """The eval.tasks lm-evaluation-harness tasks on the current parameters: lm-eval's results
+    (jax3d/trainer/tasks.py); compiles first if needed."""
+    for line in self.compile():
+      self.log('  ' + line)
+    if self._tasks is None:
+      self._tasks = tasks_lib.TaskEvaluator(self.setup)
+    return self._tasks(self.state['params'])
 
   def sample(
     self,

@@ -46,14 +46,14 @@ def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.A
   if manual:
     batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
   elif s.zero3:  # ZeRO-3: the weights outside the loop (embedding, head, norm) gathered before use
-    params = _gathered_outside_loop(params, s)
+    params = gathered_outside_loop(params, s)
   if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
     return _pipelined_loss_sum(params, batch, s, manual)
   y_btd = hidden(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
   return _head_loss_sum(params, y_btd, batch, s)
 
 
-def _gathered_outside_loop(params: Any, s: Setup) -> Any:
+def gathered_outside_loop(params: Any, s: Setup) -> Any:
   """ZeRO-3: every parameter but the stacked layers (which the loop gathers, zero3.Gather) in the
   layers' own layout: one all-gather over dp each, whose transpose reduce-scatters the gradient.
   Left to propagation, the embedding's dp-sharded d_model reaches its output and XLA replicates
