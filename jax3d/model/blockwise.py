@@ -51,7 +51,9 @@ def _attention(q, k, v, qp, kp, qs, ks, block):
 
 
 def _attention_fwd(q, k, v, qp, kp, qs, ks, block):
-  out, lse = forward(q, k, v, qp, kp, qs, ks, block)
+  # stop_gradient: under a differentiated scan, jax 0.10 linearises a custom_vjp's forward rule too
+  # and keeps its block loops' internals ([nq, nk] blocks of scores) as residuals nobody reads
+  out, lse = forward(*jax.lax.stop_gradient((q, k, v)), qp, kp, qs, ks, block)
   return out, (q, k, v, qp, kp, qs, ks, out, lse)
 
 
@@ -130,7 +132,7 @@ def forward(q, k, v, qp, kp, qs=None, ks=None, block: int = BLOCK) -> tuple[jax.
 
     shape = (z.b, z.kv, z.g, z.bq)
     init = (jnp.full(shape, -jnp.inf, F32), jnp.zeros(shape, F32), jnp.zeros((*shape, z.h), F32))
-    m, l, acc = _over_blocks(z.nk, lambda j: z.needed[i, j], step, init)
+    m, l, acc = _over_blocks(z.needed[i], step, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), 0.0)
     return jnp.moveaxis(out, 3, 1).astype(q.dtype), lse  # [b, bq, kv, g, h]
@@ -163,7 +165,7 @@ def backward(q, k, v, qp, kp, qs, ks, out, lse, g, block: int = BLOCK) -> tuple[
       return dk, dv, dq.at[i].add(dq_i)
 
     zeros = jnp.zeros(k_j.shape, F32)
-    dk, dv, dq = _over_blocks(z.nq, lambda i: z.needed[i, j], step, (zeros, zeros, dq))
+    dk, dv, dq = _over_blocks(z.needed[:, j], step, (zeros, zeros, dq))
     return dq, (dk, dv)
 
   dq0 = jnp.zeros(qb.shape, F32)
@@ -176,12 +178,16 @@ def backward(q, k, v, qp, kp, qs, ks, out, lse, g, block: int = BLOCK) -> tuple[
   return dq, z.unblock(dk, z.s).astype(k.dtype), z.unblock(dv, z.s).astype(v.dtype)
 
 
-def _over_blocks(n: int, needed: Any, step: Any, carry: Any) -> Any:
-  """`step(j, carry)` for j in 0..n-1, skipped (carry unchanged) where `needed(j)` is false; one
-  block runs unconditionally (its masked entries are zero anyway)."""
+def _over_blocks(needed: jax.Array, step: Any, carry: Any) -> Any:
+  """`step(j, carry)` for the blocks j from the first to the last `needed` one (a while loop with
+  those bounds: the blocks outside are skipped; for rows in their natural order the needed blocks
+  are contiguous). One block runs unconditionally (its masked entries are zero anyway)."""
+  n = needed.shape[0]
   if n == 1:
     return step(0, carry)
-  return jax.lax.fori_loop(0, n, lambda j, c: jax.lax.cond(needed(j), step, lambda _, c: c, j, c), carry)
+  lo = jnp.argmax(needed)
+  hi = jnp.where(needed.any(), n - jnp.argmax(needed[::-1]), lo)
+  return jax.lax.fori_loop(lo, hi, step, carry)
 
 
 def _map(fn: Any, n: int) -> Any:
