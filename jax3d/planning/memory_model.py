@@ -11,15 +11,14 @@ for activations), modelling what jax3d's step really does:
     `python -m jax3d.plan --verify` checks this against XLA's figure.
   - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
-    pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
-    `jax3d.model.layers.Block` at the tp-local shapes, under the remat policy), so it follows the
-    code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    where the layer is Megatron's. With remat 'stage' it counts m+1 micro-batches per iteration (its
+    pass. One layer's is read off the real layer (`jax.ad_checkpoint` residuals of `layers.Block`
+    at the tp-local shapes, under the remat policy, with the attention kernel's), so it follows the
+    code; with XLA's attention, Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t)). With remat 'stage' it counts m+1 micro-batches per iteration (its
     input and, with pp > 1, a stage-0 queue of m): an upper bound, since the compiled loop saves the
     iteration's input only (the queue, where v > 1, is a carry updated in place). Under 1F1B
     (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the stages instead
     (`_activations_1f1b`), whatever the number of micro-batches.
-  - LoRA (lora.rank > 0): the base in lora.base_dtype, gradients and moments of the adapters only.
+  - LoRA (lora.rank > 0): the base in lora.base_dtype, the adapters' gradients and moments only.
   - the head: fp32 logits, their exp and the one-hot targets (vocab over tp), and the embedding's
     output, for the rows outside the pipeline's loop; the logits for 1/train.loss_chunks of them.
 """
@@ -57,7 +56,7 @@ def layer_residual_bytes(
   policy: str,
   compute: str,
   param: str,
-  flash: bool,
+  flash: bool | str,
   batch: int,
   sequence_parallel: bool = False,
   features: tuple[int, bool, bool] = (0, False, False),
@@ -84,7 +83,7 @@ def layer_residual_bytes(
     policy,
     compute,
     param,
-    flash,
+    kernel_of(flash),
     b,
     (head_dim or d_model // n_heads, qkv_bias, qk_norm),
   )
@@ -98,10 +97,11 @@ def layer_residual_bytes(
 
 @functools.cache
 def _traced_residuals(
-  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, batch, features
+  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, kernel, batch, features
 ) -> float:
-  """The residuals of the real layer at abstract shapes (nothing is computed or allocated).
-  XLA's attention keeps the s x s scores; a fused (flash) kernel keeps a logsumexp instead."""
+  """The residuals of the real layer at abstract shapes (nothing is computed or allocated). XLA's
+  attention keeps the s x s scores; blockwise is traced as it is (q, k, v, out, a logsumexp);
+  cuDNN's is XLA's trace less the scores, plus a logsumexp and the documents' bias."""
   import flax.linen as nn
   import jax
 
@@ -122,7 +122,9 @@ def _traced_residuals(
     head_size=head_dim,
     qkv_bias=qkv_bias,
     qk_norm=qk_norm,
+    attention='blockwise' if kernel == 'blockwise' else 'xla',
   )
+  flash = kernel == 'cudnn'
   x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)
   block = layers.Block(dims)
   params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
@@ -133,8 +135,7 @@ def _traced_residuals(
   scores = lambda a: len(a.shape) >= 4 and a.shape[-2:] == (seq, seq)
   kept = [a for a in res if not (flash and scores(a))]
   lse = batch * (n_heads // tp) * seq * 4 if flash else 0
-  # where the policy keeps attention's internals, cuDNN's custom VJP keeps its inputs, the documents'
-  # bias [b, 1, s, s] in the compute dtype among them (jax3d/model/attention.py)
+  # cuDNN's custom VJP keeps its inputs, the documents' bias [b, 1, s, s] among them (attention.py)
   bias = batch * seq * seq * np.dtype(compute).itemsize if flash and any(scores(a) for a in res) else 0
   return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept) + lse + bias)
 
@@ -187,7 +188,12 @@ def micro_activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> flo
   return micro_rows(plan) * plan.seq_len * cfg.model.d_model * BYTES[cfg.train.compute_dtype]
 
 
-def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> float:
+def kernel_of(flash: bool | str) -> str:
+  """The attention kernel priced: its name ('xla', 'cudnn', 'blockwise'), or True (cuDNN's), False (XLA's)."""
+  return flash if isinstance(flash, str) else ('cudnn' if flash else 'xla')
+
+
+def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str) -> float:
   """What the pipeline's loop keeps for the backward pass, plus one layer recomputed in it."""
   m, t = cfg.model, cfg.train
   lc = m.n_layers // (plan.pp * plan.repeats)  # layers per chunk: what one pipeline iteration runs
@@ -258,7 +264,7 @@ def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
   return data_parallel.gather_mode(cfg, plan)
 
 
-def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dict:
+def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str) -> dict:
   """Bytes per device: params, grads, optimizer, activations, head; and under ZeRO-3
   (train.shard_params) what is gathered whole during the step ('gathered')."""
   t = cfg.train
