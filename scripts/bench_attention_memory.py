@@ -107,7 +107,12 @@ def timing(seqs: list[int], steps: int, rounds: int) -> list[dict]:
           if i:
             times[impl].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    row = {'seq': seq, 'rows': rows, **{f'{k}_ms': v for k, v in med.items()}, 'steps_timed': len(times['xla'])}
+    row = {
+      'seq': seq,
+      'rows': rows,
+      **{f'{k}_ms': v for k, v in med.items()},
+      'steps_timed': len(times['xla']),
+    }
     row['auto_over_xla'] = med['auto'] / med['xla']
     out.append(row)
     print(f'{seq:>6} ' + ' '.join(f'{med[i]:>10.1f}' for i in IMPLS) + f' {row["auto_over_xla"]:>9.3f}')

@@ -152,11 +152,13 @@ def _per_device_vjp(fn: Any, in_logical: tuple, out_logical: tuple, n_nondiff: i
   return run
 
 
-def _blockwise(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None) -> jax.Array:
+def _blockwise(
+  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None
+) -> jax.Array:
   """blockwise.attention of rows in their natural order: causal positions are the tokens' indices
   in their row. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
   device (`sharding.device_local`), its residuals under the pipeline's remat get global shapes on
   jax 0.10 (BUILD_NOTES.md)."""
   b, t = q_btnh.shape[:2]
   pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt)
+  return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt, blockwise.BLOCK)

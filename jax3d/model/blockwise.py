@@ -77,8 +77,12 @@ class _Blocks:
     qp = _pad(jnp.broadcast_to(qp, (b, t)), self.nq * self.bq, -1)
     kp = _pad(jnp.broadcast_to(kp, (b, s)), self.nk * self.bk, _FAR)
     self.qp, self.kp = _blocked_ids(qp, self.nq), _blocked_ids(kp, self.nk)  # [n?, b, b?]
-    self.qs = None if qs is None else _blocked_ids(_pad(jnp.broadcast_to(qs, (b, t)), self.nq * self.bq, -1), self.nq)
-    self.ks = None if ks is None else _blocked_ids(_pad(jnp.broadcast_to(ks, (b, s)), self.nk * self.bk, -2), self.nk)
+    self.qs = (
+      None if qs is None else _blocked_ids(_pad(jnp.broadcast_to(qs, (b, t)), self.nq * self.bq, -1), self.nq)
+    )
+    self.ks = (
+      None if ks is None else _blocked_ids(_pad(jnp.broadcast_to(ks, (b, s)), self.nk * self.bk, -2), self.nk)
+    )
     # needed[i, j]: some row of the batch has a query of block i that sees a key of block j
     need = self.kp.min(-1)[None] <= self.qp.max(-1)[:, None]  # [nq, nk, b]
     if self.qs is not None:

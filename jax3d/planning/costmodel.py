@@ -108,7 +108,9 @@ def _visible_hardware(cfg: ml_collections.ConfigDict) -> Hardware:
   devices = jax.devices()
   head_dim = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
   choice = cfg.train.attention  # `cudnn` is priced as cuDNN's on any devices (planning for GPUs)
-  kernel = choice if choice == 'cudnn' else attention.resolve(choice, devices, cfg.train.compute_dtype, head_dim)
+  kernel = (
+    choice if choice == 'cudnn' else attention.resolve(choice, devices, cfg.train.compute_dtype, head_dim)
+  )
   return Hardware(flash_attention=kernel != 'xla', attention=kernel)
 
 
