@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_documents import weighted_batches
 
 from jax3d.model import attention, blockwise
 
 from helpers import run_steps, small_cfg
-from test_documents import weighted_batches
 
 
 def _segments(lengths: list[int], t: int) -> np.ndarray:
@@ -84,13 +84,13 @@ def test_blockwise_queries_a_suffix_of_the_keys_in_another_order():
   kp, ks, kk, vv = pos[:, perm], seg[:, perm], k[:, perm], v[:, perm]
   qs = slice(24, None)
   args = (q[:, qs], kk, vv, pos[:, qs], kp, seg[:, qs], ks)
-  for fn in (lambda *a: blockwise.attention(*a, block=16), _dense):
-    val = jax.jit(
-      jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, *args[3:]) * w[:, qs]), argnums=(0, 1, 2))
-    )
-    if fn is _dense:
-      chex.assert_trees_all_close(got, val(*args[:3]), rtol=1e-5, atol=1e-5)
-    got = val(*args[:3])
+
+  def grads(fn):
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v, *args[3:]) * w[:, qs])
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args[:3])
+
+  got = grads(lambda *a: blockwise.attention(*a, block=16))
+  chex.assert_trees_all_close(got, grads(_dense), rtol=1e-5, atol=1e-5)
 
 
 def test_blockwise_bf16_within_tolerance():
