@@ -9,8 +9,13 @@ Who sees whom comes from two integer arrays per side, never a mask: query i sees
   segment(j) == segment(i)  and  position(j) <= position(i).
 `positions` order the tokens causally (a row's token index; a reordered or split sequence passes
 its tokens' original indices), `segments` are the documents (None: one document). Queries and keys
-may have different lengths (keys gathered from elsewhere). A block pair that no row of the batch
-needs (every key after every query, or segment ranges that do not meet) is skipped with `lax.cond`.
+may have different lengths (keys gathered from elsewhere). Block pairs that no row of the batch
+needs (every key after every query, or segment ranges that do not meet) are skipped: each query
+block's loop runs from its first needed key block to its last (a while loop with those bounds;
+for rows in their natural order the needed blocks are contiguous, so every unneeded one is
+skipped), and each key block's backward likewise over query blocks. Not `lax.cond`: under a
+differentiated scan (the layers' loop) jax 0.10's partial evaluation of a cond inside the custom
+VJP's forward kept every block's scores as residuals, t^2 again.
 
 Grouped-query attention without repeating K/V: queries [b, t, n, h] are read as [b, t, kv, g, h].
 Shapes: b batch, t/s query/key length, n query heads, kv key/value heads, g = n / kv, h head size;
@@ -115,7 +120,13 @@ class _Blocks:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
 
 
-def forward(q, k, v, qp, kp, qs=None, ks=None, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
+A = jax.Array
+OptA = jax.Array | None
+
+
+def forward(
+  q: A, k: A, v: A, qp: A, kp: A, qs: OptA = None, ks: OptA = None, block: int = BLOCK
+) -> tuple[A, A]:
   """(out [b, t, n, h] in q's dtype, logsumexp [nq, b, kv, g, bq] fp32)."""
   z = _Blocks(q, k, qp, kp, qs, ks, block)
   qb = z.queries(q.reshape(z.b, z.t, z.kv, z.g, z.h), z.kv)
@@ -145,7 +156,9 @@ def forward(q, k, v, qp, kp, qs=None, ks=None, block: int = BLOCK) -> tuple[jax.
   return z.unblock(out, z.t).reshape(z.b, z.t, z.n, z.h), lse
 
 
-def backward(q, k, v, qp, kp, qs, ks, out, lse, g, block: int = BLOCK) -> tuple[jax.Array, ...]:
+def backward(
+  q: A, k: A, v: A, qp: A, kp: A, qs: OptA, ks: OptA, out: A, lse: A, g: A, block: int = BLOCK
+) -> tuple[A, A, A]:
   """(dq, dk, dv) of `forward`'s out, recomputing each block's probabilities from lse."""
   z = _Blocks(q, k, qp, kp, qs, ks, block)
   grouped = lambda x: z.queries(x.reshape(z.b, z.t, z.kv, z.g, z.h), z.kv)
