@@ -30,6 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax3d.parallel import sharding
+
 BLOCK = 512  # rows and columns of a block (clipped to the lengths)
 _FAR = 2**30  # the position of a padded key: after every query; a padded query's is -1
 F32 = jnp.float32
@@ -94,6 +96,13 @@ class _Blocks:
       qlo, qhi, klo, khi = self.qs.min(-1), self.qs.max(-1), self.ks.min(-1), self.ks.max(-1)
       need &= (klo[None] <= qhi[:, None]) & (khi[None] >= qlo[:, None])
     self.needed = need.any(-1)
+    # inside a shard_map: the manual axes the operands vary over (a loop's carry must match its body)
+    ops = [x for x in (q, k, qp, kp, qs, ks) if x is not None]
+    self.axes = tuple(sorted({a for x in ops for a in jax.typeof(x).manual_axis_type.varying}))
+
+  def vary(self, tree: Any) -> Any:
+    """`tree`'s arrays (made from constants) marked varying over the operands' manual axes."""
+    return jax.tree.map(lambda a: sharding.vary(a, self.axes), tree)
 
   def queries(self, x: jax.Array, heads: int) -> jax.Array:
     """[b, t, heads, ...] -> [nq, b, bq, heads, ...] (padded)."""
@@ -146,7 +155,7 @@ def forward(
       return m_new, l * c + p.sum(-1), acc * c[..., None] + pv
 
     shape = (z.b, z.kv, z.g, z.bq)
-    init = (jnp.full(shape, -jnp.inf, F32), jnp.zeros(shape, F32), jnp.zeros((*shape, z.h), F32))
+    init = z.vary((jnp.full(shape, -jnp.inf, F32), jnp.zeros(shape, F32), jnp.zeros((*shape, z.h), F32)))
     m, l, acc = _over_blocks(z.needed[i], step, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), 0.0)
@@ -181,11 +190,11 @@ def backward(
       dq_i = jnp.einsum('bkgqs,bskh->bqkgh', ds, k_j, preferred_element_type=F32)
       return dk, dv, dq.at[i].add(dq_i)
 
-    zeros = jnp.zeros(k_j.shape, F32)
+    zeros = z.vary(jnp.zeros(k_j.shape, F32))
     dk, dv, dq = _over_blocks(z.needed[:, j], step, (zeros, zeros, dq))
     return dq, (dk, dv)
 
-  dq0 = jnp.zeros(qb.shape, F32)
+  dq0 = z.vary(jnp.zeros(qb.shape, F32))
   if z.nk == 1:
     dq, (dk, dv) = one_key_block(dq0, 0)
     dk, dv = dk[None], dv[None]
