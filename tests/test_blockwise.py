@@ -108,7 +108,13 @@ MODEL = {'model__n_layers': 2, 'model__n_kv_heads': 2}
 LAYOUTS = {
   '1-1-1': {},
   '2-2-2': {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2},
-  '1-2-4-sp': {'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, 'train__sequence_parallel': 'true'},
+  '1-2-4-sp': {
+    'mesh__pp': 2,
+    'mesh__tp': 4,
+    'model__n_kv_heads': 4,
+    'pipeline__microbatches': 2,
+    'train__sequence_parallel': 'true',
+  },
   '2-2-2-1f1b': {
     'mesh__dp': 2,
     'mesh__pp': 2,
