@@ -139,3 +139,27 @@ def test_model_blockwise_equals_xla(name, monkeypatch):
   ref = run_steps(small_cfg(train__attention='xla', **over), batches=batches)
   np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
   chex.assert_trees_all_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
+
+
+def test_memory_model_and_oom_ladder_price_the_kernel():
+  """The layer's residuals as the memory model traces them: XLA's grow with seq^2 (the scores),
+  blockwise's linearly; the OOM ladder offers the attention implementation for a config on `xla`."""
+  from jax3d import config as config_lib
+  from jax3d.planning import memory_model, oom
+
+  res = lambda kernel, seq: memory_model.layer_residual_bytes(
+    64, 4, 2, 128, seq, 1, policy='none', compute='float32', param='float32', flash=kernel, batch=1
+  )
+  growth = lambda k: (res(k, 2048) - res(k, 1024)) / (res(k, 1024) - res(k, 512))
+  assert growth('blockwise') == pytest.approx(2, rel=1e-3)  # linear in seq
+  assert growth('xla') > 3.5  # the scores' seq^2 dominates
+  assert res('xla', 1024) - res('blockwise', 1024) > 4 * 1024 * 1024 * 4  # 4 heads of fp32 scores
+  over = {'train.seq_len': 4096, 'model.max_seq_len': 4096, 'mesh.dp': 1, 'mesh.pp': 1, 'mesh.tp': 1}
+  over |= {'pipeline.microbatches': 1}
+  rungs = {}
+  for kernel in ('xla', 'auto'):
+    cfg = config_lib.load_config('tiny', over | {'train.attention': kernel})
+    lines = oom.oom_ladder(cfg, config_lib.validate(cfg, 1), 1e8)
+    rungs[kernel] = [x for x in lines if x.startswith('2b. attention implementation')]
+  assert not rungs['auto']
+  assert 'train.attention=auto: blockwise' in rungs['xla'][0] and 'saves' in rungs['xla'][0]
