@@ -4,6 +4,7 @@
   python scripts/bench_attention_memory.py [--seqs=1024,2048,4096,8192,16384,32768]
                                            [--time_seqs=256,2048] [--steps=4] [--rounds=3]
                                            [--json=docs/bench/attention_memory.json]
+  python scripts/bench_attention_memory.py --target=h100x8 [--seqs=8192] [--json=...]
 
 Memory: the real train step (`assemble.compile_train_step`, rows of documents) compiled for one
 CPU device, its temp bytes from XLA's memory_analysis (compile only, nothing allocated). Shape: 2
@@ -11,6 +12,10 @@ layers, d_model 256, 4 heads (head size 64), d_ff 1024, vocab 256, batch 1, floa
 Time: the same step run on rows of documents of 16 to 1024 tokens (data.packing=concat), both
 programs in alternation, `--rounds` rounds of `--steps` steps (the first of a round dropped);
 the figure is the median of the kept steps. Prints the tables and writes the JSON.
+
+With `--target` (needs the CUDA plugin, no GPU): the train step of a 1B-shaped model (16 layers,
+d_model 2048, 32/8 heads, d_ff 8192, vocab 32000, dp=8, 4 rows of documents per GPU, bf16, remat
+dots) compiled for the target's GPUs with each kernel (xla, cudnn, blockwise): bytes per GPU.
 """
 
 from __future__ import annotations
@@ -119,6 +124,37 @@ def timing(seqs: list[int], steps: int, rounds: int) -> list[dict]:
   return out
 
 
+GPU_1B = {
+  'model.n_layers': 16,
+  'model.d_model': 2048,
+  'model.n_heads': 32,
+  'model.n_kv_heads': 8,
+  'model.d_ff': 8192,
+  'model.vocab_size': 32000,
+  'model.max_seq_len': 32768,
+  'train.compute_dtype': 'bfloat16',
+  'train.remat': 'dots',
+  'mesh.dp': 8,
+  'mesh.pp': 1,
+  'mesh.tp': 1,
+  'pipeline.microbatches': 1,
+}
+
+
+def gpu_memory(target: str, seqs: list[int]) -> list[dict]:
+  from jax3d import api
+
+  out = []
+  print(f'{target}, 1B-shaped model: {"seq":>6} {"kernel":>10} {"temp GiB":>9} {"total GiB":>10}  fits')
+  for seq in seqs:
+    for impl in ('xla', 'cudnn', 'blockwise'):
+      over = GPU_1B | {'train.seq_len': seq, 'train.global_batch_size': 32, 'train.attention': impl}
+      m = api.compiled_memory(config_lib.load_config('tiny', over), target=target)
+      out.append({'seq': seq, 'kernel': impl, **{k: m[k] for k in ('temp', 'total', 'fits')}})
+      print(f'{"":>30}{seq:>6} {impl:>10} {m["temp"] / 2**30:>9.2f} {m["total"] / 2**30:>10.2f}  {m["fits"]}')
+  return out
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   ap.add_argument('--seqs', default='1024,2048,4096,8192,16384,32768')
@@ -126,8 +162,18 @@ def main() -> None:
   ap.add_argument('--steps', type=int, default=4)
   ap.add_argument('--rounds', type=int, default=3)
   ap.add_argument('--json', default='docs/bench/attention_memory.json')
+  ap.add_argument('--target', default='', help='e.g. h100x8: the GPU compile of a 1B-shaped model')
   args = ap.parse_args()
   ints = lambda s: [int(x) for x in s.split(',') if x]
+  if args.target:
+    with open(args.json, 'w') as f:
+      json.dump(
+        {'shape': GPU_1B, 'target': args.target, 'memory': gpu_memory(args.target, ints(args.seqs))},
+        f,
+        indent=1,
+      )
+    print(f'wrote {args.json}')
+    return
   mem = memory(ints(args.seqs))
   tim = timing(ints(args.time_seqs), args.steps, args.rounds)
   shape = {**SHAPE, 'devices': '1 CPU', 'jax': jax.__version__}
