@@ -157,8 +157,8 @@ def _blockwise(
 ) -> jax.Array:
   """blockwise.attention of rows in their natural order: causal positions are the tokens' indices
   in their row. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
-  device (`sharding.device_local`), its residuals under the pipeline's remat get global shapes on
-  jax 0.10 (BUILD_NOTES.md)."""
+  device instead (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's
+  shard_map on jax 0.10 (BUILD_NOTES.md)."""
   b, t = q_btnh.shape[:2]
   pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt, blockwise.BLOCK)
