@@ -72,7 +72,7 @@ JAX_SRC_ALLOWED = {
     'whether jax has started its backends (fake CPU devices can only be set before); jax has no '
     'public query that does not itself start them'
   ),
-  'jax3d.planning.memory_model._saved_residuals': (
+  'jax3d.planning.residuals._saved_residuals': (
     'the residuals a rematerialisation policy keeps, as data; jax.ad_checkpoint only prints them'
   ),
   'jax3d.trainer.distributed._jax_coordinator_address': (

@@ -60,7 +60,7 @@ def test_inspect_target_h100x8(capsys, tmp_path):
   assert r['flops'] > 0.9 * r['model_flops'] > 0
   assert inspect_cmd.main(['--json', *TINY_BF16]) == 0  # the same step on 8 CPU devices
   cpu = json.loads(capsys.readouterr().out)
-  assert cpu['attention_kernel'] == 'xla'
+  assert cpu['attention_kernel'] == 'blockwise'  # auto on CPU
   assert r['memory_bytes']['argument'] == cpu['memory_bytes']['argument']
   assert r['memory_bytes']['alias'] == cpu['memory_bytes']['alias']
   assert r['layout'] == cpu['layout']
@@ -114,7 +114,7 @@ def test_cudnn_attention_compiles_on_every_layout(name):
 
 @needs_plugin
 def test_xla_attention_and_fp32_have_no_cudnn_kernel():
-  """`xla` is XLA's attention on a GPU too; `auto` in float32 is XLA's (cuDNN takes bf16/fp16)."""
+  """`xla` is XLA's attention on a GPU too; `auto` in float32 is blockwise (cuDNN takes bf16/fp16)."""
   s, c = compile_for(
     'h100x8', mesh__dp=8, mesh__pp=1, mesh__tp=1, pipeline__microbatches=1, train__attention='xla'
   )
@@ -122,7 +122,8 @@ def test_xla_attention_and_fp32_have_no_cudnn_kernel():
   s, c = compile_for(
     'a100x8', mesh__dp=8, mesh__pp=1, mesh__tp=1, pipeline__microbatches=1, train__compute_dtype='float32'
   )
-  assert s.dims.attention == 'xla' and kernels(c) == set()
+  assert s.dims.attention == 'blockwise' and kernels(c) == set()
+  assert c.analysis()['attention_kernel'] == 'blockwise'
   assert s.mesh.devices.flat[0].device_kind == 'NVIDIA A100-SXM4-80GB'
 
 

@@ -102,11 +102,12 @@ def test_train_step_lowers_for_cuda(name):
 
 
 def test_attention_kernel_resolved_for_the_devices():
-  """`auto` is cuDNN only where it runs (GPU, bf16/fp16, a head size it takes), XLA elsewhere;
+  """`auto` is cuDNN only where it runs (GPU, bf16/fp16, a head size it takes), blockwise elsewhere;
   `cudnn` where it cannot run is a config error naming the setting (tests/test_gpu_compile.py
   compiles both for GPUs)."""
   cpu = jax.devices('cpu')
-  assert attention.resolve('auto', cpu, 'bfloat16', 64) == 'xla'
+  assert attention.resolve('auto', cpu, 'bfloat16', 64) == 'blockwise'
+  assert attention.resolve('blockwise', cpu, 'float32', 64) == 'blockwise'
   assert attention.resolve('xla', cpu, 'bfloat16', 64) == 'xla'
   with pytest.raises(ConfigError, match=r"train.attention='cudnn' cannot run here: it needs NVIDIA GPUs"):
     attention.resolve('cudnn', cpu, 'bfloat16', 64)

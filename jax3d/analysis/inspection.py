@@ -176,11 +176,12 @@ ATTENTION_KERNELS = (  # (custom-call target prefix in the optimised HLO, the ke
 
 def attention_kernel(hlo_text: str) -> str:
   """The attention kernel in an optimised HLO module: 'cudnn' (cuDNN's fused attention custom
-  calls), 'triton' (a Pallas kernel), else 'xla' (dots and a softmax, fused by XLA)."""
+  calls), 'triton' (a Pallas kernel), 'blockwise' (ops from jax3d/model/blockwise.py, named in the
+  metadata), else 'xla' (dots and a softmax, fused by XLA)."""
   for target, name in ATTENTION_KERNELS:
     if f'custom_call_target="{target}' in hlo_text:
       return name
-  return 'xla'
+  return 'blockwise' if 'model/blockwise.py' in hlo_text else 'xla'
 
 
 def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
@@ -230,7 +231,12 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
   }
 
 
-KERNEL_NAMES = {'cudnn': "cuDNN's fused attention", 'triton': 'a Triton kernel', 'xla': "XLA's (unfused)"}
+KERNEL_NAMES = {
+  'cudnn': "cuDNN's fused attention",
+  'triton': 'a Triton kernel',
+  'blockwise': 'blockwise (jax3d, no [t, t] scores)',
+  'xla': "XLA's (unfused)",
+}
 
 
 def with_device_memory(r: dict, device_memory_bytes: int) -> dict:

@@ -1,10 +1,14 @@
 """Training attention: which kernel (`train.attention`) and where it runs.
 
-  auto   cuDNN's fused (flash) attention where it runs: GPU devices, bf16/fp16 compute, a head size
-         cuDNN takes; XLA's attention everywhere else (CPU, fp32). `resolve` decides once, when
-         the run is built (`assemble.build`), and the start-up line names the kernel.
-  xla    XLA's attention (`jax.nn.dot_product_attention(implementation='xla')`): the reference.
-  cudnn  cuDNN's fused kernel (`__cudnn$fmha*` custom calls); refused where it cannot run.
+  auto       cuDNN's fused (flash) attention where it runs: GPU devices, bf16/fp16 compute, a head
+             size cuDNN takes; the blockwise attention everywhere else (CPU, fp32). `resolve`
+             decides once, when the run is built (`assemble.build`); the start-up line names it.
+  xla        XLA's attention (`jax.nn.dot_product_attention(implementation='xla')`) with a dense
+             [b, 1, t, t] mask of the documents: the reference; memory grows with t^2.
+  cudnn      cuDNN's fused kernel (`__cudnn$fmha*` custom calls); refused where it cannot run.
+  blockwise  jax3d/model/blockwise.py: blocks of queries and keys, online softmax, a backward that
+             recomputes block scores; documents from segment ids and positions, never a mask;
+             memory linear in t. Run per device like cuDNN's (no collective to skip a block).
 
 cuDNN's kernel is called where the sharding is manual: a `shard_map` over every mesh axis not
 manual yet (`sharding.device_local`), so each device runs it on its own rows and heads. Left to
@@ -13,8 +17,12 @@ under the pipeline's shard_map: 'GSPMDSharding' object has no attribute 'spec').
 communication (rows over dp, heads over tp, every KV head of a query head on the same rank), so
 nothing changes but who partitions it. Its forward runs again in the backward (`_per_device_vjp`).
 
-Documents: the rows' segment ids become a boolean mask [b, 1, t, t] (a query sees the keys of its
-own segment; causality is `is_causal`'s); cuDNN takes it as an additive bf16 bias of that size.
+Documents: for `xla` and `cudnn` the rows' segment ids become a boolean mask [b, 1, t, t] (a query
+sees the keys of its own segment; causality is `is_causal`'s); cuDNN takes it as an additive bf16
+bias of that size. `blockwise` takes the segment ids and, as causal positions, each token's index in
+its row: query i sees key j iff same segment and j <= i, exactly the mask's rule, padding included
+(the rotary positions restart at 0 on every document and are 0 on all padding, so on padding they
+would not order the tokens). A row of one document (no segment ids) passes neither.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.errors import ConfigError
+from jax3d.model import blockwise
 from jax3d.parallel import sharding
 
 FUSED_DTYPES = ('bfloat16', 'float16')
@@ -59,12 +68,13 @@ def device_facts(devices: list[jax.Device]) -> tuple[str, float]:
 
 
 def resolve(choice: str, devices: list[jax.Device], compute_dtype: str, head_dim: int) -> str:
-  """The kernel train.attention=`choice` runs on these devices: 'xla' or 'cudnn'. `auto` is cuDNN
-  wherever it runs, else XLA; `cudnn` where it cannot run is a ConfigError naming why."""
+  """The kernel train.attention=`choice` runs on these devices: 'xla', 'cudnn' or 'blockwise'.
+  `auto` is cuDNN wherever it runs, else blockwise; `cudnn` where it cannot run is a ConfigError
+  naming why."""
   platform, cc = device_facts(devices)
   why = cudnn_supported(platform, compute_dtype, head_dim, cc)
   if choice == 'auto':
-    return 'xla' if why else 'cudnn'
+    return 'blockwise' if why else 'cudnn'
   if choice == 'cudnn' and why:
     raise ConfigError(f"train.attention='cudnn' cannot run here: {why}; use 'auto' or 'xla'")
   return choice
@@ -81,8 +91,10 @@ def segment_mask(segment_ids_bt: jax.Array | None) -> jax.Array | None:
 def attend(
   q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt: jax.Array | None, kernel: str
 ) -> jax.Array:
-  """Causal grouped-query attention [b, t, n, h] of the rows' own documents with `kernel` ('xla'
-  or 'cudnn'; 'auto' is resolved before, by `resolve`, and reads as 'xla' here)."""
+  """Causal grouped-query attention [b, t, n, h] of the rows' own documents with `kernel` ('xla',
+  'cudnn' or 'blockwise'; 'auto' is resolved before, by `resolve`, and reads as 'xla' here)."""
+  if kernel == 'blockwise':
+    return _blockwise(q_btnh, k_btkh, v_btkh, segment_ids_bt)
   impl = 'cudnn' if kernel == 'cudnn' else 'xla'
 
   mask = segment_mask(segment_ids_bt)
@@ -138,3 +150,15 @@ def _per_device_vjp(fn: Any, in_logical: tuple, out_logical: tuple, n_nondiff: i
 
   run.defvjp(run_fwd, run_bwd)
   return run
+
+
+def _blockwise(
+  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None
+) -> jax.Array:
+  """blockwise.attention of rows in their natural order: causal positions are the tokens' indices
+  in their row. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
+  device instead (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's
+  shard_map on jax 0.10 (BUILD_NOTES.md)."""
+  b, t = q_btnh.shape[:2]
+  pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt, blockwise.BLOCK)

@@ -99,14 +99,19 @@ class Estimate:
 
 
 def _visible_hardware(cfg: ml_collections.ConfigDict) -> Hardware:
-  """The default cluster, with fused attention where train.attention picks cuDNN (explicitly, or
-  'auto' with bf16 on a GPU) on the devices jax sees."""
+  """The default cluster, with the attention kernel train.attention picks on the devices jax sees
+  (jax3d/model/attention.py `resolve`)."""
   import jax
 
-  flash = cfg.train.attention == 'cudnn' or (
-    cfg.train.attention == 'auto' and jax.default_backend() == 'gpu' and cfg.train.compute_dtype == 'bfloat16'
+  from jax3d.model import attention
+
+  devices = jax.devices()
+  head_dim = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
+  choice = cfg.train.attention  # `cudnn` is priced as cuDNN's on any devices (planning for GPUs)
+  kernel = (
+    choice if choice == 'cudnn' else attention.resolve(choice, devices, cfg.train.compute_dtype, head_dim)
   )
-  return Hardware(flash_attention=flash)
+  return Hardware(flash_attention=kernel != 'xla', attention=kernel)
 
 
 def estimate(
@@ -119,7 +124,7 @@ def estimate(
   Without `hw` (the trainer's call) the devices are the ones jax sees (`_visible_hardware`)."""
   hw = _visible_hardware(cfg) if hw is None else hw
   return Estimate(
-    breakdown=memory_model.breakdown(cfg, plan, hw.flash_attention),
+    breakdown=memory_model.breakdown(cfg, plan, hw.kernel),
     times=time_model.step_times(cfg, plan, hw),
     plan=plan,
     remat=cfg.train.remat,

@@ -21,6 +21,12 @@ class Hardware:
   inter_gbps: float = 50.0  # GB/s per GPU across nodes (400 Gb/s InfiniBand)
   overlap: float = 0.5  # share of the backward pass the dp gradient all-reduce can hide behind
   flash_attention: bool = True  # cuDNN fused attention (bf16 on GPU) keeps no s x s scores
+  attention: str = ''  # the kernel priced ('xla' | 'cudnn' | 'blockwise'); '' = by flash_attention
+
+  @property
+  def kernel(self) -> str:
+    """The attention kernel priced: `attention`, or cuDNN's / XLA's by `flash_attention`."""
+    return self.attention or ('cudnn' if self.flash_attention else 'xla')
 
   @property
   def n_devices(self) -> int:

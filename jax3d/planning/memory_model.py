@@ -11,15 +11,15 @@ for activations), modelling what jax3d's step really does:
     `python -m jax3d.plan --verify` checks this against XLA's figure.
   - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
-    pass, and with v > 1 five stacks of its m micro-batches (`_gpipe_edges`). What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
-    `jax3d.model.layers.Block` at the tp-local shapes, under the remat policy), so it follows the
-    code, GQA and SwiGLU included; it agrees with Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    where the layer is Megatron's. With remat 'stage' it counts m+1 micro-batches per iteration (its
-    input and, with pp > 1, a stage-0 queue of m): an upper bound, since the compiled loop saves the
+    pass, and with v > 1 five stacks of its m micro-batches (`_gpipe_edges`). One layer's is read
+    off the real layer (`jax.ad_checkpoint` residuals of `layers.Block` at the tp-local shapes,
+    under the remat policy, with the attention kernel's), so it follows the code; with XLA's
+    attention, Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t)). With remat 'stage' it counts m+1
+    micro-batches per iteration (its input and, with pp > 1, a stage-0 queue of m): an upper bound, since the compiled loop saves the
     iteration's input only (the queue, where v > 1, is a carry updated in place). Under 1F1B
     (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the stages instead
     (`_activations_1f1b`), whatever the number of micro-batches.
-  - LoRA (lora.rank > 0): the base in lora.base_dtype, gradients and moments of the adapters only.
+  - LoRA (lora.rank > 0): the base in lora.base_dtype, the adapters' gradients and moments only.
   - the head: fp32 logits, their exp and the one-hot targets (vocab over tp), and the embedding's
     output, for the rows outside the pipeline's loop; the logits for 1/train.loss_chunks of them.
 """
@@ -27,130 +27,21 @@ for activations), modelling what jax3d's step really does:
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
 from jax3d.parallel import schedule_1f1b
 from jax3d.planning.hardware import BYTES
+from jax3d.planning.residuals import layer_residual_bytes
 
 if TYPE_CHECKING:
   import ml_collections
 
   from jax3d.model.dims import Dims
 
-
-# ---------------------------------------------------------------------------------------------
-# What one layer keeps for the backward pass, read off the real layer.
-# ---------------------------------------------------------------------------------------------
-def layer_residual_bytes(
-  d_model: int,
-  n_heads: int,
-  n_kv_heads: int,
-  d_ff: int,
-  seq: int,
-  tp: int,
-  policy: str,
-  compute: str,
-  param: str,
-  flash: bool,
-  batch: int,
-  sequence_parallel: bool = False,
-  features: tuple[int, bool, bool] = (0, False, False),
-) -> float:
-  """Bytes one tp shard of one layer keeps for its backward pass, its input included (`features`:
-  model.head_dim, 0 = d_model / n_heads, model.qkv_bias, model.qk_norm). Its weights
-  count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
-  stack in the backward pass (jax3d/parallel/ring.py `run_layers`); without one, XLA keeps
-  the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
-  rows: traced at 1 and 2 rows.
-
-  With `sequence_parallel` the residual stream (what is [rows, d_model]: the input, the RMSNorm
-  outputs, the residual adds, the row-parallel outputs) is split over tp. Read off the same layer:
-  of the bytes per row, the stream's are the ones that grow with d_model (the tp shard's heads,
-  head size and d_ff held fixed), so a trace at twice d_model measures them."""
-  head_dim, qkv_bias, qk_norm = features
-  trace = lambda b, d: _traced_residuals(
-    d,
-    n_heads,
-    n_kv_heads,
-    d_ff,
-    seq,
-    tp,
-    policy,
-    compute,
-    param,
-    flash,
-    b,
-    (head_dim or d_model // n_heads, qkv_bias, qk_norm),
-  )
-  one, two = trace(1, d_model), trace(2, d_model)
-  total = one + (batch - 1) * (two - one)
-  if not sequence_parallel or tp == 1:
-    return total
-  stream_per_row = (trace(2, 2 * d_model) - trace(1, 2 * d_model)) - (two - one)
-  return total - batch * stream_per_row * (1 - 1 / tp)
-
-
-@functools.cache
-def _traced_residuals(
-  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, flash, batch, features
-) -> float:
-  """The residuals of the real layer at abstract shapes (nothing is computed or allocated).
-  XLA's attention keeps the s x s scores; a fused (flash) kernel keeps a logsumexp instead."""
-  import flax.linen as nn
-  import jax
-
-  from jax3d.model import dims as dims_lib, layers
-  from jax3d.parallel import remat
-
-  head_dim, qkv_bias, qk_norm = features
-  dims = dims_lib.Dims(  # one tp shard: n/tp heads of the full head size
-    n_layers=1,
-    d_model=d_model,
-    n_heads=n_heads // tp,
-    n_kv_heads=n_kv_heads // tp,
-    d_ff=d_ff // tp,
-    vocab_size=1,
-    vocab_padded=1,
-    dtype=np.dtype(compute),
-    param_dtype=np.dtype(param),
-    head_size=head_dim,
-    qkv_bias=qkv_bias,
-    qk_norm=qk_norm,
-  )
-  x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)
-  block = layers.Block(dims)
-  params = jax.eval_shape(lambda x: nn.unbox(block.init(jax.random.key(0), x)['params']), x)
-  fn = remat.wrap_layer(lambda h, p: (block.apply({'params': p}, h), None), policy)
-  res = _saved_residuals(lambda p, h: fn(h, p)[0].astype(np.float32).sum(), params, x, policy != 'none')
-  # XLA's scores and masks are [b, heads or 1, (g,) s, s]; a [b, s, d] activation is not one, also
-  # where d_model = seq (Llama 3 70B at 8K: 8192 both; counting it as a score dropped the layer's input)
-  scores = lambda a: len(a.shape) >= 4 and a.shape[-2:] == (seq, seq)
-  kept = [a for a in res if not (flash and scores(a))]
-  lse = batch * (n_heads // tp) * seq * 4 if flash else 0
-  # where the policy keeps attention's internals, cuDNN's custom VJP keeps its inputs, the documents'
-  # bias [b, 1, s, s] in the compute dtype among them (jax3d/model/attention.py)
-  bias = batch * seq * seq * np.dtype(compute).itemsize if flash and any(scores(a) for a in res) else 0
-  return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept) + lse + bias)
-
-
-def _saved_residuals(f, p, h, drop_weights: bool) -> list:
-  """The abstract values (shape, dtype) that reverse-mode differentiation of `f(p, h)` keeps
-  (less the weights `p` themselves when `drop_weights`).
-
-  jax's public API only prints this list (`jax.ad_checkpoint.print_saved_residuals`, as text);
-  the function that returns it lives in jax's private modules, so this is the one place that
-  imports it.
-  """
-  from jax._src.ad_checkpoint import saved_residuals
-
-  res = saved_residuals(f, p, h)
-  return [aval for aval, src in res if not (drop_weights and src.startswith('from the argument p['))]
+__all__ = ['layer_residual_bytes']  # re-exported: the cost model reads it here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +78,7 @@ def micro_activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> flo
   return micro_rows(plan) * plan.seq_len * cfg.model.d_model * BYTES[cfg.train.compute_dtype]
 
 
-def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> float:
+def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str) -> float:
   """What the pipeline's loop keeps for the backward pass, plus one layer recomputed in it."""
   m, t = cfg.model, cfg.train
   lc = m.n_layers // (plan.pp * plan.repeats)  # layers per chunk: what one pipeline iteration runs
@@ -274,7 +165,7 @@ def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
   return data_parallel.gather_mode(cfg, plan)
 
 
-def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool) -> dict:
+def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str) -> dict:
   """Bytes per device: params, grads, optimizer, activations, head; and under ZeRO-3
   (train.shard_params) what is gathered whole during the step ('gathered')."""
   t = cfg.train

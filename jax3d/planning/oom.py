@@ -32,12 +32,16 @@ def oom_ladder(
     gpus_per_node=min(plan.n_devices, 8),
     memory_gb=device_memory_bytes / GB,
   )
+  if cfg.train.attention == 'xla':  # the dense reference, priced as what it keeps (s x s scores)
+    hw = dataclasses.replace(hw, attention='xla')
   ladder = _Ladder(cfg, plan, device_memory_bytes, hw, estimate(cfg, plan, device_memory_bytes, hw))
   lines = [f"Out of memory: {ladder.base.reason} ({ladder.base.describe()}). In the tutorial's order:"]
   lines.append(_recompute_rung(ladder))
   if ladder.base.breakdown['head'] > ladder.base.breakdown['activations']:
     lines.append(_loss_chunks_rung(ladder))
   lines.append('2. drop needless copies: the step keeps none (state donated, logs read scalars only)')
+  if cfg.train.attention == 'xla':
+    lines.append(_attention_rung(ladder))
   lines.append(
     ladder.rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, ladder.acts)
   )
@@ -92,6 +96,22 @@ class _Ladder:
     """The activations of estimate `e` against the base's."""
     before, after = self.base.breakdown['activations'], e.breakdown['activations']
     return f' (activations {before / GB:.1f} -> {after / GB:.1f} GB, saves {1 - after / before:.0%})'
+
+
+def _attention_rung(ladder: _Ladder) -> str:
+  """train.attention=xla keeps s x s scores per head: `auto` (cuDNN's fused kernel on a GPU in
+  bf16/fp16, blockwise elsewhere) keeps a logsumexp instead; priced on the GPU's kernel."""
+  from jax3d.model import attention
+
+  cfg, m = ladder.cfg, ladder.cfg.model
+  why = attention.cudnn_supported('gpu', cfg.train.compute_dtype, m.head_dim or m.d_model // m.n_heads, 9.0)
+  hw = dataclasses.replace(ladder.hw, attention='blockwise' if why else 'cudnn')
+  c = with_overrides(cfg, {'train.attention': 'auto'})
+  e = estimate(c, ladder.plan, ladder.device_memory_bytes, hw)
+  return (
+    f'2b. attention implementation (--config.train.attention=auto: {hw.attention}): '
+    f'{_gb(ladder.base)} -> {_gb(e)} per GPU{ladder.acts(e)}{"  FITS" if e.fits else ""}'
+  )
 
 
 def _gb(e: Estimate) -> str:

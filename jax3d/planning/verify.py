@@ -37,7 +37,9 @@ def verify_memory(
       raise ConfigError(f'--target={target.name} has {target.n} GPUs, the plan {plan.n_devices}')
     devices, options = gpu_target.devices(target), gpu_target.compiler_options()
   s = assemble.build(cfg, devices[: plan.n_devices])
-  est = estimate(cfg, plan, hw=Hardware(flash_attention=s.dims.attention == 'cudnn'))
+  est = estimate(
+    cfg, plan, hw=Hardware(flash_attention=s.dims.attention != 'xla', attention=s.dims.attention)
+  )
   m = assemble.compile_train_step(s, options).memory
   gb = lambda b: round(b / GB, 6)
   out = {
