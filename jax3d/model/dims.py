@@ -36,6 +36,7 @@ class Dims:
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()
   lora_dtype: Any = jnp.float32  # the adapters' (train.param_dtype; param_dtype is the base's)
+  lora_dropout: float = 0.0  # lora.dropout: on the adapters' input in training steps
 
   @property
   def lora_scale(self) -> float:
@@ -82,6 +83,7 @@ class Dims:
       lora_alpha=float(cfg.lora.alpha),
       lora_targets=config_lib.lora_targets(cfg.lora.targets),
       lora_dtype=jnp.dtype(cfg.train.param_dtype),
+      lora_dropout=float(cfg.lora.dropout),
     )
 
   def param_count(self) -> int:

@@ -171,11 +171,13 @@ def block_apply(
   cache: KVCache | None = None,
   seq_len: int | None = None,
   segment_ids: jax.Array | None = None,
+  noise: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array | tuple[jax.Array, KVCache]:
   """One layer: x, or (x, new cache) when a KV cache is given; with `seq_len`, x is the flattened
   rows [b*t, d] of sequence parallelism; `positions_t` [t] or per row [b, t], and `segment_ids`
-  [b, t] for rows of documents (see Block)."""
-  return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids)
+  [b, t] for rows of documents (see Block); `noise`: a training step's LoRA dropout words [b, t]
+  and the layer's salt (jax3d/model/lora.py), or none (no dropout)."""
+  return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids, noise)
 
 
 def embed_apply(dims: Dims, params: PyTree, tokens_bt: jax.Array) -> jax.Array:
