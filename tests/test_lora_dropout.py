@@ -142,3 +142,40 @@ def test_adapter_with_a_mask_equals_torch_lora_dropout_branch():
     rtol=1e-5,
     atol=1e-6,
   )
+
+
+def test_peft_adapter_dropout_is_read_written_and_off_in_evaluation(tmp_path):
+  """A PEFT adapter saved with lora_dropout 0.1: jax3d takes lora.dropout from it (an explicit one
+  overrides it; one outside [0, 1) is refused naming the entry), writes it back in its export's
+  adapter_config.json, and its logits equal peft's in eval mode (torch's train mode drops)."""
+  import json
+  import shutil
+
+  import hf_helpers as H
+  from test_lora_peft import make_adapter
+
+  from jax3d import assemble
+  from jax3d.errors import ConfigError
+  from jax3d.hf import peft as peft_io
+
+  base, adapter = str(tmp_path / 'base'), str(tmp_path / 'adapter')
+  H.make_hf_model(base, tied=False)
+  pm = make_adapter(base, adapter, dropout=0.1)
+  s, params = H.imported(base, (1, 1, 1), **{'lora.init_from': adapter})
+  assert s.cfg.lora.dropout == 0.1 and s.dims.lora_dropout == 0.1
+  assert peft_io.config_json(s, base)['lora_dropout'] == 0.1
+  toks = H.tokens(3)
+  ours = H.jax3d_logits(s, params, toks)
+  assert H.rel_err(ours, H.hf_logits(pm.eval(), toks)) < 1e-4
+  torch.manual_seed(0)
+  assert H.rel_err(H.hf_logits(pm.train(), toks), ours) > 1e-4  # peft's dropout is on in training
+  cfg = assemble.resolve(H.jax3d_cfg(base, (1, 1, 1), **{'lora.init_from': adapter, 'lora.dropout': 0.05}))
+  assert cfg.lora.dropout == 0.05
+  bad = str(tmp_path / 'bad')
+  shutil.copytree(adapter, bad)
+  with open(f'{bad}/{peft_io.CONFIG}') as f:
+    c = json.load(f) | {'lora_dropout': 1.0}
+  with open(f'{bad}/{peft_io.CONFIG}', 'w') as f:
+    json.dump(c, f)
+  with pytest.raises(ConfigError, match=r'lora_dropout=1.0; a number in \[0, 1\)'):
+    assemble.resolve(H.jax3d_cfg(base, (1, 1, 1), **{'lora.init_from': bad}))

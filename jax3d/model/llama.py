@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax3d.model import quant
 from jax3d.model.dims import Dims
 from jax3d.model.layers import Block, KVCache, RMSNorm, normal_init
 from jax3d.parallel.sharding import constrain
@@ -139,11 +140,9 @@ def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
   layer_keys = jax.random.split(k_layers, dims.n_layers)[jnp.asarray(layer_order)]
   embed = _unboxed_init(Embed(dims), k_embed, tok)
-  return {
-    'embed': embed,
-    'layers': jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys),
-    'head': _unboxed_init(Head(dims), k_head, x, embed['embedding']),
-  }
+  layers = jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys)
+  head = _unboxed_init(Head(dims), k_head, x, embed['embedding'])
+  return quant.quantized(dims, {'embed': embed, 'layers': layers, 'head': head})
 
 
 def param_logical_axes(dims: Dims) -> PyTree:
@@ -160,7 +159,8 @@ def param_logical_axes(dims: Dims) -> PyTree:
   layer = jax.tree.map(
     lambda n: ('layers',) + n, names(Block(dims), x), is_leaf=lambda n: isinstance(n, tuple)
   )
-  return {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x, table)}
+  axes = {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x, table)}
+  return quant.logical_axes(dims, axes)
 
 
 def block_apply(
@@ -177,6 +177,7 @@ def block_apply(
   rows [b*t, d] of sequence parallelism; `positions_t` [t] or per row [b, t], and `segment_ids`
   [b, t] for rows of documents (see Block); `noise`: a training step's LoRA dropout words [b, t]
   and the layer's salt (jax3d/model/lora.py), or none (no dropout)."""
+  layer_params = quant.dequantized(layer_params, dims.dtype, stacked=False)  # int8 kernels: this layer's
   return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids, noise)
 
 
