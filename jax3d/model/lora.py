@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax3d.model import quant
 from jax3d.parallel.sharding import constrain
 
 PREFIX = 'lora_'  # a layer's adapter of target t is its submodule PREFIX + t
@@ -206,8 +207,10 @@ _IN_KERNEL = {
 
 def merged(dims: Any, params: Any) -> Any:
   """The base parameters with every adapter merged into its kernel, W + A B alpha/r (summed in
-  float32, stored in the base's dtype), and no adapters: the model the adapted one computes."""
+  float32, stored in the base's dtype; an int8 kernel dequantized first, jax3d/model/quant.py),
+  and no adapters: the model the adapted one computes."""
   train, base = trainable(dims, params)
+  base = quant.dequantized(base, dims.param_dtype)
   layers = dict(base['layers'])
   g = dims.n_heads // dims.n_kv_heads
   for name, adapter in train.get('layers', {}).items():

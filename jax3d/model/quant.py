@@ -80,3 +80,10 @@ def logical_axes(dims: Any, axes: Any) -> Any:
     names = layers[name]['kernel']
     layers[name] = {**layers[name], SCALE: names[:1] + names[1 + n_in :]}
   return {**axes, 'layers': layers}
+
+
+def without_scales(tree: Any) -> Any:
+  """A parameter-shaped tree (shardings, shapes) of the float form: the scales' leaves dropped."""
+  if not isinstance(tree, dict):
+    return tree
+  return {k: without_scales(v) for k, v in tree.items() if k != SCALE}
