@@ -133,8 +133,11 @@ def _init_dims(dims: Dims) -> Dims:
 
 def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   """All parameters. Layer j of the stack holds canonical layer `layer_order[j]`, whose values come
-  from that layer's own key, so the values never depend on the layout (pipeline order, sharding)."""
-  dims = _init_dims(dims)
+  from that layer's own key, so the values never depend on the layout (pipeline order, sharding).
+  An int8 base (jax3d/model/quant.py) is quantized from the float32 initialisation."""
+  if dims.base_int8:
+    f32 = init_params(key, dataclasses.replace(dims, param_dtype=jnp.float32, base_int8=False), layer_order)
+    return quant.quantized(dims, f32)
   k_embed, k_layers, k_head = jax.random.split(key, 3)
   tok = jnp.zeros((1, 1), jnp.int32)
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
@@ -142,7 +145,7 @@ def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   embed = _unboxed_init(Embed(dims), k_embed, tok)
   layers = jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys)
   head = _unboxed_init(Head(dims), k_head, x, embed['embedding'])
-  return quant.quantized(dims, {'embed': embed, 'layers': layers, 'head': head})
+  return {'embed': embed, 'layers': layers, 'head': head}
 
 
 def param_logical_axes(dims: Dims) -> PyTree:
