@@ -125,3 +125,28 @@ def test_merge_dequantizes():
   np.testing.assert_allclose(
     np.asarray(merged['layers']['down']['kernel'], np.float32), want, rtol=2e-2, atol=1e-2
   )
+
+
+@pytest.mark.slow
+def test_hf_import_quantizes_each_kernel_within_half_a_step(tmp_path):
+  """An hf: import on 1-2-2 with lora.base_dtype=int8: each kernel dequantized is within half a
+  step of the Hugging Face weights (read back through the float32 import's layout), and the logits
+  stay within 2% of the float32 import's."""
+  import hf_helpers as H
+
+  base = str(tmp_path / 'base')
+  H.make_hf_model(base, tied=False)
+  over = {'lora.rank': 4, 'lora.alpha': 8.0}
+  s8, p8 = H.imported(base, (1, 2, 2), **over, **{'lora.base_dtype': 'int8'})
+  s32, p32 = H.imported(base, (1, 2, 2), **over, **{'lora.base_dtype': 'float32'})
+  c8, c32 = canonical(s8, p8)['layers'], canonical(s32, p32)['layers']
+  for name, n_in in quant.IN_AXES.items():
+    assert c8[name]['kernel'].dtype == np.int8
+    axes = tuple(range(1, 1 + n_in))
+    back = np.asarray(
+      quant.dequantize_kernel(c8[name]['kernel'], c8[name][quant.SCALE], n_in, jnp.float32, True)
+    )
+    bound = np.expand_dims(c8[name][quant.SCALE], axes) / 2 * (1 + 1e-5)
+    assert np.all(np.abs(back - c32[name]['kernel']) <= bound), name
+  toks = H.tokens(1)
+  assert H.rel_err(H.jax3d_logits(s8, p8, toks), H.jax3d_logits(s32, p32, toks)) < 2e-2
