@@ -84,14 +84,14 @@ def test_int8_base_layouts_equal_one_device(over):
 
 
 @pytest.mark.slow
-def test_int8_base_trains_like_bfloat16():
-  """3 steps over the int8 quantization of the same bfloat16 base: losses within 1e-3 (relative)
-  of the bfloat16 base's, the adapters' first gradients within 2%."""
+def test_int8_base_trains_like_its_float32_base():
+  """3 steps over the int8 quantization of the float32 initialisation: losses within 1e-4
+  (relative) of the float32 base's, the adapters' first gradients within 1%."""
   r_losses, r_grads, _, _ = reference()
-  losses, grads, _, _ = run_lora(small_cfg(**LORA, lora__base_dtype='bfloat16'))
-  np.testing.assert_allclose(r_losses, losses, rtol=1e-3)
+  losses, grads, _, _ = run_lora(small_cfg(**LORA, lora__base_dtype='float32'))
+  np.testing.assert_allclose(r_losses, losses, rtol=1e-4)
   rel = jax.tree.map(lambda a, b: float(np.abs(a - b).max() / np.abs(b).max()), r_grads, grads)
-  assert max(jax.tree.leaves(rel)) < 2e-2
+  assert max(jax.tree.leaves(rel)) < 1e-2
 
 
 @pytest.mark.parametrize('over', [D222, {**D222, 'train__shard_params': True}], ids=['2-2-2', 'zero3'])
