@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax3d.model import quant
+from jax3d.model import lora, quant
 from jax3d.model.dims import Dims
 from jax3d.model.layers import Block, KVCache, RMSNorm, normal_init
 from jax3d.parallel.sharding import constrain
@@ -135,9 +135,11 @@ def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   """All parameters. Layer j of the stack holds canonical layer `layer_order[j]`, whose values come
   from that layer's own key, so the values never depend on the layout (pipeline order, sharding).
   An int8 base (jax3d/model/quant.py) is quantized from the float32 initialisation."""
-  if dims.base_int8:
+  if dims.base_int8:  # the kernels quantized from float32, the rest of the base in its float dtype
     f32 = init_params(key, dataclasses.replace(dims, param_dtype=jnp.float32, base_int8=False), layer_order)
-    return quant.quantized(dims, f32)
+    keep = lambda p, a: lora.is_adapter(p) or a.dtype == jnp.int8 or p[-1].key == quant.SCALE
+    cast = lambda p, a: a if keep(p, a) else a.astype(dims.param_dtype)
+    return jax.tree_util.tree_map_with_path(cast, quant.quantized(dims, f32))
   k_embed, k_layers, k_head = jax.random.split(key, 3)
   tok = jnp.zeros((1, 1), jnp.int32)
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)

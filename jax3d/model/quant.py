@@ -42,18 +42,15 @@ def dequantize_kernel(q: jax.Array, scale: jax.Array, n_in: int, dtype: Any, sta
 
 
 def quantized(dims: Any, params: Any) -> Any:
-  """The full (or the frozen) float parameters as an int8 base stores them (dims.base_int8): the
-  projection kernels quantized, the rest of the base in dims.param_dtype (the LoRA adapters, the
-  leaves under 'lora_*', as they are); else `params` unchanged."""
+  """The full (or the frozen) parameters with the projection kernels quantized (dims.base_int8),
+  else `params` unchanged."""
   if not dims.base_int8:
     return params
-  cast = lambda p, a: a if str(getattr(p[-2], 'key', '')).startswith('lora_') else a.astype(dims.param_dtype)
-  out = jax.tree_util.tree_map_with_path(cast, {k: v for k, v in params.items()})
-  layers = dict(out['layers'])
+  layers = dict(params['layers'])
   for name, n_in in IN_AXES.items():
-    q, s = quantize_kernel(params['layers'][name]['kernel'], n_in)
+    q, s = quantize_kernel(layers[name]['kernel'], n_in)
     layers[name] = {**layers[name], 'kernel': q, SCALE: s}
-  return {**out, 'layers': layers}
+  return {**params, 'layers': layers}
 
 
 def dequantized(params: Any, dtype: Any, stacked: bool = True) -> Any:
