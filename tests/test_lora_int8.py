@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from test_lora import D222, LORA, _local_bytes, run_lora
 
-from jax3d.model import lora, quant
+from jax3d.model import llama, lora, quant
+from jax3d.model.dims import Dims
 
 from helpers import canonical, setup_for, small_cfg
 
@@ -40,9 +41,7 @@ def test_quantized_kernels_are_within_half_a_step_of_the_original():
     back = np.asarray(quant.dequantize_kernel(q, s, n_in, jnp.float32, True))
     bound = np.expand_dims(np.asarray(s), axes) / 2
     assert np.all(np.abs(back - w) <= bound * (1 + 1e-6)), name
-  s8, sb = (setup_for(small_cfg(**LORA, lora__base_dtype=t)) for t in ('int8', 'float32'))
-  p8 = lora.split(canonical(s8, jax.jit(lambda: init(s8))()), True)[1]
-  pb = lora.split(canonical(sb, jax.jit(lambda: init(sb))()), True)[1]
+  p8, pb = (lora.split(init(dims(base_dtype=t)), True)[1] for t in ('int8', 'float32'))
   for name, n_in in quant.IN_AXES.items():
     w, q, sc = pb['layers'][name]['kernel'], p8['layers'][name]['kernel'], p8['layers'][name][quant.SCALE]
     axes = tuple(range(1, 1 + n_in))
@@ -54,10 +53,14 @@ def test_quantized_kernels_are_within_half_a_step_of_the_original():
   np.testing.assert_array_equal(p8['embed']['embedding'], pb['embed']['embedding'].astype(jnp.bfloat16))
 
 
-def init(s):
-  from jax3d.model import llama
+def dims(**over):
+  """The model of the small LoRA config with lora.* `over` (no mesh: one device's layer order)."""
+  return Dims.from_config(small_cfg(**LORA, **{f'lora__{k}': v for k, v in over.items()}))
 
-  return llama.init_params(jax.random.key(s.cfg.train.seed), s.dims, s.layer_order)
+
+def init(d):
+  """The seed-0 parameters of the model `d`, on the host."""
+  return jax.device_get(jax.jit(lambda: llama.init_params(jax.random.key(0), d, np.arange(d.n_layers)))())
 
 
 @pytest.mark.parametrize(
@@ -109,20 +112,20 @@ def test_planner_prices_the_int8_base_as_built(over):
 def test_merge_dequantizes():
   """lora.merged (export --merge) of an int8 base: each kernel dequantize(q, s) + B A alpha/r in
   the base's float dtype, no scales left."""
-  s = setup_for(small_cfg(**I8))
+  d = dims(base_dtype='int8')
   rng = np.random.default_rng(2)
-  params = jax.device_get(init(s))
+  params = init(d)
   params['layers'] = {
     k: ({**v, 'b': rng.standard_normal(v['b'].shape).astype(np.float32)} if k.startswith('lora_') else v)
     for k, v in params['layers'].items()
   }
-  merged = jax.jit(lambda p: lora.merged(s.dims, p))(params)
+  merged = jax.jit(lambda p: lora.merged(d, p))(params)
   assert (
     quant.SCALE not in merged['layers']['down'] and merged['layers']['down']['kernel'].dtype == jnp.bfloat16
   )
   q, sc = params['layers']['down']['kernel'], params['layers']['down'][quant.SCALE]
   a, b = params['layers']['lora_down']['a'], params['layers']['lora_down']['b']
-  want = q.astype(np.float32) * sc[:, None, :] + np.einsum('lir,lro->lio', a, b) * s.dims.lora_scale
+  want = q.astype(np.float32) * sc[:, None, :] + np.einsum('lir,lro->lio', a, b) * d.lora_scale
   np.testing.assert_allclose(
     np.asarray(merged['layers']['down']['kernel'], np.float32), want, rtol=2e-2, atol=1e-2
   )
