@@ -187,6 +187,13 @@ TABLE = [
   (T, ['--config.sample.top_k=-5'], ['sample.top_k=-5', 'an integer >= 0 (0 = all)']),
   (T, ['--config.model.hf_model_type=gpt2'], ["model.hf_model_type='gpt2'", 'llama, mistral, qwen2, qwen3']),
   (T, ['--config.train.compute_dtype=float16'], ["train.compute_dtype='float16'", 'float32, bfloat16']),
+  (T, ['--config.lora.dropout=1'], ['lora.dropout=1.0 is invalid', 'a number in [0, 1)']),
+  (T, ['--config.lora.dropout=-0.1'], ['lora.dropout=-0.1 is invalid', 'a number in [0, 1)']),
+  (T, ['--config.lora.base_dtype=int4'], ["lora.base_dtype='int4'", 'float32, bfloat16, int8']),
+  (
+    [T, '--config.lora.rank=4', '--config.lora.base_dtype=int8', '--config.pipeline.schedule=1f1b'],
+    ["lora.base_dtype='int8'", "float32 or bfloat16 with pipeline.schedule='1f1b'"],
+  ),
   (T, ['--config.train.param_dtype=int8'], ["train.param_dtype='int8'", 'float32, bfloat16']),
   (T, ['--config.train.remat=some'], ["train.remat='some'", 'none, dots, attn, full, stage']),
   (T, ['--config.pipeline.schedule=1f2b'], ["pipeline.schedule='1f2b'", 'gpipe, circular, 1f1b']),

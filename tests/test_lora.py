@@ -177,7 +177,8 @@ def test_adapters_are_sharded_like_their_projection():
 def test_config_errors_name_the_setting():
   for over, key in [
     ({'lora__targets': 'q,x'}, 'lora.targets'),
-    ({'lora__dropout': 0.1}, 'lora.dropout'),
+    ({'lora__dropout': 1.0}, 'lora.dropout'),
+    ({'lora__rank': 4, 'lora__base_dtype': 'int8', 'pipeline__schedule': '1f1b'}, 'lora.base_dtype'),
     ({'lora__rank': -1}, 'lora.rank'),
     ({'lora__rank': 0, 'lora__base_dtype': 'bfloat16'}, 'lora.rank'),
   ]:

@@ -27,13 +27,15 @@ TRAIN |= {'train.weight_decay': 0.1, 'train.b1': 0.9, 'train.b2': 0.95}
 STEPS, TOL = 3, 1e-4
 
 
-def make_adapter(base: str, out: str, rank: int = 4, alpha: float = 8.0, seed: int = 1) -> object:
+def make_adapter(
+  base: str, out: str, rank: int = 4, alpha: float = 8.0, seed: int = 1, dropout: float = 0.0
+) -> object:
   """A PEFT LoRA model over the folder `base` with every B drawn non-zero, its adapter saved to
-  `out`; returns the peft model (train mode, dropout 0)."""
+  `out`; returns the peft model (train mode, lora_dropout `dropout`)."""
   from transformers import AutoModelForCausalLM
 
   model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-  conf = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=MODULES, lora_dropout=0.0)
+  conf = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=MODULES, lora_dropout=dropout)
   pm = peft.get_peft_model(model, conf)
   torch.manual_seed(seed)
   with torch.no_grad():

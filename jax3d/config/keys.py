@@ -200,10 +200,11 @@ def declared() -> Declared:
   c.lora.alpha = 16.0, above(0)  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
   # the projections adapted: a comma list of q,k,v,o,gate,up,down
   c.lora.targets = 'q,k,v,o,gate,up,down', TARGET_LIST
-  # dropout on the adapters' input (PEFT's lora_dropout); only 0 is supported
-  c.lora.dropout = 0.0, Range(lambda v: v == 0, '0.0 (dropout on the adapters is not implemented)')
-  # the frozen base's storage: '' = train.param_dtype | float32 | bfloat16
-  c.lora.base_dtype = '', one_of('', *DTYPES)
+  # dropout on the adapters' input in training steps (PEFT's lora_dropout); the same masks on every layout
+  c.lora.dropout = 0.0, between(0, 1, high_open=True)
+  # the frozen base's storage: '' = train.param_dtype | float32 | bfloat16 | int8 (the projection
+  # kernels int8 with a scale per output channel, the rest bfloat16: QLoRA-style)
+  c.lora.base_dtype = '', one_of('', *DTYPES, 'int8')
   # a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from
   c.lora.init_from = '', ANY
 

@@ -160,6 +160,8 @@ def _lora_settings_need_rank(cfg: ml_collections.ConfigDict) -> Failure:
     return 'lora.rank', lo.rank, f"the adapters' rank (> 0) with lora.init_from={lo.init_from!r}"
   if lo.rank == 0 and lo.base_dtype:
     return 'lora.rank', lo.rank, f"the adapters' rank (> 0) with lora.base_dtype={lo.base_dtype!r}"
+  if lo.base_dtype == 'int8' and cfg.pipeline.schedule == '1f1b':  # its loop differentiates every weight
+    return 'lora.base_dtype', lo.base_dtype, "float32 or bfloat16 with pipeline.schedule='1f1b'"
   if lo.init_from and not cfg.checkpoint.init_from.startswith('hf:'):
     return (
       'checkpoint.init_from',

@@ -23,7 +23,7 @@ import numpy as np
 from jax3d.data import tokenizer as tok_lib
 from jax3d.errors import ConfigError
 from jax3d.hf import families, outdir, peft, safetensors_io, weights
-from jax3d.model import lora, rope
+from jax3d.model import lora, quant, rope
 
 if TYPE_CHECKING:
   from collections.abc import Callable
@@ -165,7 +165,7 @@ def export_run(
     else:
       merged = params
       if merge:
-        shardings = lora.trainable(setup.dims, setup.param_shardings)[1]
+        shardings = quant.without_scales(lora.trainable(setup.dims, setup.param_shardings)[1])
         merged = jax.jit(lambda p: lora.merged(setup.dims, p), out_shardings=shardings)(params)
       files, base = export(merged, setup, folder, max_shard_bytes), None
     if verify is not None:

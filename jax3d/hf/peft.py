@@ -70,10 +70,16 @@ def read_config(path: str) -> dict:
 
 def with_lora(cfg: ml_collections.ConfigDict, path: str) -> ml_collections.ConfigDict:
   """`cfg` (changed in place, and returned) with lora.rank, lora.alpha and lora.targets read from
-  the adapter folder `path` (the dropout is a training setting and stays lora.dropout)."""
+  the adapter folder `path`, and lora.dropout from its lora_dropout where lora.dropout is 0 (a
+  training setting: a non-zero lora.dropout overrides the adapter's)."""
   c = read_config(path)
   set_key(cfg, 'lora.rank', int(c['r']))
   set_key(cfg, 'lora.alpha', float(c['lora_alpha']))
+  dropout = c.get('lora_dropout') or 0.0
+  if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+    raise _bad(path, f'{os.path.join(path, CONFIG)} has lora_dropout={dropout!r}; a number in [0, 1)')
+  if not cfg.lora.dropout:
+    set_key(cfg, 'lora.dropout', float(dropout))
   wanted = {BY_MODULE[m] for m in c['target_modules']}
   set_key(cfg, 'lora.targets', ','.join(t for t in lora.MODULES if t in wanted))
   return cfg

@@ -20,6 +20,7 @@ fetches it from the (sharded) jax3d parameters, one tensor (one layer's slice) a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from jax3d.hf import peft, safetensors_io
 from jax3d.hf.config import HFModel
-from jax3d.model import llama, lora
+from jax3d.model import llama, lora, quant
 
 if TYPE_CHECKING:
   from jax3d.record import Setup
@@ -135,11 +136,26 @@ def load_base(setup: Setup) -> Any:
     raise ValueError('load_params: the setup was not built from an hf: import (checkpoint.init_from)')
   blocks = _Blocks(setup.hf, setup)
 
-  def make(path: tuple, a: jax.ShapeDtypeStruct) -> jax.Array:
+  abstract, scales = lora.split(setup.abstract_state['params'], True)[1], {}
+
+  def make(path: tuple, a: jax.ShapeDtypeStruct) -> jax.Array | None:
+    keys = _keys(path)
+    if keys[-1] == quant.SCALE:  # an int8 base's scale: made with its kernel
+      return None
+    if a.dtype != np.int8:
+      return load(keys, a)
+    # an int8 base's kernel: read in float32 and quantized leaf by leaf (one float kernel at a time)
+    scale_sh = abstract['layers'][keys[1]][quant.SCALE].sharding
+    q_fn = functools.partial(quant.quantize_kernel, n_in=quant.IN_AXES[keys[1]])
+    w = load(keys, jax.ShapeDtypeStruct(a.shape, np.float32, sharding=a.sharding))
+    q, scales[keys[1]] = jax.jit(q_fn, out_shardings=(a.sharding, scale_sh))(w)
+    return q
+
+  def load(keys: tuple[str, ...], a: jax.ShapeDtypeStruct) -> jax.Array:
     # Each distinct block is read once and put on every device that holds it before the next is
     # read, so the host holds one block at a time (make_array_from_callback would build all of a
     # process's blocks first, all of a stacked kernel's at once).
-    keys, by_block = _keys(path), {}
+    by_block = {}
     for d, idx in a.sharding.addressable_devices_indices_map(a.shape).items():
       key = tuple((s.start, s.stop, s.step) for s in idx)
       by_block.setdefault(key, (idx, []))[1].append(d)
@@ -150,7 +166,10 @@ def load_base(setup: Setup) -> Any:
       del block
     return jax.make_array_from_single_device_arrays(a.shape, a.sharding, shards)
 
-  return jax.tree_util.tree_map_with_path(make, lora.split(setup.abstract_state['params'], True)[1])
+  base = jax.tree_util.tree_map_with_path(make, abstract)
+  for name, scale in scales.items():
+    base['layers'][name][quant.SCALE] = scale
+  return base
 
 
 def _adapters(setup: Setup, abstract: Any) -> Any:

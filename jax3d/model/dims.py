@@ -36,6 +36,8 @@ class Dims:
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()
   lora_dtype: Any = jnp.float32  # the adapters' (train.param_dtype; param_dtype is the base's)
+  lora_dropout: float = 0.0  # lora.dropout: on the adapters' input in training steps
+  base_int8: bool = False  # lora.base_dtype=int8: int8 projection kernels (jax3d/model/quant.py)
 
   @property
   def lora_scale(self) -> float:
@@ -65,7 +67,7 @@ class Dims:
       rope_theta=m.rope_theta,
       norm_eps=m.norm_eps,
       dtype=jnp.dtype(cfg.train.compute_dtype),
-      param_dtype=jnp.dtype((cfg.lora.rank and cfg.lora.base_dtype) or cfg.train.param_dtype),
+      param_dtype=jnp.dtype(_base_dtype(cfg)),
       attention=cfg.train.attention,
       head_size=m.head_dim,
       qkv_bias=m.qkv_bias,
@@ -82,8 +84,16 @@ class Dims:
       lora_alpha=float(cfg.lora.alpha),
       lora_targets=config_lib.lora_targets(cfg.lora.targets),
       lora_dtype=jnp.dtype(cfg.train.param_dtype),
+      lora_dropout=float(cfg.lora.dropout),
+      base_int8=bool(cfg.lora.rank) and cfg.lora.base_dtype == 'int8',
     )
 
   def param_count(self) -> int:
     """Parameters of the real model (padded vocabulary rows excluded): formulas.param_count."""
     return formulas.param_count(self)
+
+
+def _base_dtype(cfg: ml_collections.ConfigDict) -> str:
+  """The base's float dtype: lora.base_dtype (bfloat16 beside int8 kernels), else train.param_dtype."""
+  base = cfg.lora.base_dtype if cfg.lora.rank else ''
+  return 'bfloat16' if base == 'int8' else base or cfg.train.param_dtype

@@ -83,6 +83,17 @@ def layer_params(dims: Dims, tp: int = 1) -> int:
   return (matrices + biases) // tp + 2 * d + (2 * hd if dims.qk_norm else 0)
 
 
+def int8_layer_bytes(dims: Dims, tp: int = 1) -> float:
+  """Bytes of one decoder layer of an int8 base on one of `tp` shards (jax3d/model/quant.py): the
+  matrices in int8, a float32 scale per output channel (split over tp for the column-parallel
+  qkv and gate/up, whole for the row-parallel o and down), the norms and biases in bfloat16."""
+  d, hd, n, k, f = dims.d_model, dims.head_dim, dims.n_heads, dims.n_kv_heads, dims.d_ff
+  matrices = d * hd * (2 * n + 2 * k) + 3 * d * f
+  scales = (hd * (n + 2 * k) + 2 * f) / tp + 2 * d
+  rest = layer_params(dims, tp) - matrices / tp
+  return matrices / tp + 4 * scales + 2 * rest
+
+
 def lora_layer_params(dims: Dims, tp: int = 1) -> float:
   """LoRA adapter parameters of one decoder layer on one of `tp` shards (jax3d/model/lora.py): per
   target r (in + out), the column-parallel projections' B and the row-parallel ones' A split."""

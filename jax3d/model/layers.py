@@ -164,20 +164,20 @@ class Block(nn.Module):
   seq_len: int | None = None  # sequence parallelism: x is [b*t, d] rows of sequences of seq_len
 
   @nn.compact
-  def __call__(self, x_btd, positions_t=None, cache=None, segment_ids=None):
+  def __call__(self, x_btd, positions_t=None, cache=None, segment_ids=None, noise=None):
     sp = self.seq_len is not None
     b, t, d = (x_btd.shape[0] // self.seq_len, self.seq_len, x_btd.shape[1]) if sp else x_btd.shape
     x_rd = constrain(x_btd.reshape(b * t, d), (self._rows, 'embed'))
 
-    q_btnh, k_btkh, v_btkh = self._qkv(x_rd, b, t, positions_t)
+    q_btnh, k_btkh, v_btkh = self._qkv(x_rd, b, t, positions_t, noise)
     if cache is None:
       o_btnh = attention.attend(q_btnh, k_btkh, v_btkh, segment_ids, self.dims.attention)
     else:
       positions_t = jnp.arange(t) if positions_t is None else positions_t
       cache = write_cache(cache, k_btkh, v_btkh, positions_t)
       o_btnh = cached_attention(q_btnh, *cache, positions_t)
-    x_rd = x_rd + self._attention_out(o_btnh, b * t, d)
-    x_rd = x_rd + self._mlp(x_rd, d)
+    x_rd = x_rd + self._attention_out(o_btnh, b * t, d, noise)
+    x_rd = x_rd + self._mlp(x_rd, d, noise)
     if sp:
       return x_rd
     return x_rd.reshape(b, t, d) if cache is None else (x_rd.reshape(b, t, d), cache)
@@ -211,7 +211,9 @@ class Block(nn.Module):
       name=name,
     )
 
-  def _qkv(self, x_rd: jax.Array, b: int, t: int, positions_t: jax.Array | None) -> tuple[jax.Array, ...]:
+  def _qkv(
+    self, x_rd: jax.Array, b: int, t: int, positions_t: jax.Array | None, noise: lora.Noise | None
+  ) -> tuple[jax.Array, ...]:
     """Attention's column-parallel QKV projection (KV heads on tp; with model.qkv_bias its bias
     too), the per-head q/k norms of model.qk_norm (head size whole on every shard), rotated."""
     dm = self.dims
@@ -222,9 +224,9 @@ class Block(nn.Module):
     qkv_rkch = self._dense((k, g + 2, h), -1, names, 0.02, 'qkv', bias=dm.qkv_bias)(a_rd)
     qkv_rkch = constrain(qkv_rkch, ('batch', 'kv_heads', 'qkv', 'head_dim'))
     col = (('embed',), 'batch')
-    q_rkgh = self._adapt('q', a_rd, qkv_rkch[:, :, :g], *col, ('kv_heads', 'qkv', 'head_dim'))
-    k_rkh = self._adapt('k', a_rd, qkv_rkch[:, :, g], *col, ('kv_heads', 'head_dim'))
-    v_rkh = self._adapt('v', a_rd, qkv_rkch[:, :, g + 1], *col, ('kv_heads', 'head_dim'))
+    q_rkgh = self._adapt('q', a_rd, qkv_rkch[:, :, :g], *col, ('kv_heads', 'qkv', 'head_dim'), noise)
+    k_rkh = self._adapt('k', a_rd, qkv_rkch[:, :, g], *col, ('kv_heads', 'head_dim'), noise)
+    v_rkh = self._adapt('v', a_rd, qkv_rkch[:, :, g + 1], *col, ('kv_heads', 'head_dim'), noise)
     q_btnh = q_rkgh.reshape(b, t, n, h)  # query head i belongs to KV head i // g
     k_btkh = k_rkh.reshape(b, t, k, h)
     v_btkh = v_rkh.reshape(b, t, k, h)
@@ -236,7 +238,7 @@ class Block(nn.Module):
     k_btkh = constrain(rope_lib.rope(k_btkh, freq, positions_t), ('batch', 'seq', 'kv_heads', 'head_dim'))
     return q_btnh, k_btkh, constrain(v_btkh, ('batch', 'seq', 'kv_heads', 'head_dim'))
 
-  def _attention_out(self, o_btnh: jax.Array, r: int, d: int) -> jax.Array:
+  def _attention_out(self, o_btnh: jax.Array, r: int, d: int, noise: lora.Noise | None) -> jax.Array:
     """Attention's row-parallel output projection (one all-reduce), annotated as the stream."""
     sp = self.seq_len is not None
     n, h = self.dims.n_heads, self.dims.head_dim
@@ -246,10 +248,10 @@ class Block(nn.Module):
     o_names = ('batch', 'heads', 'head_dim') if sp else ('batch', 'seq', 'heads', 'head_dim')
     o = checkpoint_name(constrain(o_btnh.reshape(r, n, h) if sp else o_btnh, o_names), 'attn_out')
     o_rd = self._dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), self._out_std, 'o')(o).reshape(r, d)
-    o_rd = self._adapt('o', o, o_rd, ('heads', 'head_dim'), self._rows, ('embed',))
+    o_rd = self._adapt('o', o, o_rd, ('heads', 'head_dim'), self._rows, ('embed',), noise)
     return constrain(o_rd, (self._rows, 'embed'))
 
-  def _mlp(self, x_rd: jax.Array, d: int) -> jax.Array:
+  def _mlp(self, x_rd: jax.Array, d: int, noise: lora.Noise | None) -> jax.Array:
     """The SwiGLU MLP: column-parallel gate/up (mlp on tp), row-parallel down (one all-reduce)."""
     dm = self.dims
     m_rd = self._stream(RMSNorm(dm, name='mlp_norm')(x_rd))
@@ -259,13 +261,13 @@ class Block(nn.Module):
     )
     if dm.adapted('gate') or dm.adapted('up'):
       g_rf, u_rf = (
-        self._adapt(x, m_rd, gu_r2f[:, i], ('embed',), 'batch', ('mlp',))
+        self._adapt(x, m_rd, gu_r2f[:, i], ('embed',), 'batch', ('mlp',), noise)
         for i, x in enumerate(('gate', 'up'))
       )
       gu_r2f = jnp.stack([g_rf, u_rf], axis=1)
     h_rf = constrain(swiglu(gu_r2f).astype(dm.dtype), ('batch', 'mlp'))
     y_rd = self._dense(d, -1, ('mlp', 'embed'), self._out_std, 'down')(h_rf)
-    y_rd = self._adapt('down', h_rf, y_rd, ('mlp',), self._rows, ('embed',))
+    y_rd = self._adapt('down', h_rf, y_rd, ('mlp',), self._rows, ('embed',), noise)
     return constrain(checkpoint_name(y_rd, 'mlp_out'), (self._rows, 'embed'))
 
   def _adapt(
@@ -276,10 +278,12 @@ class Block(nn.Module):
     in_names: tuple[str, ...],
     xa_rows: str,
     out_names: tuple[str, ...],
+    noise: lora.Noise | None = None,
   ) -> jax.Array:
     """`y`, the output of projection `target` of `x`, plus its LoRA adapter's (jax3d/model/lora.py)
     when it has one: x's last len(in_names) axes in, y's last len(out_names) out; `xa_rows` the
-    logical name of the low-rank activation's rows (see lora.Adapter)."""
+    logical name of the low-rank activation's rows (see lora.Adapter); `noise`: a training step's
+    dropout words and layer salt (lora.Adapter), or none."""
     dm = self.dims
     if not dm.adapted(target):
       return y
@@ -293,9 +297,10 @@ class Block(nn.Module):
       dm.lora_scale,
       dm.dtype,
       dm.lora_dtype,
+      dm.lora_dropout,
       name=lora.PREFIX + target,
     )
-    return y + adapter(x, (xa_rows, 'lora')).reshape(y.shape).astype(y.dtype)
+    return y + adapter(x, (xa_rows, 'lora'), noise).reshape(y.shape).astype(y.dtype)
 
   @property
   def _out_std(self) -> float:

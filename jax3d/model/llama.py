@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax3d.model import lora, quant
 from jax3d.model.dims import Dims
 from jax3d.model.layers import Block, KVCache, RMSNorm, normal_init
 from jax3d.parallel.sharding import constrain
@@ -138,18 +139,21 @@ def _init_dims(dims: Dims) -> Dims:
 
 def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   """All parameters. Layer j of the stack holds canonical layer `layer_order[j]`, whose values come
-  from that layer's own key, so the values never depend on the layout (pipeline order, sharding)."""
-  dims = _init_dims(dims)
+  from that layer's own key, so the values never depend on the layout (pipeline order, sharding).
+  An int8 base (jax3d/model/quant.py) is quantized from the float32 initialisation."""
+  if dims.base_int8:  # the kernels quantized from float32, the rest of the base in its float dtype
+    f32 = init_params(key, dataclasses.replace(dims, param_dtype=jnp.float32, base_int8=False), layer_order)
+    keep = lambda p, a: lora.is_adapter(p) or a.dtype == jnp.int8 or p[-1].key == quant.SCALE
+    cast = lambda p, a: a if keep(p, a) else a.astype(dims.param_dtype)
+    return jax.tree_util.tree_map_with_path(cast, quant.quantized(dims, f32))
   k_embed, k_layers, k_head = jax.random.split(key, 3)
   tok = jnp.zeros((1, 1), jnp.int32)
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
   layer_keys = jax.random.split(k_layers, dims.n_layers)[jnp.asarray(layer_order)]
   embed = _unboxed_init(Embed(dims), k_embed, tok)
-  return {
-    'embed': embed,
-    'layers': jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys),
-    'head': _unboxed_init(Head(dims), k_head, x, embed['embedding']),
-  }
+  layers = jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys)
+  head = _unboxed_init(Head(dims), k_head, x, embed['embedding'])
+  return {'embed': embed, 'layers': layers, 'head': head}
 
 
 def param_logical_axes(dims: Dims) -> PyTree:
@@ -166,7 +170,8 @@ def param_logical_axes(dims: Dims) -> PyTree:
   layer = jax.tree.map(
     lambda n: ('layers',) + n, names(Block(dims), x), is_leaf=lambda n: isinstance(n, tuple)
   )
-  return {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x, table)}
+  axes = {'embed': names(Embed(dims), tok), 'layers': layer, 'head': names(Head(dims), x, table)}
+  return quant.logical_axes(dims, axes)
 
 
 def block_apply(
@@ -177,11 +182,14 @@ def block_apply(
   cache: KVCache | None = None,
   seq_len: int | None = None,
   segment_ids: jax.Array | None = None,
+  noise: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array | tuple[jax.Array, KVCache]:
   """One layer: x, or (x, new cache) when a KV cache is given; with `seq_len`, x is the flattened
   rows [b*t, d] of sequence parallelism; `positions_t` [t] or per row [b, t], and `segment_ids`
-  [b, t] for rows of documents (see Block)."""
-  return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids)
+  [b, t] for rows of documents (see Block); `noise`: a training step's LoRA dropout words [b, t]
+  and the layer's salt (jax3d/model/lora.py), or none (no dropout)."""
+  layer_params = quant.dequantized(layer_params, dims.dtype, stacked=False)  # int8 kernels: this layer's
+  return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids, noise)
 
 
 def embed_apply(dims: Dims, params: PyTree, tokens_bt: jax.Array) -> jax.Array:

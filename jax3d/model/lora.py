@@ -11,6 +11,14 @@ The adapters are parameters of the layer (`Block`'s 'lora_q', 'lora_k', ... with
 replicated and its B split over tp like the output; a row-parallel one's A split like the input,
 B replicated. Training differentiates and optimizes only them (`split`): the base gets no
 gradient and no optimizer state, and passes through the step unchanged.
+
+Dropout (lora.dropout = p, PEFT's lora_dropout): in training steps only, the adapter's input x is
+x * keep / (1 - p) before A (the base's input is not dropped). `keep` is a function of global
+coordinates alone, so every layout, micro-batch split and accumulation chunking draws the same
+mask: the step hands each token a random word (`noise_words`: threefry bits from the seed and the
+step over the global [batch, seq]); each layer a salt of its own frozen weights (`layer_salt`: an
+integer sum of their bits, exact in any order, so a key per layer without a layer index in the
+pipeline's loop); and keep(token, adapter, feature j) = hash(word, salt, target, j) >= p * 2**32.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax3d.model import quant
 from jax3d.parallel.sharding import constrain
 
 PREFIX = 'lora_'  # a layer's adapter of target t is its submodule PREFIX + t
@@ -52,9 +61,11 @@ class Adapter(nn.Module):
   scale: float
   dtype: Any
   param_dtype: Any
+  dropout: float = 0.0
 
   @nn.compact
-  def __call__(self, x: jax.Array, xa_names: tuple[str, ...]) -> jax.Array:
+  def __call__(self, x: jax.Array, xa_names: tuple[str, ...], noise: Noise | None = None) -> jax.Array:
+    """`noise`: a training step's (words of x's rows, the layer's salt): dropout on x; None: none."""
     n_in = len(self.in_shape)
     in_axis = tuple(range(n_in))
     a_init = nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform', in_axis=in_axis, out_axis=-1)
@@ -71,10 +82,62 @@ class Adapter(nn.Module):
       self.param_dtype,
     )
     rows = x.shape[:-n_in]
-    xa = jnp.tensordot(x.astype(self.dtype), a.astype(self.dtype), axes=n_in)
+    x = x.astype(self.dtype)
+    if noise is not None and self.dropout > 0:
+      words, salt = noise
+      target = list(MODULES).index(self.name.removeprefix(PREFIX))
+      keep = keep_mask(words.reshape(rows), target_salt(salt, target), self.in_shape, self.dropout)
+      x = jnp.where(keep, x / jnp.asarray(1 - self.dropout, self.dtype), jnp.zeros((), self.dtype))
+    xa = jnp.tensordot(x, a.astype(self.dtype), axes=n_in)
     xa = constrain(xa.reshape(int(np.prod(rows)), self.rank), xa_names)
     y = jnp.tensordot(xa, b.astype(self.dtype), axes=1) * jnp.asarray(self.scale, self.dtype)
     return y.reshape(rows + self.out_shape)
+
+
+# --- dropout: masks from global coordinates ----------------------------------------------------
+Noise = tuple[jax.Array, jax.Array]  # (uint32 words of x's rows, uint32 salt of the layer)
+NOISE = 'lora_noise'  # the training batch's key of the tokens' words ([B, T] uint32, a per-row input)
+_GOLDEN = 0x9E3779B9
+
+
+def _mix(u: jax.Array) -> jax.Array:
+  """A bijective 32-bit integer hash with full avalanche (Wellons' lowbias32)."""
+  u = u ^ (u >> 16)
+  u = u * jnp.uint32(0x7FEB352D)
+  u = u ^ (u >> 15)
+  u = u * jnp.uint32(0x846CA68B)
+  return u ^ (u >> 16)
+
+
+def noise_words(seed: int, step: jax.Array, shape: tuple[int, int]) -> jax.Array:
+  """The tokens' random words [B, T] (uint32) of training step `step`: threefry bits of
+  fold_in(key(seed), step) over the global batch shape (the same bits on every sharding)."""
+  return jax.random.bits(jax.random.fold_in(jax.random.key(seed), step), shape, jnp.uint32)
+
+
+def layer_salt(layer_params: Any) -> jax.Array:
+  """A uint32 salt of one layer from its frozen attention weights (every leaf of its 'qkv'): the
+  wrapping sum of their bit patterns, the same in any summation order, so the same on every
+  layout; layers differ in their weights, so each draws its own masks."""
+  total = jnp.zeros((), jnp.uint32)
+  for w in jax.tree.leaves(jax.lax.stop_gradient(layer_params['qkv'])):
+    bits = jax.lax.bitcast_convert_type(w, jnp.dtype(f'uint{w.dtype.itemsize * 8}'))
+    total = total + jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+  return _mix(total)
+
+
+def target_salt(salt: jax.Array, target: int) -> jax.Array:
+  """The salt of adapter `target` (its index in MODULES) of the layer of `salt`."""
+  return _mix(salt + jnp.uint32(target + 1) * jnp.uint32(_GOLDEN))
+
+
+def keep_mask(words: jax.Array, salt: jax.Array, in_shape: tuple[int, ...], p: float) -> jax.Array:
+  """Where dropout p keeps x [rows..., in...]: hash(word of the row, salt, feature index) at or
+  above p * 2**32 (probability 1 - p within 2**-32). `words` [rows...] uint32."""
+  row = _mix(words.astype(jnp.uint32) ^ salt)
+  j = jnp.arange(int(np.prod(in_shape)), dtype=jnp.uint32).reshape(in_shape)
+  bits = _mix(row.reshape(row.shape + (1,) * len(in_shape)) + j * jnp.uint32(_GOLDEN))
+  return bits >= jnp.uint32(min(round(p * 2**32), 2**32 - 1))
 
 
 # --- the parameter tree: trainable (the adapters) and frozen (the base) ---------------------------
@@ -144,8 +207,10 @@ _IN_KERNEL = {
 
 def merged(dims: Any, params: Any) -> Any:
   """The base parameters with every adapter merged into its kernel, W + A B alpha/r (summed in
-  float32, stored in the base's dtype), and no adapters: the model the adapted one computes."""
+  float32, stored in the base's dtype; an int8 kernel dequantized first, jax3d/model/quant.py),
+  and no adapters: the model the adapted one computes."""
   train, base = trainable(dims, params)
+  base = quant.dequantized(base, dims.param_dtype)
   layers = dict(base['layers'])
   g = dims.n_heads // dims.n_kv_heads
   for name, adapter in train.get('layers', {}).items():

@@ -202,17 +202,20 @@ def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str 
   accumulator) and moments in train.param_dtype. Under ZeRO-3 everything stored is 1/dp and the
   base gathered as `_zero3` gathers it."""
   t = cfg.train
-  pb, bb = BYTES[t.param_dtype], BYTES[cfg.lora.base_dtype or t.param_dtype]
   dims = model_dims(cfg, plan)
+  pb, bb = BYTES[t.param_dtype], BYTES[np.dtype(dims.param_dtype).name]  # (an int8 base's rest: bf16)
+  layers_b = local['layers'] * bb
+  if dims.base_int8:  # int8 matrices and their scales (jax3d/model/quant.py)
+    layers_b = dims.n_layers // plan.pp * formulas.int8_layer_bytes(dims, plan.tp)
   adapters = lora_local_params(cfg, plan) * pb
-  stored = (sum(local.values()) * bb + adapters) / (plan.dp if mode else 1)
+  stored = (layers_b + local['embed_head'] * bb + adapters) / (plan.dp if mode else 1)
   out = {
     'params': stored,
     'grads': adapters * ((2 if plan.grad_accum > 1 else 1) + _loop_copy(plan)),
     'optimizer': 2 * adapters / (plan.dp if t.shard_optimizer or mode else 1),
   }
   if mode:
-    layers = local['layers'] * bb / (dims.n_layers // plan.pp if mode == 'layer' else 1)
+    layers = layers_b / (dims.n_layers // plan.pp if mode == 'layer' else 1)
     out['gathered'] = layers + local['embed_head'] * bb
   return out
 

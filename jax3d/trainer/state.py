@@ -21,9 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from jax3d.errors import CheckpointError
 from jax3d.hf import weights as hf_weights
-from jax3d.model import lora
+from jax3d.model import lora, quant
 from jax3d.record import Setup
 from jax3d.trainer import checkpoint as ckpt_lib
 from jax3d.trainer.rundir import checkpoint_dir
@@ -64,7 +67,15 @@ def base_params(setup: Setup, warn: Callable[[str], None]) -> Any:
     return hf_weights.load_base(setup)
   init_from = setup.cfg.checkpoint.init_from
   if init_from:
-    return _warm_params(setup, lora.trainable(setup.dims, setup.abstract_state['params'])[1], warn)[0]
+    abstract = lora.trainable(setup.dims, setup.abstract_state['params'])[1]
+    if not setup.dims.base_int8:
+      return _warm_params(setup, abstract, warn)[0]
+    # an int8 base from a float run: restored in float (the kernels in the base's float dtype), quantized
+    as_float = lambda a: jax.ShapeDtypeStruct(a.shape, setup.dims.param_dtype, sharding=a.sharding)
+    floats = jax.tree.map(lambda a: as_float(a) if a.dtype == jnp.int8 else a, quant.without_scales(abstract))
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    fn = step_lib.MeshJit(lambda p: quant.quantized(setup.dims, p), setup.mesh, out_shardings=shardings)
+    return fn(_warm_params(setup, floats, warn)[0])
   return lora.trainable(setup.dims, step_lib.make_init(setup)(setup.cfg.train.seed)['params'])[1]
 
 

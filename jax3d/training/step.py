@@ -34,8 +34,8 @@ Batch = dict[str, jax.Array]
 
 
 # --- loss and gradients ---------------------------------------------------------------------
-# The per-row arrays of rows of documents that the layers read (segment mask, rotary positions).
-DOC_KEYS = ('segment_ids', 'positions')
+# Per-row arrays the layers read: documents' segment ids and positions, LoRA dropout's words.
+DOC_KEYS = ('segment_ids', 'positions', lora.NOISE)
 
 
 def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.Array:
@@ -58,11 +58,8 @@ def gathered_outside_loop(params: Any, s: Setup) -> Any:
   layers' own layout: one all-gather over dp each, whose transpose reduce-scatters the gradient.
   Left to propagation, the embedding's dp-sharded d_model reaches its output and XLA replicates
   the activations to reshard them."""
-  out = dict(params)
-  for k, v in params.items():
-    if k != 'layers':
-      out[k] = jax.lax.with_sharding_constraint(v, s.compute_shardings[k])
-  return out
+  gather = lambda k, v: v if k == 'layers' else jax.lax.with_sharding_constraint(v, s.compute_shardings[k])
+  return {k: gather(k, v) for k, v in params.items()}
 
 
 def _head_loss_sum(head: Any, y_btd: jax.Array, side: Batch, s: Setup) -> jax.Array:
@@ -101,8 +98,9 @@ def _block_fn(s: Setup, seq_len: int) -> Callable:
   sp_len = seq_len if s.plan.sequence_parallel else None
 
   def layer(p, h, side):
-    ids = side.get('segment_ids')
-    return llama.block_apply(s.dims, p, h, side.get('positions'), seq_len=sp_len, segment_ids=ids)
+    noise = (side[lora.NOISE], lora.layer_salt(p)) if lora.NOISE in side else None  # training only
+    ids, pos = side.get('segment_ids'), side.get('positions')
+    return llama.block_apply(s.dims, p, h, pos, seq_len=sp_len, segment_ids=ids, noise=noise)
 
   return layer
 
@@ -223,6 +221,9 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
   corpus.check_batch(
     batch, s.plan.global_batch, s.plan.seq_len, 'train step (train.global_batch_size x train.seq_len)'
   )
+  if s.dims.lora_dropout:  # each token's dropout word of this step, from the seed and the step
+    words = lora.noise_words(s.cfg.train.seed, state['step'], batch['inputs'].shape)
+    batch = {**batch, lora.NOISE: jax.lax.with_sharding_constraint(words, s.batch_sharding)}
   with sharding.use_rules(s.rules):
     loss, grads, residual = loss_and_grads(state['params'], batch, state.get('grad_residual'), s)
   params, frozen = lora.trainable(s.dims, state['params'])  # the base (LoRA) passes through unchanged
@@ -232,10 +233,9 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
   if s.plan.nan_steps:
     loss, grads = _fault_drill(state['step'] + 1, loss, grads, s.plan.nan_steps)
   grad_norm = optax.tree.norm(grads)
-  # A step whose loss or gradients are not finite leaves the state as it was (the norm is
-  # non-finite iff some gradient is; a non-finite loss with finite gradients is possible in
-  # overflowed bf16). One cond around the whole update: skipped work is not done, and no select
-  # over the state trees (nor optax.apply_if_finite's per-leaf is-finite pass).
+  # A step whose loss or gradients are not finite leaves the state as it was (the norm is non-finite
+  # iff some gradient is; a non-finite loss with finite gradients happens in overflowed bf16). One
+  # cond around the update: skipped work is not done, no select over the state trees.
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
   def update(operands):
