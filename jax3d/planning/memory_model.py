@@ -30,6 +30,8 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jax3d.config import RunPlan
 from jax3d.model import formulas
 from jax3d.parallel import schedule_1f1b
