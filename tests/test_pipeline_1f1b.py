@@ -93,18 +93,24 @@ def test_1f1b_matrix_equals_plain_scan(p, m, v, policy):
 
 @pytest.mark.parametrize('v', [1, 2, 3])
 @pytest.mark.parametrize('p', [2, 4, 8])
-def test_stash_is_bounded_by_the_stages_not_the_microbatches(p, v):
-  """Stash slots: min((v+1)p - 3, v*m) measured, under the documented (v+1)p - 1, whatever m; the
-  tick count v*m + 2(p-1) + (v-1)p; every unit's forward before its backward, each exactly once."""
+def test_residuals_are_bounded_by_the_stages_not_the_microbatches(p, v):
+  """Residual slots (units forwarded, not yet backwarded): min((v+1)p - 1, v*m) measured, whatever
+  m beyond; one stash and one gradient slot; the tick count v*m + 2p - 1 + (v-1)p; every unit's
+  forward before its backward, each exactly once; the head in m ticks, forwards and backwards
+  each in GPipe's v*m + p - 1 ticks (what the accelerator path computes)."""
   for m in (p, 2 * p, 4 * p):
     s = schedule_1f1b.build(p, v, m)
-    assert s.stash == schedule_1f1b.stash_slots(p, v, m) == min((v + 1) * p - 3, v * m)
-    assert s.stash <= schedule_1f1b.stash_bound(p, v)
-    assert s.ticks == schedule_1f1b.ticks(p, v, m) == v * m + 2 * (p - 1) + (v - 1) * p
-    t = s.table
-    col = schedule_1f1b.COL
-    assert t[:, :, col['b_valid']].sum() == v * p * m
-    assert t[:, :, col['f_valid']].sum() == (v * p - 1) * m  # the last virtual stage has none
+    assert s.residuals == schedule_1f1b.residual_slots(p, v, m) == min((v + 1) * p - 1, v * m)
+    assert s.stash == s.grads == 1
+    assert s.ticks == schedule_1f1b.ticks(p, v, m) == v * m + 2 * p - 1 + (v - 1) * p
+    t, col = s.table, schedule_1f1b.COL
+    assert t[:, :, col['b_valid']].sum() == t[:, :, col['f_valid']].sum() == v * p * m
+    for st in range(p):
+      fw = [(t[n, st, col['f_mb']], t[n, st, col['f_chunk']], n) for n in np.nonzero(t[:, st, col['f_valid']])[0]]
+      bw = {(t[n, st, col['b_mb']], t[n, st, col['b_chunk']]): n for n in np.nonzero(t[:, st, col['b_valid']])[0]}
+      assert len(fw) == len(bw) == v * m and all(bw[(i, r)] > n for i, r, n in fw)
+    f, b, h = s.phases.sum(axis=0)
+    assert (f, b, h) == (v * m + p - 1, v * m + p - 1, m)
 
 
 # End to end: the train step under 1F1B (the head and loss in the loop) against one device.

@@ -1,24 +1,27 @@
-"""The 1F1B loop on one stage, inside pipeline.py's `shard_map`: one `lax.scan` over the ticks of
-jax3d/parallel/schedule_1f1b.py, with the loss computed inside it and the backward written out.
+"""The 1F1B loop on one stage, inside pipeline.py's `shard_map`: `lax.scan`s over the ticks of
+jax3d/parallel/schedule_1f1b.py, with the head and the loss inside and the backward written out.
 
 Each tick a stage reads its row of the schedule's table (indexed by its pp rank) and does:
-  forward   its unit's chunk on the input (the loop's own micro-batch for k = 0, else a stash
-            slot); no residuals are kept: the backward recomputes the chunk from the input.
-  backward  its unit's chunk again from the input, with `jax.vjp` (the chunk's layers under the
-            remat policy: 'full' and 'stage' keep each layer's input and recompute the layer in
-            its own `jax.vjp`; other policies keep what the policy saves, for this chunk and this
-            tick only). On the last virtual stage the cotangent is the gradient of `loss_fn` (the
-            head and the loss, on this micro-batch and its side inputs); elsewhere it is the slot of
-            the gradient buffer the next stage sent. The chunk's weight gradient is added in place
-            into one accumulator of the stage's weights; the loss into a scalar.
+  forward   its unit's chunk on the input (the loop's own micro-batch for k = 0, else the stash
+            slot the previous stage sent), with `jax.vjp`: the VJP's residuals (what the remat
+            policy saves; the chunk's weights excepted, read again in the backward) are written
+            into the unit's residual slot. No forward is run twice.
+  head      where the last virtual stage forwards (k = V-1): its output, shared over pp by one
+            reduce-scatter, gives each stage 1/p of the micro-batch's rows; each computes the head
+            and the loss of its rows, with their gradients, and the output's gradient is
+            all-gathered back into the last stage's gradient buffer: the head and the loss cost
+            what they cost once per micro-batch, split over pp.
+  backward  its unit's residuals and output gradient through the VJP: the chunk's weight gradient
+            is added in place into one accumulator of the stage's weights.
   send      the forward's output to stage s+1 and the backward's input gradient to stage s-1, one
             `ppermute` each, written into the receivers' stash and gradient-buffer slots.
-With `skip` the idle halves of a tick (and the head on stages that do not need it) are skipped by a
-`lax.switch`; without, every half computes and its writes are masked (the accelerator path).
+Which of forward, head and backward some stage runs in a tick is known from the table: the loop is
+one scan per run of ticks with the same three flags (`segments`), each computing only those, on
+every path. With `skip` (CPU) a stage also skips its own idle forward or backward (`lax.cond`).
 
 The loop returns the loss and, as `jax.custom_vjp` residuals, the gradients it computed; the
-caller's cotangent (the scale of the loss) multiplies them. The primal alone (evaluation) runs the
-forwards and, on the last virtual stage, the loss.
+caller's cotangent (the scale of the loss) multiplies them. The primal alone (evaluation) runs each
+forward once and the head where the last virtual stage forwards.
 """
 
 from __future__ import annotations
@@ -29,13 +32,36 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax3d.parallel import ring
+from jax3d.parallel import remat, ring
 from jax3d.parallel.schedule_1f1b import COL, Schedule
 from jax3d.parallel.sharding import PP, vary
 
-# (head params, y of one micro-batch, its side inputs) -> the loss sum of the micro-batch
+# (head params, y of (a piece of) one micro-batch [b, t, d], its side inputs) -> its loss sum
 LossFn = Callable[[Any, jax.Array, dict], jax.Array]
+
+# At most this many scans (runs of ticks with the same flags): more are merged, the merged run
+# computing the union of their flags (interleaved schedules alternate head and no-head ticks).
+MAX_SEGMENTS = 6
+
+
+def segments(flags: np.ndarray, limit: int = MAX_SEGMENTS) -> list[tuple[int, int, tuple]]:
+  """[(start, stop, (forward, backward, head))]: the runs of equal rows of `flags` [T, 3], the
+  cheapest neighbours merged while there are more than `limit` (a forward 1, a backward 2, the
+  head 1 per tick added)."""
+  runs = []
+  for t, row in enumerate(map(tuple, flags.astype(bool).tolist())):
+    if runs and runs[-1][2] == row:
+      runs[-1][1] = t + 1
+    else:
+      runs.append([t, t + 1, row])
+  cost = lambda r: (r[1] - r[0]) * (r[2][0] + 2 * r[2][1] + r[2][2])
+  while len(runs) > limit:
+    merged = [[a[0], b[1], tuple(x or y for x, y in zip(a[2], b[2], strict=True))] for a, b in zip(runs, runs[1:])]
+    j = min(range(len(merged)), key=lambda i: cost(merged[i]) - cost(runs[i]) - cost(runs[i + 1]))
+    runs[j : j + 2] = [merged[j]]
+  return [(a, b, f) for a, b, f in runs]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,114 +72,140 @@ class Loop:
   dtype: Any  # the compute dtype of the activations in the loop
   policy: str
   skip: bool
+  btd: tuple[int, int, int]  # a micro-batch's shape as the head reads it (the loop may carry rows)
 
-  def chunk(self, params_r: Any, x: jax.Array, side_u: dict) -> jax.Array:
-    return ring.run_layers(self.layer_fn, params_r, x, 'none', side=side_u)
+  def weights(self, params_r: Any) -> Any:
+    """A chunk's weights in the compute dtype, cast before `jax.vjp`: the layers' own casts are
+    then no-ops and the VJP's residuals hold the weights themselves, not a cast copy per unit."""
+    cast = lambda a: a.astype(self.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+    return jax.tree.map(cast, params_r)
 
-  def chunk_vjp(self, params_r: Any, x: jax.Array, side_u: dict) -> tuple[jax.Array, Callable]:
-    """(y, back): the chunk on x (its micro-batch's side arrays `side_u`), and back(ct_y) -> (its
-    weight gradients [lc, ...], ct_x)."""
-    if self.policy not in ring.WRITTEN_OUT:
-      return jax.vjp(lambda p, h: ring.run_layers(self.layer_fn, p, h, self.policy, side=side_u), params_r, x)
-    layer_fn = lambda p, h: self.layer_fn(p, h, side_u)
+  def chunk(self, side_u: dict) -> Callable:
+    """(chunk weights [lc, ...], x) -> y under the remat policy."""
+    run = lambda p, h: ring.run_layers(self.layer_fn, p, h, self.policy, side=side_u)
+    return remat.wrap_iteration(run, self.policy)
 
-    def keep(h, p):
-      return layer_fn(p, h), h
+  def forward(self, params_r: Any, x: jax.Array, side_u: dict) -> tuple[jax.Array, list, tuple]:
+    """(y, the residuals to keep, their layout): the residuals are the VJP's leaves but the
+    weights; the layout (VJP treedef, which leaves are weights) rebuilds it (`backward`)."""
+    w = self.weights(params_r)
+    y, vjp = jax.vjp(self.chunk(side_u), w, x)
+    leaves, tree = jax.tree.flatten(vjp)
+    w_leaves = jax.tree.leaves(w)
+    where = tuple(next((i for i, a in enumerate(w_leaves) if a is leaf), None) for leaf in leaves)
+    kept = [leaf for leaf, i in zip(leaves, where, strict=True) if i is None]
+    return y, kept, (tree, where)
 
-    y, h_l = jax.lax.scan(keep, x, params_r)
+  def backward(self, params_r: Any, kept: list, layout: tuple, ct: jax.Array) -> tuple[Any, jax.Array]:
+    """(weight gradients [lc, ...] in the weights' dtype, ct_x) of a unit from its residuals."""
+    tree, where = layout
+    w_leaves, rest = jax.tree.leaves(self.weights(params_r)), iter(kept)
+    vjp = jax.tree.unflatten(tree, [next(rest) if i is None else w_leaves[i] for i in where])
+    g_w, ct_x = vjp(ct.astype(self.dtype))
+    return jax.tree.map(lambda g, a: g.astype(a.dtype), g_w, params_r), ct_x
 
-    def back(ct):
-      def one(ct_h, p_h):
-        g_p, ct_h = jax.vjp(layer_fn, *p_h)[1](ct_h)
-        return ct_h, g_p
-
-      ct_x, g_l = jax.lax.scan(one, ct, (params_r, h_l), reverse=True)
-      return g_l, ct_x
-
-    return y, back
+  def head(self, hd: Any, y: jax.Array, side_u: dict, grads: bool) -> tuple:
+    """The last stage's y shared over pp, each stage's rows through the head and the loss:
+    (this stage's loss, its head gradient, the gradient of y, whole) or the loss alone."""
+    p, s = self.sched.p, jax.lax.axis_index(PP)
+    b, t, d = self.btd
+    last = s == p - 1
+    y = jnp.where(last, y.reshape(b, t, d).astype(jnp.float32), 0.0)
+    axis = 0 if b % p == 0 else 1 if t % p == 0 else None
+    if axis is None:  # the rows do not split: every stage the whole micro-batch, counted on the last
+      piece, side_p, mask = jax.lax.psum(y, PP), side_u, last
+    else:
+      piece = jax.lax.psum_scatter(y, PP, scatter_dimension=axis, tiled=True)
+      n = piece.shape[axis]
+      side_p = {k: jax.lax.dynamic_slice_in_dim(a, s * n, n, axis) for k, a in side_u.items()}
+      mask = True
+    fn = lambda hd, y: jnp.where(mask, self.loss_fn(hd, y, side_p).astype(jnp.float32), 0.0)
+    piece = piece.astype(self.dtype)
+    if not grads:
+      return fn(hd, piece)
+    loss, (g_head, ct_piece) = jax.value_and_grad(fn, argnums=(0, 1))(hd, piece)
+    ct_y = ct_piece if axis is None else jax.lax.all_gather(ct_piece, PP, axis=axis, tiled=True)
+    return loss, g_head, ct_y
 
   def run(self, chunks: Any, head: Any, xs: jax.Array, side: dict, grads: bool) -> tuple:
-    """chunks [v, lc, ...]; xs [m, b, t, d] (fp32); side: dict of [m, b, t], read by the loss and
-    the layers (each unit those of its micro-batch). Returns the loss sum
-    on this stage (0 but on the last) and, with `grads`, (d chunks, d head, d xs)."""
+    """chunks [v, lc, ...]; xs [m, ...] (fp32); side: dict of [m, b, t], read by the loss and the
+    layers (each unit those of its micro-batch). Returns this stage's share of the loss sum and,
+    with `grads`, (d chunks, d head, d xs)."""
     p, s = self.sched.p, jax.lax.axis_index(PP)
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
     bwd_ring = [((i + 1) % p, i) for i in range(p)]
     x0 = jnp.zeros_like(xs[0], dtype=self.dtype)
-    rows = jnp.asarray(self.sched.table)
-    # sorted, not the set's order: that follows the hash seed, and the collectives' device groups
-    # with it (two processes of one run could compile different programs; pipeline.py's `axes`)
-    varying = tuple(sorted(jax.typeof(xs).manual_axis_type.varying))
+    varying = tuple(sorted(jax.typeof(xs).manual_axis_type.varying))  # sorted: not the hash seed's order
     zero = lambda: vary(jnp.zeros((), jnp.float32), varying)
+    chunk_of = lambda r: jax.tree.map(lambda a: a[r], chunks)
+    # the residuals' shapes and layout: one forward traced here, its values unused (dead code)
+    _, kept0, layout = self.forward(chunk_of(0), x0, _at(side, 0))
+    res = [ring._zeros(a, (self.sched.residuals, *a.shape)) for a in kept0] if grads else []
 
-    def forward(c, r, x, mb):
-      return self.chunk(jax.tree.map(lambda a: a[r], c), x, _at(side, mb))
-
-    def backward(c, hd, r, x, ct, mb, last):
-      params_r = jax.tree.map(lambda a: a[r], c)
-      y, back = self.chunk_vjp(params_r, x, _at(side, mb))
-      loss, (g_head, ct_y) = jax.value_and_grad(self.loss_fn, argnums=(0, 1))(hd, y, _at(side, mb))
-      g_p, ct_x = back(jnp.where(last, ct_y.astype(y.dtype), ct))
-      loss = jnp.where(last, loss.astype(jnp.float32), 0.0)
-      return g_p, ct_x, jax.tree.map(lambda g: jnp.where(last, g, 0), g_head), loss
-
-    def middle(c, hd, r, x, ct, mb):  # no head: the cotangent came from the next stage
-      params_r = jax.tree.map(lambda a: a[r], c)
-      g_p, ct_x = self.chunk_vjp(params_r, x, _at(side, mb))[1](ct)
-      return g_p, ct_x, jax.tree.map(jnp.zeros_like, hd), zero()
-
-    def idle(c, hd, r, x, ct, mb):
-      g_p = jax.tree.map(lambda a: jnp.zeros_like(a[0]), c)
-      return g_p, jnp.zeros_like(x), jax.tree.map(jnp.zeros_like, hd), zero()
-
-    def loss_only(hd, r, x, mb):
-      return self.loss_fn(hd, forward(chunks, r, x, mb), _at(side, mb))
-
-    def tick(carry, row_all):
-      stash, gbuf, acc, hacc, dx, loss = carry
-      row = {k: row_all[s, i] for k, i in COL.items()}
-      # forward
-      x_f = jnp.where(row['f_fresh'] == 1, xs[row['f_mb']].astype(self.dtype), stash[row['f_slot']])
-      f_args = (chunks, row['f_chunk'], x_f, row['f_mb'])
-      if self.skip:
-        y = jax.lax.cond(row['f_valid'] == 1, forward, lambda c, r, x, mb: x, *f_args)
-      else:
-        y = forward(*f_args)
-      # backward (or, for the primal alone, the loss)
-      first, last, valid = row['b_first'] == 1, row['b_last'] == 1, row['b_valid'] == 1
-      x_b = jnp.where(first, xs[row['b_mb']].astype(self.dtype), stash[row['b_slot']])
+    def forward(r, x, mb):
       if not grads:
-        step = lambda: loss_only(head, row['b_chunk'], x_b, row['b_mb']).astype(jnp.float32)
-        got = jax.lax.cond(valid & last, step, zero) if self.skip else jnp.where(valid & last, step(), 0.0)
-        recv = jax.lax.ppermute(y, PP, fwd_ring)
-        stash = _put(stash, row['a_slot'], recv, row['a_valid'] == 1)
-        return (stash, gbuf, acc, hacc, dx, loss + got.astype(jnp.float32)), None
-      args = (chunks, head, row['b_chunk'], x_b, gbuf[row['b_gslot']], row['b_mb'])
-      if self.skip:
-        branch = jnp.where(valid, jnp.where(last, 2, 1), 0)
-        lastb = lambda *a: backward(*a, True)
-        g_p, ct_x, g_head, got = jax.lax.switch(branch, (idle, middle, lastb), *args)
-      else:
-        g_p, ct_x, g_head, got = backward(*args, last)
-      acc = jax.tree.map(lambda a, g: ring._add_at(a, jnp.where(valid, g, 0), (row['b_chunk'],)), acc, g_p)
-      hacc = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0).astype(a.dtype), hacc, g_head)
-      loss = loss + jnp.where(valid, got, 0.0).astype(jnp.float32)
-      dx = _put(dx, row['b_mb'], ct_x.astype(dx.dtype), valid & first)
-      # send
-      recv = jax.lax.ppermute(y, PP, fwd_ring)
-      recv_ct = jax.lax.ppermute(ct_x, PP, bwd_ring)
-      stash = _put(stash, row['a_slot'], recv, row['a_valid'] == 1)
-      gbuf = _put(gbuf, row['g_slot'], recv_ct, row['g_valid'] == 1)
-      return (stash, gbuf, acc, hacc, dx, loss), None
+        return self.chunk(_at(side, mb))(chunk_of(r), x), []
+      y, kept, _ = self.forward(chunk_of(r), x, _at(side, mb))
+      return y, kept
+
+    def backward(r, kept, ct):
+      return self.backward(chunk_of(r), kept, layout, ct)
+
+    def tick(flags, carry, row_all):
+      do_f, do_b, do_h = flags
+      stash, gbuf, res, acc, hacc, dx, loss = carry
+      row = {k: row_all[s, i] for k, i in COL.items()}
+      y = ct_x = None
+      if do_f:
+        x_f = jnp.where(row['f_fresh'] == 1, xs[row['f_mb']].astype(self.dtype), stash[row['f_slot']])
+        f_args = (row['f_chunk'], x_f, row['f_mb'])
+        if self.skip:
+          none = lambda r, x, mb: (x, [jnp.zeros_like(a[0]) for a in res])
+          y, kept = jax.lax.cond(row['f_valid'] == 1, forward, none, *f_args)
+        else:
+          y, kept = forward(*f_args)
+      if do_b:
+        valid = row['b_valid'] == 1
+        b_args = (row['b_chunk'], [a[row['b_rslot']] for a in res], gbuf[row['b_gslot']])
+        if self.skip:
+          none = lambda r, kept, ct: (jax.tree.map(lambda a: jnp.zeros_like(a[0]), chunks), ct)
+          g_p, ct_x = jax.lax.cond(valid, backward, none, *b_args)
+        else:
+          g_p, ct_x = backward(*b_args)
+        acc = jax.tree.map(lambda a, g: ring._add_at(a, jnp.where(valid, g, 0), (row['b_chunk'],)), acc, g_p)
+        dx = _put(dx, row['b_mb'], ct_x, valid & (row['b_first'] == 1))
+      if do_f:
+        res = [_put(a, row['f_rslot'], k, row['f_valid'] == 1) for a, k in zip(res, kept, strict=True)]
+      if do_h:  # the last stage forwards its last chunk: every stage takes rows of its output
+        mb = row_all[p - 1, COL['f_mb']]
+        real = (row_all[p - 1, COL['f_valid']] == 1) & (row_all[p - 1, COL['f_last']] == 1)  # not merged
+        if grads:
+          got, g_head, ct_y = self.head(head, y, _at(side, mb), True)
+          hacc = jax.tree.map(lambda a, g: a + jnp.where(real, g, 0).astype(a.dtype), hacc, g_head)
+          to_head = (row['f_valid'] == 1) & (row['f_last'] == 1)
+          gbuf = _put(gbuf, row['h_gslot'], ct_y.reshape(x0.shape), to_head)
+        else:
+          got = self.head(head, y, _at(side, mb), False)
+        loss = loss + jnp.where(real, got, 0.0)
+      if do_f:
+        stash = _put(stash, row['a_slot'], jax.lax.ppermute(y, PP, fwd_ring), row['a_valid'] == 1)
+      if do_b:
+        gbuf = _put(gbuf, row['g_slot'], jax.lax.ppermute(ct_x, PP, bwd_ring), row['g_valid'] == 1)
+      return (stash, gbuf, res, acc, hacc, dx, loss), None
 
     stash = ring._zeros(x0, (self.sched.stash, *x0.shape))
     gbuf = ring._zeros(x0, (self.sched.grads, *x0.shape))
     acc = jax.tree.map(ring._zeros, chunks) if grads else None
     hacc = jax.tree.map(lambda a: vary(jnp.zeros_like(a), varying), head) if grads else None
     dx = ring._zeros(xs) if grads else None
-    loss = zero()
-    init = (stash, gbuf, acc, hacc, dx, loss)
-    (_, _, acc, hacc, dx, loss), _ = jax.lax.scan(tick, init, rows)
+    carry = (stash, gbuf, res, acc, hacc, dx, zero())
+    rows = jnp.asarray(self.sched.table)
+    for start, stop, flags in segments(self.sched.phases):
+      if not grads:
+        flags = (flags[0], False, flags[2])
+      if any(flags):
+        carry = jax.lax.scan(lambda c, r, f=flags: tick(f, c, r), carry, rows[start:stop])[0]
+    _, _, _, acc, hacc, dx, loss = carry
     return loss, (acc, hacc, dx)
 
   def loss(self) -> Callable:

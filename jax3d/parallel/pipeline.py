@@ -274,12 +274,10 @@ def run_loss(
       x_mbtd, side_m = over_pp(x_mbtd), jax.tree.map(over_pp, side_m)
     m, b, t, d = x_mbtd.shape
     sched = schedule_1f1b.build(p, v, m)
-    fn = loss_fn
     if rows_sp is not None:
       x_mbtd = rows_sp(x_mbtd.reshape(m, b * t, d))
-      fn = lambda hd, y, side: loss_fn(hd, y.reshape(b, t, d), side)
     chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
-    loop = loop_1f1b.Loop(layer_fn, fn, sched, dtype, policy, skip_bubbles)
+    loop = loop_1f1b.Loop(layer_fn, loss_fn, sched, dtype, policy, skip_bubbles, (b, t, d))
     out = loop.loss()(chunks, head, sharding.vary(x_mbtd, (PP,)), side_m)
     return out if manual else jax.lax.psum(out, axes)
 

@@ -39,15 +39,17 @@ COLUMNS = (
   'f_valid',  # this stage runs a forward
   'f_mb',  # its micro-batch
   'f_chunk',  # its chunk r
-  'f_fresh',  # its input is the loop's own (k = 0), else stash slot f_slot
+  'f_fresh',  # k = 0: its input is the loop's own, else stash slot f_slot
   'f_slot',
+  'f_last',  # k = V-1: its output goes to the head, whose gradient is written into gradient slot h_gslot
+  'f_rslot',  # the residual slot its VJP residuals are written into
+  'h_gslot',
   'b_valid',  # this stage runs a backward
   'b_mb',
   'b_chunk',
-  'b_first',  # k = 0: its input is the loop's own; its input gradient is an output of the loop
-  'b_last',  # k = V-1: the loss of its micro-batch is computed in it
-  'b_slot',  # the stash slot of its input
-  'b_gslot',  # the gradient-buffer slot of its output gradient (k < V-1)
+  'b_first',  # k = 0: its input gradient is an output of the loop
+  'b_rslot',  # the residual slot of its forward
+  'b_gslot',  # the gradient-buffer slot of its output gradient
   'a_valid',  # an activation arrives at the end of the tick, into stash slot a_slot
   'a_slot',
   'g_valid',  # a gradient arrives at the end of the tick, into gradient slot g_slot
@@ -56,38 +58,61 @@ COLUMNS = (
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
+class _Slots:
+  """A stage's slots of one buffer: the lowest free one is taken; the most ever held is `high`."""
+
+  def __init__(self) -> None:
+    self.free, self.high = [], 0
+
+  def take(self) -> int:
+    if not self.free:
+      self.free.append(self.high)
+      self.high += 1
+    self.free.sort()
+    return self.free.pop(0)
+
+  def give(self, slot: int) -> None:
+    self.free.append(slot)
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   p: int
   v: int
   m: int
-  cap: int  # W: in-flight units per stage
+  cap: int  # W: in-flight units per stage (forwarded, not yet backwarded)
   ticks: int  # T
   stash: int  # stash slots per stage (at least 1)
   grads: int  # gradient-buffer slots per stage (at least 1)
+  residuals: int  # residual slots per stage: the most units in flight on any stage
   table: np.ndarray  # [T, p, len(COLUMNS)] int32
-  busy: int  # forward + backward units per stage: 2*v*m (the last stage: v*m + (v-1)*m)
 
   @property
-  def bubble(self) -> float:
-    """Idle share of the step on the busiest stage, with idle halves skipped: F and B of equal
-    cost, a tick costs F where no stage has a backward, B where none has a forward."""
-    return 1 - self.v * self.m / self.cost
+  def phases(self) -> np.ndarray:
+    """[T, 3] bool: whether some stage runs a forward, a backward, the head, in each tick (the
+    same on every stage: what the loop computes in that tick on the accelerator path)."""
+    t = self.table
+    head = (t[:, :, COL['f_valid']] & t[:, :, COL['f_last']]).any(axis=1)
+    return np.stack([t[:, :, COL['f_valid']].any(axis=1), t[:, :, COL['b_valid']].any(axis=1), head], 1)
 
   @property
   def cost(self) -> float:
-    """The step's length in (F + B) units: each tick costs the most any stage does in it."""
-    f = self.table[:, :, COL['f_valid']].any(axis=1)
-    b = self.table[:, :, COL['b_valid']].any(axis=1)
+    """The step's length in (F + B) units, with idle halves skipped: each tick costs the most any
+    stage does in it (F and B of equal cost)."""
+    f, b, _ = self.phases.T
     return float(np.sum(0.5 * f + 0.5 * b))
+
+  @property
+  def bubble(self) -> float:
+    """Idle share of the step on the busiest stage, with idle halves skipped."""
+    return 1 - self.v * self.m / self.cost
 
 
 def orders(p: int, v: int, m: int, s: int) -> tuple[list, list]:
   """Stage s's forwards and backwards, in order: lists of (i, k)."""
   group = p if v > 1 else m
   groups = [range(g, min(g + group, m)) for g in range(0, m, group)]
-  last = v * p - 1
-  fwd = [(i, r * p + s) for g in groups for r in range(v) for i in g if r * p + s != last]
+  fwd = [(i, r * p + s) for g in groups for r in range(v) for i in g]
   bwd = [(i, r * p + s) for g in groups for r in reversed(range(v)) for i in g]
   return fwd, bwd
 
@@ -96,64 +121,60 @@ def _simulate(p: int, v: int, m: int, cap: int) -> Schedule | None:
   """The tick-by-tick run of the orders under in-flight cap `cap` (None: it stalls for good)."""
   last = v * p - 1
   f_ord, b_ord = zip(*(orders(p, v, m, s) for s in range(p)), strict=True)
-  fi, bi, inflight = [0] * p, [0] * p, [0] * p
-  act, grad = {}, {}  # (i, k) -> (tick it arrived, slot)
-  free_a = [list(range(4 * v * p * m + 8)) for _ in range(p)]
-  free_g = [list(range(4 * v * p * m + 8)) for _ in range(p)]
-  rows, high_a, high_g, t = [], 1, 1, 0
+  fi, bi = [0] * p, [0] * p
+  stash, grads, res = ([_Slots() for _ in range(p)] for _ in range(3))
+  act, grad, rslot = {}, {}, {}  # (i, k) -> (tick it arrived, slot); (i, k) -> residual slot
+  rows, t = [], 0
   while any(bi[s] < len(b_ord[s]) for s in range(p)):
     if t > 4 * (v * m + 2 * p) + 8:
       return None
     row = np.zeros((p, len(COLUMNS)), np.int32)
     sent_a, sent_g, freed_a, freed_g = [], [], [], []
     for s in range(p):
-      if bi[s] < len(b_ord[s]):
+      if bi[s] < len(b_ord[s]):  # the backward first: its residual slot is free for the forward
         i, k = b_ord[s][bi[s]]
-        need = act.get((i, k)) if k == last else grad.get((i, k))
+        need = grad.get((i, k))
         if need is not None and need[0] < t:
-          a_slot = act[(i, k)][1] if k > 0 else 0
-          row[s, [COL['b_valid'], COL['b_mb'], COL['b_chunk'], COL['b_first'], COL['b_last']]] = (
-            1,
-            i,
-            k // p,
-            k == 0,
-            k == last,
-          )
-          row[s, COL['b_slot']], row[s, COL['b_gslot']] = a_slot, 0 if k == last else need[1]
+          slot = rslot.pop((i, k))
+          cols = ('b_valid', 'b_mb', 'b_chunk', 'b_first', 'b_rslot', 'b_gslot')
+          row[s, [COL[c] for c in cols]] = (1, i, k // p, k == 0, slot, need[1])
+          res[s].give(slot)
+          freed_g.append((s, need[1]))
           if k > 0:
-            freed_a.append((s, a_slot))
             sent_g.append(((s - 1) % p, (i, k - 1)))
-          if k < last:
-            freed_g.append((s, need[1]))
-          inflight[s] -= k != last
           bi[s] += 1
-      if fi[s] < len(f_ord[s]) and inflight[s] < cap:
+      if fi[s] < len(f_ord[s]) and fi[s] - bi[s] < cap:
         i, k = f_ord[s][fi[s]]
         have = act.get((i, k))
         if k == 0 or (have is not None and have[0] < t):
-          row[s, [COL['f_valid'], COL['f_mb'], COL['f_chunk'], COL['f_fresh']]] = (1, i, k // p, k == 0)
-          row[s, COL['f_slot']] = 0 if k == 0 else have[1]
-          sent_a.append(((s + 1) % p, (i, k + 1)))
-          inflight[s] += 1
+          rslot[(i, k)] = res[s].take()
+          cols = ('f_valid', 'f_mb', 'f_chunk', 'f_fresh', 'f_last', 'f_rslot')
+          row[s, [COL[c] for c in cols]] = (1, i, k // p, k == 0, k == last, rslot[(i, k)])
+          if k > 0:
+            row[s, COL['f_slot']] = have[1]
+            freed_a.append((s, have[1]))
+          if k == last:  # the head's gradient of y: this unit's output gradient
+            sent_g.append((s, (i, k)))
+          else:
+            sent_a.append(((s + 1) % p, (i, k + 1)))
           fi[s] += 1
     for s, slot in freed_a:
-      free_a[s].append(slot)
+      stash[s].give(slot)
     for s, slot in freed_g:
-      free_g[s].append(slot)
+      grads[s].give(slot)
     for s, unit in sent_a:
-      free_a[s].sort()
-      act[unit] = (t, free_a[s].pop(0))
+      act[unit] = (t, stash[s].take())
       row[s, [COL['a_valid'], COL['a_slot']]] = (1, act[unit][1])
-      high_a = max(high_a, act[unit][1] + 1)
     for s, unit in sent_g:
-      free_g[s].sort()
-      grad[unit] = (t, free_g[s].pop(0))
-      row[s, [COL['g_valid'], COL['g_slot']]] = (1, grad[unit][1])
-      high_g = max(high_g, grad[unit][1] + 1)
+      grad[unit] = (t, grads[s].take())
+      name = 'h_gslot' if unit[1] == last else 'g_slot'
+      row[s, COL[name]] = grad[unit][1]
+      if name == 'g_slot':
+        row[s, COL['g_valid']] = 1
     rows.append(row)
     t += 1
-  busy = 2 * v * m
-  return Schedule(p, v, m, cap, t, high_a, high_g, np.stack(rows), busy)
+  high = lambda slots: max(1, *(x.high for x in slots))
+  return Schedule(p, v, m, cap, t, high(stash), high(grads), high(res), np.stack(rows))
 
 
 @functools.cache
@@ -178,28 +199,26 @@ def build(p: int, v: int, m: int) -> Schedule:
 
 def ticks(p: int, v: int, m: int) -> int:
   """T of `build(p, v, m)` in closed form (tests check it against the simulation): the forwards'
-  v*m ticks, the warm-up and cool-down 2(p-1), and (v-1)p more for the chunks' wrap-around."""
-  return v * m + 2 * (p - 1) + (v - 1) * p
+  v*m ticks, the warm-up and cool-down 2p - 1 (the last stage's forward and backward of a
+  micro-batch are two ticks), and (v-1)p more for the chunks' wrap-around."""
+  return v * m + 2 * p - 1 + (v - 1) * p
 
 
-def stash_slots(p: int, v: int, m: int) -> int:
-  """The stash of `build(p, v, m)` in closed form: min((v+1)p - 3, v*m), at least 1."""
-  return max(1, min((v + 1) * p - 3, v * m))
-
-
-def stash_bound(p: int, v: int) -> int:
-  """The documented bound on a stage's stash (chunk inputs kept), whatever m: (v+1)p - 1."""
-  return (v + 1) * p - 1
+def residual_slots(p: int, v: int, m: int) -> int:
+  """The residual slots of `build(p, v, m)` in closed form: min((v+1)p - 1, v*m), the most units a
+  stage has forwarded and not yet backwarded. For v = 1, 2p - 1: stage 0's first micro-batch
+  reaches the last stage after p - 1 ticks, its gradient comes back p ticks later, and stage 0
+  forwards one micro-batch per tick meanwhile."""
+  return min((v + 1) * p - 1, v * m)
 
 
 def summary(p: int, v: int, m: int, layers_per_chunk: int, micro_batch: int, skip: bool) -> str:
-  """The start-up line of a 1F1B run: schedule, ticks, bubble, stash."""
+  """The start-up line of a 1F1B run: schedule, ticks, bubble, residual slots."""
   s = build(p, v, m)
-  idle = 'idle halves skipped' if skip else 'idle halves computed'
-  bubble = s.bubble if skip else 1 - v * m / s.ticks
+  idle = 'idle halves skipped' if skip else 'idle phases not computed'
   return (
     f'  pipeline: 1f1b{" interleaved" if v > 1 else ""}, {p} stages x {v} chunk(s) of {layers_per_chunk} '
     f'layer(s), {m} micro-batches of {micro_batch} sequences, {s.ticks} ticks (warm-up, one forward '
-    f'and one backward per tick, cool-down), bubble {bubble:.1%} ({idle}); stash {s.stash} chunk '
-    f'inputs per stage (bound (v+1)p-1 = {stash_bound(p, v)}, whatever m); head and loss on the last stage'
+    f'and one backward per tick, cool-down), bubble {s.bubble:.1%} ({idle}); the VJP residuals of '
+    f'{s.residuals} chunks per stage (min((v+1)p-1, v*m), whatever m beyond); the head split over pp'
   )

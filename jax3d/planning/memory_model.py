@@ -226,27 +226,28 @@ def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
 
 
 def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, res: Callable) -> float:
-  """1F1B (jax3d/parallel/schedule_1f1b.py): the stash of chunk inputs, min((v+1)p-3, v*m) slots
-  (bounded by the stages, not the micro-batches), one gradient slot, the loop's input and its
-  gradient (fp32, the m micro-batches), and the one backward in flight: its chunk's residuals
-  under the policy on one micro-batch ('stage' as 'full': the stash already holds only inputs)."""
+  """1F1B (jax3d/parallel/schedule_1f1b.py, loop_1f1b.py): the VJP residuals of the units in
+  flight, min((v+1)p-1, v*m) slots (bounded by the stages, not the micro-batches), each a chunk's
+  residuals under the policy on one micro-batch ('stage': its input only), one stash and one
+  gradient slot, the loop's input and its gradient (fp32, the m micro-batches), and one layer's
+  intermediates while a unit runs."""
   sp = plan.tp if plan.sequence_parallel else 1
   act_mb = micro_activation_bytes(cfg, plan) / sp
-  slots = schedule_1f1b.stash_slots(plan.pp, plan.repeats, plan.microbatches) + 1
+  slots = schedule_1f1b.residual_slots(plan.pp, plan.repeats, plan.microbatches)
   edges = 2 * plan.microbatches * act_mb * 4 / BYTES[cfg.train.compute_dtype]
-  policy = 'full' if cfg.train.remat == 'stage' else cfg.train.remat
-  return slots * act_mb + edges + lc * res(policy=policy) + res(policy='none')
+  per_slot = act_mb if cfg.train.remat == 'stage' else lc * res(policy=cfg.train.remat)
+  return slots * per_slot + 2 * act_mb + edges + res(policy='none')
 
 
 def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   """fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out.
-  Under 1F1B the head runs inside the loop on one micro-batch at a time (a dp shard's rows). With
+  Under 1F1B the head runs inside the loop on 1/pp of one micro-batch at a time. With
   train.loss_chunks the logits terms are for one piece of the sequence (a scan recomputes each
   piece's in the backward pass)."""
   dp_pp = plan.dp * plan.pp
   rows_all = plan.chunk_batch // (dp_pp if plan.chunk_batch % dp_pp == 0 else plan.dp)
   h, cb = cfg.model.d_model, BYTES[cfg.train.compute_dtype]
-  head_rows = micro_rows(plan) if one_f_one_b(cfg, plan) else rows_all
+  head_rows = max(1, micro_rows(plan) // plan.pp) if one_f_one_b(cfg, plan) else rows_all
   logits = head_rows * 3 * 4 * plan.vocab_padded // plan.tp / cfg.train.loss_chunks
   return plan.seq_len * (logits + rows_all * 2 * h * cb)
 

@@ -13,6 +13,7 @@ dims, optimizer, logical rules and the shardings, computed once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +69,9 @@ def _gathered_outside_loop(params: Any, s: Setup) -> Any:
 def _head_loss_sum(head: Any, y_btd: jax.Array, side: Batch, s: Setup) -> jax.Array:
   """sum(w * CE) of the head over the last layer's output, in train.loss_chunks pieces: the one
   head and loss of both schedules (after the pipeline, or inside the 1F1B loop per micro-batch)."""
-  chunks = s.cfg.train.loss_chunks
+  # 1F1B hands the head a piece of each micro-batch's positions (split over pp): the pieces it cuts
+  # them into divide it (the same sum, only the memory differs)
+  chunks = math.gcd(s.cfg.train.loss_chunks, y_btd.shape[1])
   return llama.head_loss_sum(s.dims, head, y_btd, side['targets'], side.get('weights'), chunks)
 
 
@@ -76,7 +79,8 @@ def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> ja
   """embed -> the 1F1B pipeline, whose last stage computes the head and the loss of each
   micro-batch from its per-row side inputs (every [B, T] array but the inputs, micro-batched as
   the rows; the layers read DOC_KEYS of them)."""
-  head = {k: v for k, v in params.items() if k != 'layers'}  # what llama.head_apply may read
+  # what llama.head_apply reads (the embedding only when tied): the loop carries their gradient
+  head = {k: params[k] for k in ('head', 'embed') if k == 'head' or s.dims.tie_embeddings}
 
   x_btd = llama.embed_apply(s.dims, params, batch['inputs'])
   return pipeline.loss(
