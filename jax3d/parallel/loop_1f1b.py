@@ -58,7 +58,10 @@ def segments(flags: np.ndarray, limit: int = MAX_SEGMENTS) -> list[tuple[int, in
       runs.append([t, t + 1, row])
   cost = lambda r: (r[1] - r[0]) * (r[2][0] + 2 * r[2][1] + r[2][2])
   while len(runs) > limit:
-    merged = [[a[0], b[1], tuple(x or y for x, y in zip(a[2], b[2], strict=True))] for a, b in zip(runs, runs[1:])]
+    merged = [
+      [a[0], b[1], tuple(x or y for x, y in zip(a[2], b[2], strict=True))]
+      for a, b in zip(runs, runs[1:], strict=False)
+    ]
     j = min(range(len(merged)), key=lambda i: cost(merged[i]) - cost(runs[i]) - cost(runs[i + 1]))
     runs[j : j + 2] = [merged[j]]
   return [(a, b, f) for a, b, f in runs]

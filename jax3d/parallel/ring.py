@@ -279,7 +279,8 @@ def _layer(chunks: Any, r: jax.Array, j: jax.Array) -> Any:
 def _zeros(a: jax.Array, shape: tuple[int, ...] | None = None, dtype: Any = None) -> jax.Array:
   """Zeros like `a` (or of `shape`, `dtype`), varying over the same manual axes."""
   z = jnp.zeros_like(a, dtype=dtype)
-  return vary(jnp.broadcast_to(z, shape) if shape else z, tuple(jax.typeof(a).manual_axis_type.varying))
+  varying = tuple(sorted(jax.typeof(a).manual_axis_type.varying))  # sorted: not the hash seed's order
+  return vary(jnp.broadcast_to(z, shape) if shape else z, varying)
 
 
 def _add_at(acc: jax.Array, g: jax.Array, index: tuple[jax.Array, ...]) -> jax.Array:
