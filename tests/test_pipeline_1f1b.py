@@ -1,5 +1,5 @@
-"""The 1F1B schedule (pipeline.schedule='1f1b'): the schedule as data (jax3d/parallel/schedule_1f1b.py)
-and the loop with the loss inside it (loop_1f1b.py) against a plain scan over the same layers and
+"""The 1F1B schedule (pipeline.schedule='1f1b'): the schedule as data (jax3d/parallel/pipeline/schedule_1f1b.py)
+and the loop with the loss inside it (one_f_one_b.py) against a plain scan over the same layers and
 loss, value and gradients (layers, head, input), for p in {2, 4, 8}, m in {p, 2p, 4p}, v in {1, 2},
 remat none / full / dots."""
 
@@ -11,7 +11,8 @@ import test_equivalence as equivalence
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from test_pipeline import D, close, layer_fn, make
 
-from jax3d.parallel import pipeline, placement, ring, schedule_1f1b
+from jax3d.parallel import pipeline, placement
+from jax3d.parallel.pipeline import chunk, schedule_1f1b
 
 V = 5  # the toy head's vocabulary
 
@@ -36,12 +37,15 @@ def inputs(p, m, v, seed=0):
 
 
 def sequential_loss(layers, head, x_mbtd, side):
-  y = jax.vmap(lambda x: ring.run_layers(layer_fn, layers, x, 'none'))(x_mbtd)
+  y = jax.vmap(lambda x: chunk.run_layers(layer_fn, layers, x, 'none'))(x_mbtd)
   return sum(head_loss(head, y[i], {k: a[i] for k, a in side.items()}) for i in range(x_mbtd.shape[0]))
 
 
-def check(p, m, v, policy, skip):
-  devices = np.array(jax.devices()[: p * (8 // p)]).reshape(8 // p, p, 1)
+def check(p, m, v, policy, skip, dp=None):
+  """`dp` (default 8/p) sets a micro-batch's rows per device, B/dp, and so how the head splits
+  over pp: by rows where they divide by p, else by positions (T = 4), else not (p = 8)."""
+  dp = dp or 8 // p
+  devices = np.array(jax.devices()[: p * dp]).reshape(dp, p, 1)
   mesh = Mesh(devices, ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3)
   layers, head, x, side = inputs(p, m, v)
   L = layers['w1'].shape[0]
@@ -83,6 +87,13 @@ MATRIX = [
 @pytest.mark.parametrize('p,m,v,policy,skip', FAST)
 def test_1f1b_equals_plain_scan(p, m, v, policy, skip):
   check(p, m, v, policy, skip)
+
+
+@pytest.mark.parametrize('p,dp', [(2, 1), pytest.param(8, 1, marks=pytest.mark.slow)], ids=['rows', 'whole'])
+def test_1f1b_head_split_equals_plain_scan(p, dp):
+  """The head over pp by a micro-batch's rows (B = 4 on one dp rank, p = 2), or, where neither rows
+  nor positions divide (p = 8), whole on every stage and counted on the last."""
+  check(p, 2 * p, 1, 'none', False, dp=dp)
 
 
 @pytest.mark.slow
@@ -146,6 +157,23 @@ ONE_F = {'pipeline__schedule': '1f1b'}
 )
 def test_1f1b_train_step_equals_one_device(over, extra):
   equivalence.check({**over, **extra, **ONE_F})
+
+
+def test_1f1b_tied_embeddings_and_loss_chunks_equal_one_device():
+  """The tied table read by the head inside the loop (its gradient there and from the embedding
+  outside summed), the head's positions in loss-chunk pieces (2 sequences per micro-batch on 2x2x2:
+  the head splits the positions over pp)."""
+  tied = {'model__tie_embeddings': True}
+  over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4, 'train__loss_chunks': 2}
+  equivalence.check({**over, **tied, **ONE_F}, tuple(tied.items()))
+
+
+@pytest.mark.slow
+def test_1f1b_bf16_compute_equals_one_device():
+  """bf16 compute, fp32 weights: the chunk's weights cast before the VJP (loop_1f1b.Loop.weights)."""
+  bf16 = {'train__compute_dtype': 'bfloat16'}
+  over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4}
+  equivalence.check_bf16({**over, **bf16, **ONE_F}, tuple(bf16.items()))
 
 
 # The cost model, planner and OOM ladder know the schedule (nothing compiles).

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from jax3d.model import lora
-from jax3d.parallel import schedule_1f1b
+from jax3d.parallel.pipeline import schedule_1f1b
 
 if TYPE_CHECKING:
   from jax3d.record import Setup

@@ -17,7 +17,7 @@ import numpy as np
 from jax3d.analysis.dp_comm import dp_comm
 from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 from jax3d.model import formulas
-from jax3d.parallel import schedule_1f1b
+from jax3d.parallel.pipeline import schedule_1f1b
 
 if TYPE_CHECKING:
   from jax3d.record import Setup

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
-from jax3d.parallel import schedule_1f1b
+from jax3d.parallel.pipeline import schedule_1f1b
 from jax3d.planning import memory_model, time_model
 from jax3d.planning.hardware import BYTES, GB, Hardware
 from jax3d.planning.memory_model import layer_residual_bytes, local_params

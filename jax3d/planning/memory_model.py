@@ -35,7 +35,7 @@ import numpy as np
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
-from jax3d.parallel import schedule_1f1b
+from jax3d.parallel.pipeline import schedule_1f1b
 from jax3d.planning.hardware import BYTES
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def layer_residual_bytes(
   """Bytes one tp shard of one layer keeps for its backward pass, its input included (`features`:
   model.head_dim, 0 = d_model / n_heads, model.qkv_bias, model.qk_norm). Its weights
   count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
-  stack in the backward pass (jax3d/parallel/ring.py `run_layers`); without one, XLA keeps
+  stack in the backward pass (jax3d/parallel/pipeline/chunk.py `run_layers`); without one, XLA keeps
   the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
   rows: traced at 1 and 2 rows.
 
@@ -226,7 +226,7 @@ def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
 
 
 def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, res: Callable) -> float:
-  """1F1B (jax3d/parallel/schedule_1f1b.py, loop_1f1b.py): the VJP residuals of the units in
+  """1F1B (jax3d/parallel/pipeline/schedule_1f1b.py, loop_1f1b.py): the VJP residuals of the units in
   flight, min((v+1)p-1, v*m) slots (bounded by the stages, not the micro-batches), each a chunk's
   residuals under the policy on one micro-batch ('stage': its input only), one stash and one
   gradient slot, the loop's input and its gradient (fp32, the m micro-batches), and one layer's

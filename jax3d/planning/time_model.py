@@ -1,7 +1,7 @@
 """Step time of one layout: compute at `efficiency` of peak, the tp/pp/dp traffic over the links
 each axis is placed on (jax3d/parallel/mesh.py: tp inside a node, then pp, dp outermost), the dp
 all-reduce partly hidden behind the backward pass, and the bubble as wasted compute:
-executed/useful = (v*m+p-1)/(v*m). Under 1F1B (jax3d/parallel/schedule_1f1b.py) the loop runs
+executed/useful = (v*m+p-1)/(v*m). Under 1F1B (jax3d/parallel/pipeline/schedule_1f1b.py) the loop runs
 T = v*m + 2(p-1) + (v-1)p ticks of one forward and one backward (the idle halves computed, as on
 accelerators), and each backward recomputes its chunk's forward from the stashed input.
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
-from jax3d.parallel import schedule_1f1b
+from jax3d.parallel.pipeline import schedule_1f1b
 from jax3d.planning import memory_model
 from jax3d.planning.hardware import BYTES, Hardware
 
@@ -128,5 +128,5 @@ def step_times(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> d
 
 
 def _ticks(plan: RunPlan) -> int:
-  """The 1F1B loop's ticks (jax3d/parallel/schedule_1f1b.py)."""
+  """The 1F1B loop's ticks (jax3d/parallel/pipeline/schedule_1f1b.py)."""
   return schedule_1f1b.ticks(plan.pp, plan.repeats, plan.microbatches)

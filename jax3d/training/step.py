@@ -67,20 +67,16 @@ def _gathered_outside_loop(params: Any, s: Setup) -> Any:
 
 
 def _head_loss_sum(head: Any, y_btd: jax.Array, side: Batch, s: Setup) -> jax.Array:
-  """sum(w * CE) of the head over the last layer's output, in train.loss_chunks pieces: the one
-  head and loss of both schedules (after the pipeline, or inside the 1F1B loop per micro-batch)."""
-  # 1F1B hands the head a piece of each micro-batch's positions (split over pp): the pieces it cuts
-  # them into divide it (the same sum, only the memory differs)
+  """sum(w * CE) of the head over the last layer's output, in train.loss_chunks pieces (or fewer
+  that divide 1F1B's 1/pp of the positions): the one head and loss of both schedules."""
   chunks = math.gcd(s.cfg.train.loss_chunks, y_btd.shape[1])
   return llama.head_loss_sum(s.dims, head, y_btd, side['targets'], side.get('weights'), chunks)
 
 
 def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> jax.Array:
-  """embed -> the 1F1B pipeline, whose last stage computes the head and the loss of each
-  micro-batch from its per-row side inputs (every [B, T] array but the inputs, micro-batched as
-  the rows; the layers read DOC_KEYS of them)."""
-  # what llama.head_apply reads (the embedding only when tied): the loop carries their gradient
-  head = {k: params[k] for k in ('head', 'embed') if k == 'head' or s.dims.tie_embeddings}
+  """embed -> the 1F1B pipeline, with the head and loss of each micro-batch inside (split over pp),
+  from its per-row side inputs (every [B, T] array but the inputs; the layers read DOC_KEYS)."""
+  head = {k: params[k] for k in ('head', 'embed') if k == 'head' or s.dims.tie_embeddings}  # what it reads
 
   x_btd = llama.embed_apply(s.dims, params, batch['inputs'])
   return pipeline.loss(

@@ -1,7 +1,7 @@
 """The 1F1B pipeline schedule as data: which unit of work each stage does at each tick.
 
 A unit (i, k) is micro-batch i on virtual stage k = r*p + s (chunk r of stage s; v chunks per
-stage, p stages, V = v*p virtual stages). The SPMD loop (jax3d/parallel/loop_1f1b.py) runs T ticks
+stage, p stages, V = v*p virtual stages). The SPMD loop (one_f_one_b.py) runs T ticks
 in lockstep; in each tick every stage does at most one forward F(i, k) and one backward B(i, k'),
 then one `ppermute` sends the forward's output to stage s+1 and one sends the backward's input
 gradient to stage s-1 (both round the ring, for the chunks' wrap-around). What arrives is written
@@ -11,20 +11,21 @@ Orders. Each stage works through its forwards and its backwards in a fixed order
 interleaved order: micro-batches in groups of p (v > 1; one group when v = 1), and within a group
 the chunks depth-first: forwards chunk 0..v-1, backwards chunk v-1..0. A forward waits for its
 input (k = 0: the loop's own input, always there) and for the stage's in-flight count (units
-forwarded, not yet backwarded) to be under a cap W; a backward waits for its output gradient
-(k = V-1: for its input; the loss is computed inside that backward, so the last virtual stage has no
-forward of its own). W is the smallest cap that costs no tick over an uncapped run (`build`).
+forwarded, not yet backwarded) to be under a cap W; a backward waits for its output gradient. The
+last virtual stage (k = V-1) has a forward of its own, whose output goes to the head and the loss
+(split over pp, in the same tick); their gradient is its output gradient, so its backward can run
+the next tick. W is the smallest cap that costs no tick over an uncapped run (`build`).
 
-What a stage keeps: the stash holds the received inputs of its units (k > 0) from arrival until
-their backward recomputes the chunk from them; k = 0 re-reads the loop's input. Its size is the
-most slots any stage holds at once, measured here: min((v+1)p - 3, v*m) (`stash_slots`; for v = 1,
-2p-3: stage 1 receives micro-batch i at tick i, its gradient comes back 2p-3 ticks later), under
-the documented (v+1)p - 1 (tests/test_pipeline_1f1b.py checks both over p, v and m). It depends on
-p and v only once m >= p, never on m: GPipe keeps the residuals of all v*m+p-1 iterations.
+What a stage keeps: the VJP residuals of each unit from its forward to its backward, in residual
+slots: min((v+1)p - 1, v*m) (`residual_slots`, the most units in flight; checked against the
+simulation over p, v and m in tests/test_pipeline_1f1b.py), which stops growing at m = 2p where
+GPipe keeps the residuals of all v*m+p-1 iterations. An arriving activation or gradient is read
+the tick after it arrives: one stash slot and one gradient slot.
 
-Ticks: T = v*m + 2(p-1) + (v-1)p (`ticks`): a warm-up of forward-only ticks, a steady phase of one
+Ticks: T = v*m + 2p - 1 + (v-1)p (`ticks`): a warm-up of forward-only ticks, a steady phase of one
 forward and one backward per tick, a cool-down of backward-only ticks, and (v-1)p more for the
-chunks' wrap-around. With idle halves skipped a v = 1 step costs (m + p - 1)(F + B), as GPipe's.
+chunks' wrap-around. Some stage forwards in v*m + p - 1 of them and some stage backwards in
+v*m + p - 1 (`Schedule.phases`): GPipe's iteration count, what the loop computes.
 """
 
 from __future__ import annotations

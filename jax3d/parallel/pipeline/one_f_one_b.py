@@ -1,18 +1,18 @@
-"""The 1F1B loop on one stage, inside pipeline.py's `shard_map`: `lax.scan`s over the ticks of
-jax3d/parallel/schedule_1f1b.py, with the head and the loss inside and the backward written out.
+"""The 1F1B loop on one stage, inside the pipeline's `shard_map`: `lax.scan`s over the ticks of
+schedule_1f1b.py, with the head and the loss inside and the backward written out (chunk.py).
 
 Each tick a stage reads its row of the schedule's table (indexed by its pp rank) and does:
   forward   its unit's chunk on the input (the loop's own micro-batch for k = 0, else the stash
-            slot the previous stage sent), with `jax.vjp`: the VJP's residuals (what the remat
-            policy saves; the chunk's weights excepted, read again in the backward) are written
-            into the unit's residual slot. No forward is run twice.
+            slot the previous stage sent), `chunk.Chunk.forward`: its VJP residuals (what the
+            remat policy saves; the chunk's weights excepted) are written into the unit's
+            residual slot. No forward is run twice.
   head      where the last virtual stage forwards (k = V-1): its output, shared over pp by one
             reduce-scatter, gives each stage 1/p of the micro-batch's rows; each computes the head
             and the loss of its rows, with their gradients, and the output's gradient is
             all-gathered back into the last stage's gradient buffer: the head and the loss cost
             what they cost once per micro-batch, split over pp.
-  backward  its unit's residuals and output gradient through the VJP: the chunk's weight gradient
-            is added in place into one accumulator of the stage's weights.
+  backward  its unit's residuals and output gradient through the VJP (`chunk.Chunk.backward`):
+            the chunk's weight gradient is added in place into one accumulator of the stage's weights.
   send      the forward's output to stage s+1 and the backward's input gradient to stage s-1, one
             `ppermute` each, written into the receivers' stash and gradient-buffer slots.
 Which of forward, head and backward some stage runs in a tick is known from the table: the loop is
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax3d.parallel import remat, ring
-from jax3d.parallel.schedule_1f1b import COL, Schedule
+from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, add_at, put, zeros
+from jax3d.parallel.pipeline.schedule_1f1b import COL, Schedule
 from jax3d.parallel.sharding import PP, vary
 
 # (head params, y of (a piece of) one micro-batch [b, t, d], its side inputs) -> its loss sum
@@ -69,43 +69,13 @@ def segments(flags: np.ndarray, limit: int = MAX_SEGMENTS) -> list[tuple[int, in
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-  layer_fn: ring.LayerFn
+  layer_fn: LayerFn
   loss_fn: LossFn
   sched: Schedule
   dtype: Any  # the compute dtype of the activations in the loop
   policy: str
   skip: bool
   btd: tuple[int, int, int]  # a micro-batch's shape as the head reads it (the loop may carry rows)
-
-  def weights(self, params_r: Any) -> Any:
-    """A chunk's weights in the compute dtype, cast before `jax.vjp`: the layers' own casts are
-    then no-ops and the VJP's residuals hold the weights themselves, not a cast copy per unit."""
-    cast = lambda a: a.astype(self.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
-    return jax.tree.map(cast, params_r)
-
-  def chunk(self, side_u: dict) -> Callable:
-    """(chunk weights [lc, ...], x) -> y under the remat policy."""
-    run = lambda p, h: ring.run_layers(self.layer_fn, p, h, self.policy, side=side_u)
-    return remat.wrap_iteration(run, self.policy)
-
-  def forward(self, params_r: Any, x: jax.Array, side_u: dict) -> tuple[jax.Array, list, tuple]:
-    """(y, the residuals to keep, their layout): the residuals are the VJP's leaves but the
-    weights; the layout (VJP treedef, which leaves are weights) rebuilds it (`backward`)."""
-    w = self.weights(params_r)
-    y, vjp = jax.vjp(self.chunk(side_u), w, x)
-    leaves, tree = jax.tree.flatten(vjp)
-    w_leaves = jax.tree.leaves(w)
-    where = tuple(next((i for i, a in enumerate(w_leaves) if a is leaf), None) for leaf in leaves)
-    kept = [leaf for leaf, i in zip(leaves, where, strict=True) if i is None]
-    return y, kept, (tree, where)
-
-  def backward(self, params_r: Any, kept: list, layout: tuple, ct: jax.Array) -> tuple[Any, jax.Array]:
-    """(weight gradients [lc, ...] in the weights' dtype, ct_x) of a unit from its residuals."""
-    tree, where = layout
-    w_leaves, rest = jax.tree.leaves(self.weights(params_r)), iter(kept)
-    vjp = jax.tree.unflatten(tree, [next(rest) if i is None else w_leaves[i] for i in where])
-    g_w, ct_x = vjp(ct.astype(self.dtype))
-    return jax.tree.map(lambda g, a: g.astype(a.dtype), g_w, params_r), ct_x
 
   def head(self, hd: Any, y: jax.Array, side_u: dict, grads: bool) -> tuple:
     """The last stage's y shared over pp, each stage's rows through the head and the loss:
@@ -141,18 +111,16 @@ class Loop:
     varying = tuple(sorted(jax.typeof(xs).manual_axis_type.varying))  # sorted: not the hash seed's order
     zero = lambda: vary(jnp.zeros((), jnp.float32), varying)
     chunk_of = lambda r: jax.tree.map(lambda a: a[r], chunks)
-    # the residuals' shapes and layout: one forward traced here, its values unused (dead code)
-    _, kept0, layout = self.forward(chunk_of(0), x0, _at(side, 0))
-    res = [ring._zeros(a, (self.sched.residuals, *a.shape)) for a in kept0] if grads else []
+    chunk = Chunk(self.layer_fn, self.policy, self.dtype)
+    res, layout = chunk.slots(chunk_of(0), x0, _at(side, 0), self.sched.residuals) if grads else ([], None)
 
     def forward(r, x, mb):
       if not grads:
-        return self.chunk(_at(side, mb))(chunk_of(r), x), []
-      y, kept, _ = self.forward(chunk_of(r), x, _at(side, mb))
-      return y, kept
+        return chunk.apply(chunk_of(r), x, _at(side, mb)), []
+      return chunk.forward(chunk_of(r), x, _at(side, mb))[:2]
 
     def backward(r, kept, ct):
-      return self.backward(chunk_of(r), kept, layout, ct)
+      return chunk.backward(chunk_of(r), kept, layout, ct)
 
     def tick(flags, carry, row_all):
       do_f, do_b, do_h = flags
@@ -175,10 +143,10 @@ class Loop:
           g_p, ct_x = jax.lax.cond(valid, backward, none, *b_args)
         else:
           g_p, ct_x = backward(*b_args)
-        acc = jax.tree.map(lambda a, g: ring._add_at(a, jnp.where(valid, g, 0), (row['b_chunk'],)), acc, g_p)
-        dx = _put(dx, row['b_mb'], ct_x, valid & (row['b_first'] == 1))
+        acc = jax.tree.map(lambda a, g: add_at(a, jnp.where(valid, g, 0), (row['b_chunk'],)), acc, g_p)
+        dx = put(dx, row['b_mb'], ct_x, valid & (row['b_first'] == 1))
       if do_f:
-        res = [_put(a, row['f_rslot'], k, row['f_valid'] == 1) for a, k in zip(res, kept, strict=True)]
+        res = [put(a, row['f_rslot'], k, row['f_valid'] == 1) for a, k in zip(res, kept, strict=True)]
       if do_h:  # the last stage forwards its last chunk: every stage takes rows of its output
         mb = row_all[p - 1, COL['f_mb']]
         real = (row_all[p - 1, COL['f_valid']] == 1) & (row_all[p - 1, COL['f_last']] == 1)  # not merged
@@ -186,21 +154,21 @@ class Loop:
           got, g_head, ct_y = self.head(head, y, _at(side, mb), True)
           hacc = jax.tree.map(lambda a, g: a + jnp.where(real, g, 0).astype(a.dtype), hacc, g_head)
           to_head = (row['f_valid'] == 1) & (row['f_last'] == 1)
-          gbuf = _put(gbuf, row['h_gslot'], ct_y.reshape(x0.shape), to_head)
+          gbuf = put(gbuf, row['h_gslot'], ct_y.reshape(x0.shape), to_head)
         else:
           got = self.head(head, y, _at(side, mb), False)
         loss = loss + jnp.where(real, got, 0.0)
       if do_f:
-        stash = _put(stash, row['a_slot'], jax.lax.ppermute(y, PP, fwd_ring), row['a_valid'] == 1)
+        stash = put(stash, row['a_slot'], jax.lax.ppermute(y, PP, fwd_ring), row['a_valid'] == 1)
       if do_b:
-        gbuf = _put(gbuf, row['g_slot'], jax.lax.ppermute(ct_x, PP, bwd_ring), row['g_valid'] == 1)
+        gbuf = put(gbuf, row['g_slot'], jax.lax.ppermute(ct_x, PP, bwd_ring), row['g_valid'] == 1)
       return (stash, gbuf, res, acc, hacc, dx, loss), None
 
-    stash = ring._zeros(x0, (self.sched.stash, *x0.shape))
-    gbuf = ring._zeros(x0, (self.sched.grads, *x0.shape))
-    acc = jax.tree.map(ring._zeros, chunks) if grads else None
+    stash = zeros(x0, (self.sched.stash, *x0.shape))
+    gbuf = zeros(x0, (self.sched.grads, *x0.shape))
+    acc = jax.tree.map(zeros, chunks) if grads else None
     hacc = jax.tree.map(lambda a: vary(jnp.zeros_like(a), varying), head) if grads else None
-    dx = ring._zeros(xs) if grads else None
+    dx = zeros(xs) if grads else None
     carry = (stash, gbuf, res, acc, hacc, dx, zero())
     rows = jnp.asarray(self.sched.table)
     for start, stop, flags in segments(self.sched.phases):
@@ -233,8 +201,3 @@ class Loop:
 def _at(side: dict, mb: jax.Array) -> dict:
   """Micro-batch mb of each side input."""
   return {k: v[mb] for k, v in side.items()}
-
-
-def _put(buf: jax.Array, slot: jax.Array, value: jax.Array, valid: jax.Array) -> jax.Array:
-  """buf with `value` written at `slot` where `valid` (else unchanged): one slot read and written."""
-  return buf.at[slot].set(jnp.where(valid, value.astype(buf.dtype), buf[slot]))
