@@ -9,7 +9,7 @@ for activations), modelling what jax3d's step really does:
     accumulator): the pipeline loop's carry, and each iteration's fresh gradient of the
     loop-invariant stage weights (JAX's transpose of a scan's constant operand) added into it.
     `python -m jax3d.plan --verify` checks this against XLA's figure.
-  - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
+  - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline/__init__.py): its scan keeps the
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
     pass. What one layer keeps is read off the real layer (`jax.ad_checkpoint` residuals of
     `jax3d.model.layers.Block` at the tp-local shapes, under the remat policy), so it follows the
@@ -221,12 +221,12 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool)
 
 
 def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
-  """pipeline.schedule=1f1b with stages (jax3d/parallel/pipeline.py `in_loop_loss`)."""
+  """pipeline.schedule=1f1b with stages (jax3d/parallel/pipeline/__init__.py `in_loop_loss`)."""
   return cfg.pipeline.schedule == '1f1b' and plan.pp > 1
 
 
 def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, res: Callable) -> float:
-  """1F1B (jax3d/parallel/pipeline/schedule_1f1b.py, loop_1f1b.py): the VJP residuals of the units in
+  """1F1B (jax3d/parallel/pipeline/schedule_1f1b.py, one_f_one_b.py): the VJP residuals of the units in
   flight, min((v+1)p-1, v*m) slots (bounded by the stages, not the micro-batches), each a chunk's
   residuals under the policy on one micro-batch ('stage': its input only), one stash and one
   gradient slot, the loop's input and its gradient (fp32, the m micro-batches), and one layer's
