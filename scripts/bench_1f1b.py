@@ -1,6 +1,6 @@
 """1F1B against GPipe: compiled FLOPs and temp memory per device, and step time on CPU, side by side.
 
-  python scripts/bench_1f1b.py [--pp=2,4,8] [--vocab=16384,131072] [--time-steps=7]
+  python scripts/bench_1f1b.py [--pp=2,4,8] [--m-per-pp=1,2,4] [--vocab=16384,131072] [--time-steps=7]
                                [--json=docs/bench/bench_1f1b.json]
 
 Three parts, every figure from one run of this script:
@@ -102,42 +102,51 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   ap.add_argument('--pp', default='2,4,8')
   ap.add_argument('--vocab', default='16384,131072')
+  ap.add_argument('--m-per-pp', default='1,2,4', help='the micro-batch counts m, in multiples of pp')
   ap.add_argument('--time-steps', type=int, default=7)
   ap.add_argument('--json', default='docs/bench/bench_1f1b.json')
   a = ap.parse_args()
   ints = lambda s: [int(x) for x in s.split(',') if x]
+  report = {}
+
+  def save() -> None:  # after each part: a partial run still leaves its figures
+    os.makedirs(os.path.dirname(a.json) or '.', exist_ok=True)
+    with open(a.json, 'w') as f:
+      json.dump(report, f, indent=1)
+
   goal = measure(GOAL, 8)
+  report['goal'] = {'config': GOAL} | goal
+  save()
   print(
     f'goal (dp1 pp4 tp2 m8, vocab 16K, skip off): GFLOP/device gpipe {goal["gpipe"]["gflops"]:.2f}  '
     f'1f1b {goal["1f1b"]["gflops"]:.2f}  ratio {goal["flops_ratio"]:.2f} (bar <= 1.30)',
     flush=True,
   )
-  sweep = []
+  t = step_times(a.time_steps)
+  report['time'] = {'config': TIME} | t
+  save()
+  print(
+    f'step time pp4 m8 (CPU, median): gpipe {t["median_ms"]["gpipe"]:.1f} ms  1f1b '
+    f'{t["median_ms"]["1f1b"]:.1f} ms  ratio {t["ratio"]:.2f} (bar <= 1.10)',
+    flush=True,
+  )
+  report['sweep'] = {'config': SWEEP, 'rows': []}
   print(
     f'{"pp":>3} {"m":>3} {"vocab":>7}  {"GFLOP gpipe":>11} {"1f1b":>7} {"x":>5}  {"temp MiB gpipe":>14} {"1f1b":>7} {"x":>5}'
   )
   for pp in ints(a.pp):
-    for m in (pp, 2 * pp, 4 * pp):
+    for m in [k * pp for k in ints(a.m_per_pp)]:
       for vocab in ints(a.vocab):
         over = SWEEP | {'mesh.pp': pp, 'pipeline.microbatches': m, 'model.vocab_size': vocab}
         r = {'pp': pp, 'm': m, 'vocab': vocab} | measure(over | {'train.global_batch_size': 2 * m}, pp)
-        sweep.append(r)
+        report['sweep']['rows'].append(r)
+        save()
         g, o = r['gpipe'], r['1f1b']
         print(
           f'{pp:>3} {m:>3} {vocab:>7}  {g["gflops"]:>11.3f} {o["gflops"]:>7.3f} {r["flops_ratio"]:>5.2f}  '
           f'{g["temp_mib"]:>14.2f} {o["temp_mib"]:>7.2f} {r["temp_ratio"]:>5.2f}',
           flush=True,
         )
-  t = step_times(a.time_steps)
-  print(
-    f'step time pp4 m8 (CPU, median): gpipe {t["median_ms"]["gpipe"]:.1f} ms  1f1b '
-    f'{t["median_ms"]["1f1b"]:.1f} ms  ratio {t["ratio"]:.2f} (bar <= 1.10)'
-  )
-  report = {'goal': {'config': GOAL} | goal, 'sweep': {'config': SWEEP, 'rows': sweep}}
-  report['time'] = {'config': TIME} | t
-  os.makedirs(os.path.dirname(a.json) or '.', exist_ok=True)
-  with open(a.json, 'w') as f:
-    json.dump(report, f, indent=1)
 
 
 if __name__ == '__main__':
