@@ -159,6 +159,7 @@ def test_1f1b_train_step_equals_one_device(over, extra):
   equivalence.check({**over, **extra, **ONE_F})
 
 
+@pytest.mark.slow
 def test_1f1b_tied_embeddings_and_loss_chunks_equal_one_device():
   """The tied table read by the head inside the loop (its gradient there and from the embedding
   outside summed), the head's positions in loss-chunk pieces (2 sequences per micro-batch on 2x2x2:
