@@ -93,11 +93,19 @@ class Chunk:
     g_w, ct_x = vjp(ct.astype(self.dtype))
     return jax.tree.map(lambda g, a: g.astype(a.dtype), g_w, params_r), ct_x
 
-  def slots(self, params_r: Any, x: jax.Array, side_u: Side, n: int) -> tuple[list, tuple]:
+  def slots(self, params_r: Any, x: jax.Array, side_u: Side, n: int, axes: tuple) -> tuple[list, tuple]:
     """(n zero slots of each residual [n, ...], the layout): one forward traced for its shapes,
-    its values unused (dead code)."""
+    its values unused (dead code). The slots vary over the manual `axes` too: a residual traced
+    here from chunk 0 may vary over fewer axes than one from the chunk a stage picks (`kept`)."""
     _, kept, layout = self.forward(params_r, x, side_u)
-    return [zeros(a, (n, *a.shape)) for a in kept], layout
+    return [vary(zeros(a, (n, *a.shape)), axes) for a in kept], layout
+
+
+def kept(leaves: list, slots: list) -> list:
+  """Residual leaves varying over the manual axes of their slots (a scan carries the slots)."""
+  return [
+    vary(a, tuple(sorted(jax.typeof(s).manual_axis_type.varying))) for a, s in zip(leaves, slots, strict=True)
+  ]
 
 
 def zeros(a: jax.Array, shape: tuple[int, ...] | None = None, dtype: Any = None) -> jax.Array:

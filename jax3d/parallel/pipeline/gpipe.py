@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.parallel import remat
-from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, Side, add_at, run_layers, zeros
+from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, Side, add_at, kept, run_layers, zeros
 from jax3d.parallel.sharding import PP, vary
 
 
@@ -147,11 +147,14 @@ class GPipe:
     )
 
     def slots(chunks, x_btd, side):  # the residuals' zero slot and layout (traced, not run)
-      return chunk.slots(of(chunks, 0), jnp.zeros_like(x_btd, dtype=self.dtype), self.side_at(side, 0), 1)
+      axes = tuple(sorted(jax.typeof(x_btd).manual_axis_type.varying))
+      return chunk.slots(
+        of(chunks, 0), jnp.zeros_like(x_btd, dtype=self.dtype), self.side_at(side, 0), 1, axes
+      )
 
     def fwd(chunks, xs, side):
       zero = [a[0] for a in slots(chunks, xs[0], side)[0]]
-      keeping = lambda c, r, x, sd: chunk.forward(of(c, r), x, sd)[:2]
+      keeping = lambda c, r, x, sd: (lambda y, k, _: (y, kept(k, zero)))(*chunk.forward(of(c, r), x, sd))
       recv_nbtd, kept_n = self.forward(chunks, xs, side, keeping, lambda x: (x, zero))
       return recv_nbtd, (chunks, kept_n, side)
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, add_at, put, zeros
+from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, add_at, kept as chunk_kept, put, zeros
 from jax3d.parallel.pipeline.schedule_1f1b import COL, Schedule
 from jax3d.parallel.sharding import PP, vary
 
@@ -112,12 +112,14 @@ class Loop:
     zero = lambda: vary(jnp.zeros((), jnp.float32), varying)
     chunk_of = lambda r: jax.tree.map(lambda a: a[r], chunks)
     chunk = Chunk(self.layer_fn, self.policy, self.dtype)
-    res, layout = chunk.slots(chunk_of(0), x0, _at(side, 0), self.sched.residuals) if grads else ([], None)
+    n = self.sched.residuals
+    res, layout = chunk.slots(chunk_of(0), x0, _at(side, 0), n, varying) if grads else ([], None)
 
     def forward(r, x, mb):
       if not grads:
         return chunk.apply(chunk_of(r), x, _at(side, mb)), []
-      return chunk.forward(chunk_of(r), x, _at(side, mb))[:2]
+      y, kept, _ = chunk.forward(chunk_of(r), x, _at(side, mb))
+      return y, chunk_kept(kept, res)
 
     def backward(r, kept, ct):
       return chunk.backward(chunk_of(r), kept, layout, ct)
