@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax3d import optim
 from jax3d.data import corpus
 from jax3d.model import llama, lora
 from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
-from jax3d.training import optim
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]

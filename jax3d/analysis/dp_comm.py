@@ -33,7 +33,7 @@ import numpy as np
 from jax3d.model import lora
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 REGATHERS = {'none': 1, 'dots': 1, 'attn': 1, 'full': 1, 'stage': 2}
 

@@ -19,7 +19,7 @@ from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_
 from jax3d.model import formulas
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 
 def expected_comm(s: Setup) -> dict:

@@ -19,7 +19,7 @@ tiled `all_gather` on that dimension:
            the stage's weights and their gradient exist whole during the step.
 
 The embedding, head and final norm are used outside the loop: constrained to the layers' own
-layout there (jax3d/training/step.py), so the compiler all-gathers them once per step and
+layout there (jax3d/step.py), so the compiler all-gathers them once per step and
 reduce-scatters their gradients. The explicit path (16-/8-bit
 reductions, bf16 parameters) gathers everything once at its entry and reduce-scatters with
 `compression.reduce` (data_parallel.value_and_grad).

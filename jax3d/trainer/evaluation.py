@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jax3d.data import corpus as data_lib
-from jax3d.record import Setup
+from jax3d.setup import Setup
 
 
 def held_out_loss(setup: Setup, corpus: data_lib.Corpus, eval_step: Callable, params: dict) -> float:

@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jax3d import step as step_lib
 from jax3d.errors import CheckpointError
 from jax3d.hf import weights as hf_weights
 from jax3d.model import lora
-from jax3d.record import Setup
+from jax3d.setup import Setup
 from jax3d.trainer import checkpoint as ckpt_lib
 from jax3d.trainer.rundir import checkpoint_dir
-from jax3d.training import step as step_lib
 
 
 def initial_state(

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 
-from jax3d import assemble
+from jax3d import assemble, step as step_lib
 from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, tokenizer as tokenizer_lib
 from jax3d.errors import TrainingError
@@ -40,7 +40,6 @@ from jax3d.trainer import (
   steplog as steplog_lib,
   workdir as workdir_lib,
 )
-from jax3d.training import step as step_lib
 
 __all__ = ['Trainer', 'TrainingError']  # TrainingError (jax3d/errors.py) is importable from here too
 
