@@ -89,7 +89,9 @@ def test_1f1b_equals_plain_scan(p, m, v, policy, skip):
   check(p, m, v, policy, skip)
 
 
-@pytest.mark.parametrize('p,dp', [(2, 1), pytest.param(8, 1, marks=pytest.mark.slow)], ids=['rows', 'whole'])
+# slow (10 s each): the default train-step test below splits its head by rows (2 per micro-batch, pp=2)
+@pytest.mark.slow
+@pytest.mark.parametrize('p,dp', [(2, 1), (8, 1)], ids=['rows', 'whole'])
 def test_1f1b_head_split_equals_plain_scan(p, dp):
   """The head over pp by a micro-batch's rows (B = 4 on one dp rank, p = 2), or, where neither rows
   nor positions divide (p = 8), whole on every stage and counted on the last."""
