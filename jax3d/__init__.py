@@ -16,7 +16,7 @@ The public API (jax3d/api.py), loaded on first use:
 
 Why lazy: `import jax3d` must not start jax's backend (fake CPU devices are fixed when it starts)
 and must not import the command modules (`python -m jax3d.plan` would then run a second copy of
-an already-imported module). Submodules (`jax3d.plan`, `jax3d.training`, ...) load on first access.
+an already-imported module). Submodules (`jax3d.plan`, `jax3d.step`, ...) load on first access.
 """
 
 from __future__ import annotations

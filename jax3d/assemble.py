@@ -6,7 +6,7 @@
 
 The trainer, the Python API, the sampler, the exporter, the planner's --verify, the inspector and
 the benchmarks all go through `build`, so what they report is what the trainer trains: an hf:
-import's model, a tokenizer's vocabulary, the layout. `build` returns a `Setup` (jax3d/record.py).
+import's model, a tokenizer's vocabulary, the layout. `build` returns a `Setup` (jax3d/setup.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import config as config_lib
+from jax3d import config as config_lib, optim, step as step_lib
 from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, packing, schedule as sched_lib, shards, tokenizer as tok_lib
 from jax3d.errors import ConfigError
@@ -41,8 +41,7 @@ from jax3d.parallel import (
   placement,
   sharding,
 )
-from jax3d.record import Setup
-from jax3d.training import optim, step as step_lib
+from jax3d.setup import Setup
 
 
 def build(

@@ -55,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
   import jax
   import numpy as np
 
-  from jax3d import assemble, config as config_lib
+  from jax3d import assemble, config as config_lib, step as step_lib
   from jax3d.parallel import gpu_target
-  from jax3d.training import step as step_lib
 
   over = {
     'model.n_layers': args.layers,

@@ -34,9 +34,12 @@ use_fake_cpu_devices(1)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax3d import assemble, config as config_lib  # noqa: E402
+from jax3d import (  # noqa: E402
+  assemble,
+  config as config_lib,
+  step as step_lib,  # noqa: E402
+)
 from jax3d.data import packing  # noqa: E402
-from jax3d.training import step as step_lib  # noqa: E402
 
 SHAPE = {
   'model.n_layers': 2,

@@ -30,10 +30,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jax3d import assemble, config as config_lib  # noqa: E402
+from jax3d import (  # noqa: E402
+  assemble,
+  config as config_lib,
+  step as step_lib,  # noqa: E402
+)
 from jax3d.data import packing  # noqa: E402
 from jax3d.parallel import sharding  # noqa: E402
-from jax3d.training import step as step_lib  # noqa: E402
 
 SHAPE = {
   'model.n_layers': 4,

@@ -43,10 +43,13 @@ use_fake_cpu_devices(8)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax3d import assemble, config as config_lib  # noqa: E402
+from jax3d import (  # noqa: E402
+  assemble,
+  config as config_lib,
+  step as step_lib,  # noqa: E402
+)
 from jax3d.data import packing  # noqa: E402
 from jax3d.planning import memory_model  # noqa: E402
-from jax3d.training import step as step_lib  # noqa: E402
 
 MiB = 2**20
 PARTS = ('bytes', 'chunks', 'time')

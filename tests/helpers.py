@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax3d import assemble, config as config_lib
+from jax3d import assemble, config as config_lib, step as step_lib
 from jax3d.data import packing
 from jax3d.model import llama
 from jax3d.parallel import placement
-from jax3d.training import step as step_lib
 
 SMALL = {
   'model.n_layers': 8,

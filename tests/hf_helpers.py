@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax3d import assemble, config as config_lib
+from jax3d import assemble, config as config_lib, step as step_lib
 from jax3d.hf import weights as hf_weights
 from jax3d.parallel import sharding
-from jax3d.training import step as step_lib
 
 # GQA (8 query heads over 4 KV heads), a vocabulary that is not a multiple of 128 (padded to 384),
 # 4 layers (pp up to 4), heads and d_ff divisible by tp up to 4.

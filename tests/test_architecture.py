@@ -36,12 +36,13 @@ RANK = (
   'jax3d.errors',  # error types and exit statuses
   'jax3d.config',  # keys, loading, validation into the run plan
   'jax3d.configs',  # the shipped configs (configs/*.py)
-  'jax3d.record',  # the build record (Setup)
+  'jax3d.setup',  # the built run (Setup)
   'jax3d.parallel',  # mesh, shardings, collectives, pipeline, remat, device flags
   'jax3d.model',  # the decoder, its formulas, KV-cache decoding
   'jax3d.data',  # corpora, tokenizers, shards, batches
   'jax3d.hf',  # Hugging Face in and out
-  'jax3d.training',  # the train step and the optimizer
+  'jax3d.optim',  # the optimizer
+  'jax3d.step',  # the train step
   'jax3d.analysis',  # compiled memory, FLOPs, collectives; memory curves; plots
   'jax3d.assemble',  # the one build path
   'jax3d.planning',  # cost model, planner, OOM ladder
@@ -187,7 +188,7 @@ def test_the_import_graph_sees_every_import():
     'from jax3d.parallel import mesh as mesh_lib\n'
     'from . import checkpoint\n'
     'from ..analysis.hlo import parse_hlo\n'
-    'if TYPE_CHECKING:\n  from jax3d.training import step\n'
+    'if TYPE_CHECKING:\n  from jax3d import step\n'
     'def f():\n  from jax3d.model import llama\n'
   )
   found = _imports('jax3d.trainer.trainer', ast.parse(src), is_package=False)
@@ -199,7 +200,7 @@ def test_the_import_graph_sees_every_import():
     'jax3d.analysis.hlo',
     'jax3d.trainer.checkpoint',
     'jax3d.data.corpus',
-    'jax3d.training.step',
+    'jax3d.step',
   }
 
 

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 import jax3d
-from jax3d import assemble, config
+from jax3d import assemble, config, step as step_lib
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB
 from jax3d.trainer.trainer import Trainer
-from jax3d.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = (2, 2, 2)

@@ -14,9 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from jax3d import assemble
+from jax3d import assemble, step as step_lib
 from jax3d.parallel import gpu
-from jax3d.training import step as step_lib
 
 from helpers import canonical, fixed_batches, setup_for, small_cfg
 

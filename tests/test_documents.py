@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
+from jax3d import step as step_lib
 from jax3d.data import packing
 from jax3d.parallel import sharding
-from jax3d.training import step as step_lib
 
 from helpers import run_steps, setup_for, small_cfg
 

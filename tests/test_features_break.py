@@ -13,10 +13,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from test_checkpoint import cfg_for
 
-from jax3d import assemble
+from jax3d import assemble, step as step_lib
 from jax3d.parallel import compression
 from jax3d.trainer.trainer import Trainer
-from jax3d.training import step as step_lib
 
 from helpers import run_steps, setup_for, small_cfg
 

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 from test_checkpoint import cfg_for
 
-from jax3d import assemble
+from jax3d import assemble, step as step_lib
 from jax3d.errors import ConfigError
 from jax3d.model import attention
-from jax3d.training import step as step_lib
 
 
 def export_cuda(**over):

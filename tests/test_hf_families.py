@@ -156,8 +156,8 @@ def test_import_export_round_trip_is_bit_identical(families, family, tmp_path):
 
 def test_tied_gradient_is_the_sum_of_both_uses(families):
   """The tied table's gradient equals the embedding's plus the head's of the same model untied."""
+  from jax3d import step as step_lib
   from jax3d.parallel import sharding
-  from jax3d.training import step as step_lib
 
   path, _ = families['qwen2.5']
   toks = H.tokens(seq=SEQ)

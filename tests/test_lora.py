@@ -8,11 +8,10 @@ import optax
 import pytest
 from test_documents import weighted_batches
 
-from jax3d import assemble
+from jax3d import assemble, step as step_lib
 from jax3d.errors import ConfigError
 from jax3d.model import lora
 from jax3d.parallel import placement
-from jax3d.training import step as step_lib
 
 from helpers import canonical, fixed_batches, setup_for, small_cfg
 

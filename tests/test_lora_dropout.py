@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_lora import LORA, reference as no_dropout, run_lora, with_nonzero_b
 
+from jax3d import step as step_lib
 from jax3d.model import lora
-from jax3d.training import step as step_lib
 
 from helpers import fixed_batches, setup_for, small_cfg
 

@@ -12,11 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from jax3d import assemble
+from jax3d import assemble, step as step_lib
 from jax3d.data import packing
 from jax3d.hf import peft as peft_io, weights as hf_weights
 from jax3d.model import lora
-from jax3d.training import step as step_lib
 
 torch = pytest.importorskip('torch')
 peft = pytest.importorskip('peft')

@@ -9,8 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from jax3d import config as config_lib
-from jax3d.training import optim
+from jax3d import config as config_lib, optim
 
 
 def _grads(norm: float) -> dict:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jax3d.parallel import pipeline, placement, ring
+from jax3d.parallel import pipeline, placement
+from jax3d.parallel.pipeline import chunk
 
 D, B, T = 8, 4, 4  # model width, micro-batch rows, sequence
 
@@ -30,7 +31,7 @@ def make(p, m, v, seed=0):
 
 
 def sequential(layers, x_mbtd):
-  return jax.vmap(lambda x: ring.run_layers(layer_fn, layers, x, 'none'))(x_mbtd)
+  return jax.vmap(lambda x: chunk.run_layers(layer_fn, layers, x, 'none'))(x_mbtd)
 
 
 def loss(y):
@@ -45,7 +46,7 @@ CASES = [(p, m, v) for p in (2, 4, 8) for v in (1, 2) for m in (1, p, 2 * p) if 
 @pytest.mark.parametrize('p,m,v', CASES)
 def test_pipeline_equals_sequential(p, m, v, skip, policy):
   """Under 'none' JAX differentiates the loop; under 'full' and 'stage' its backward pass is
-  written out (ring.Ring.backward)."""
+  written out (gpipe.GPipe.backward)."""
   devices = np.array(jax.devices()[: p * (8 // p)]).reshape(8 // p, p, 1)
   mesh = Mesh(devices, ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3)
   layers, x = make(p, m, v)

@@ -1,5 +1,5 @@
-"""The 1F1B schedule (pipeline.schedule='1f1b'): the schedule as data (jax3d/parallel/schedule_1f1b.py)
-and the loop with the loss inside it (loop_1f1b.py) against a plain scan over the same layers and
+"""The 1F1B schedule (pipeline.schedule='1f1b'): the schedule as data (jax3d/parallel/pipeline/schedule_1f1b.py)
+and the loop with the loss inside it (one_f_one_b.py) against a plain scan over the same layers and
 loss, value and gradients (layers, head, input), for p in {2, 4, 8}, m in {p, 2p, 4p}, v in {1, 2},
 remat none / full / dots."""
 
@@ -11,7 +11,8 @@ import test_equivalence as equivalence
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from test_pipeline import D, close, layer_fn, make
 
-from jax3d.parallel import pipeline, placement, ring, schedule_1f1b
+from jax3d.parallel import pipeline, placement
+from jax3d.parallel.pipeline import chunk, schedule_1f1b
 
 V = 5  # the toy head's vocabulary
 
@@ -36,12 +37,15 @@ def inputs(p, m, v, seed=0):
 
 
 def sequential_loss(layers, head, x_mbtd, side):
-  y = jax.vmap(lambda x: ring.run_layers(layer_fn, layers, x, 'none'))(x_mbtd)
+  y = jax.vmap(lambda x: chunk.run_layers(layer_fn, layers, x, 'none'))(x_mbtd)
   return sum(head_loss(head, y[i], {k: a[i] for k, a in side.items()}) for i in range(x_mbtd.shape[0]))
 
 
-def check(p, m, v, policy, skip):
-  devices = np.array(jax.devices()[: p * (8 // p)]).reshape(8 // p, p, 1)
+def check(p, m, v, policy, skip, dp=None):
+  """`dp` (default 8/p) sets a micro-batch's rows per device, B/dp, and so how the head splits
+  over pp: by rows where they divide by p, else by positions (T = 4), else not (p = 8)."""
+  dp = dp or 8 // p
+  devices = np.array(jax.devices()[: p * dp]).reshape(dp, p, 1)
   mesh = Mesh(devices, ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3)
   layers, head, x, side = inputs(p, m, v)
   L = layers['w1'].shape[0]
@@ -85,6 +89,15 @@ def test_1f1b_equals_plain_scan(p, m, v, policy, skip):
   check(p, m, v, policy, skip)
 
 
+# slow (10 s each): the default train-step test below splits its head by rows (2 per micro-batch, pp=2)
+@pytest.mark.slow
+@pytest.mark.parametrize('p,dp', [(2, 1), (8, 1)], ids=['rows', 'whole'])
+def test_1f1b_head_split_equals_plain_scan(p, dp):
+  """The head over pp by a micro-batch's rows (B = 4 on one dp rank, p = 2), or, where neither rows
+  nor positions divide (p = 8), whole on every stage and counted on the last."""
+  check(p, 2 * p, 1, 'none', False, dp=dp)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('p,m,v,policy', MATRIX)
 def test_1f1b_matrix_equals_plain_scan(p, m, v, policy):
@@ -93,18 +106,28 @@ def test_1f1b_matrix_equals_plain_scan(p, m, v, policy):
 
 @pytest.mark.parametrize('v', [1, 2, 3])
 @pytest.mark.parametrize('p', [2, 4, 8])
-def test_stash_is_bounded_by_the_stages_not_the_microbatches(p, v):
-  """Stash slots: min((v+1)p - 3, v*m) measured, under the documented (v+1)p - 1, whatever m; the
-  tick count v*m + 2(p-1) + (v-1)p; every unit's forward before its backward, each exactly once."""
+def test_residuals_are_bounded_by_the_stages_not_the_microbatches(p, v):
+  """Residual slots (units forwarded, not yet backwarded): min((v+1)p - 1, v*m) measured, whatever
+  m beyond; one stash and one gradient slot; the tick count v*m + 2p - 1 + (v-1)p; every unit's
+  forward before its backward, each exactly once; the head in m ticks, forwards and backwards
+  each in GPipe's v*m + p - 1 ticks (what the accelerator path computes)."""
   for m in (p, 2 * p, 4 * p):
     s = schedule_1f1b.build(p, v, m)
-    assert s.stash == schedule_1f1b.stash_slots(p, v, m) == min((v + 1) * p - 3, v * m)
-    assert s.stash <= schedule_1f1b.stash_bound(p, v)
-    assert s.ticks == schedule_1f1b.ticks(p, v, m) == v * m + 2 * (p - 1) + (v - 1) * p
-    t = s.table
-    col = schedule_1f1b.COL
-    assert t[:, :, col['b_valid']].sum() == v * p * m
-    assert t[:, :, col['f_valid']].sum() == (v * p - 1) * m  # the last virtual stage has none
+    assert s.residuals == schedule_1f1b.residual_slots(p, v, m) == min((v + 1) * p - 1, v * m)
+    assert s.stash == s.grads == 1
+    assert s.ticks == schedule_1f1b.ticks(p, v, m) == v * m + 2 * p - 1 + (v - 1) * p
+    t, col = s.table, schedule_1f1b.COL
+    assert t[:, :, col['b_valid']].sum() == t[:, :, col['f_valid']].sum() == v * p * m
+    for st in range(p):
+      fw = [
+        (t[n, st, col['f_mb']], t[n, st, col['f_chunk']], n) for n in np.nonzero(t[:, st, col['f_valid']])[0]
+      ]
+      bw = {
+        (t[n, st, col['b_mb']], t[n, st, col['b_chunk']]): n for n in np.nonzero(t[:, st, col['b_valid']])[0]
+      }
+      assert len(fw) == len(bw) == v * m and all(bw[(i, r)] > n for i, r, n in fw)
+    f, b, h = s.phases.sum(axis=0)
+    assert (f, b, h) == (v * m + p - 1, v * m + p - 1, m)
 
 
 # End to end: the train step under 1F1B (the head and loss in the loop) against one device.
@@ -138,6 +161,24 @@ def test_1f1b_train_step_equals_one_device(over, extra):
   equivalence.check({**over, **extra, **ONE_F})
 
 
+@pytest.mark.slow
+def test_1f1b_tied_embeddings_and_loss_chunks_equal_one_device():
+  """The tied table read by the head inside the loop (its gradient there and from the embedding
+  outside summed), the head's positions in loss-chunk pieces (2 sequences per micro-batch on 2x2x2:
+  the head splits the positions over pp)."""
+  tied = {'model__tie_embeddings': True}
+  over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4, 'train__loss_chunks': 2}
+  equivalence.check({**over, **tied, **ONE_F}, tuple(tied.items()))
+
+
+@pytest.mark.slow
+def test_1f1b_bf16_compute_equals_one_device():
+  """bf16 compute, fp32 weights: the chunk's weights cast before the VJP (chunk.Chunk.weights)."""
+  bf16 = {'train__compute_dtype': 'bfloat16'}
+  over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4}
+  equivalence.check_bf16({**over, **bf16, **ONE_F}, tuple(bf16.items()))
+
+
 # The cost model, planner and OOM ladder know the schedule (nothing compiles).
 def _estimate(m, schedule, **over):
   from jax3d import config
@@ -149,13 +190,13 @@ def _estimate(m, schedule, **over):
 
 
 def test_cost_model_activations_flat_in_m_under_1f1b():
-  """GPipe's activations grow with m (every iteration's residuals); 1F1B's stash does not (only the
-  loop's own input and its gradient, 2 m micro-batches of fp32, grow)."""
-  acts = {s: [_estimate(m, s).breakdown['activations'] for m in (4, 16)] for s in ('gpipe', '1f1b')}
-  assert acts['gpipe'][1] > 2.4 * acts['gpipe'][0]  # (16+3)/(4+3) iterations
-  assert acts['1f1b'][1] < 1.6 * acts['1f1b'][0] and acts['1f1b'][1] < acts['gpipe'][1] / 4
+  """GPipe's activations grow with m (every iteration's residuals); 1F1B's residual slots stop
+  growing at m = 2p (only the loop's own input and its gradient, 2 m micro-batches of fp32, grow)."""
+  acts = {s: [_estimate(m, s).breakdown['activations'] for m in (8, 32)] for s in ('gpipe', '1f1b')}
+  assert acts['gpipe'][1] > 2.4 * acts['gpipe'][0]  # (32+3)/(8+3) iterations
+  assert acts['1f1b'][1] < 1.35 * acts['1f1b'][0] and acts['1f1b'][1] < acts['gpipe'][1] / 3
   e = _estimate(16, '1f1b')
-  assert e.schedule == '1f1b' and e.bubble == pytest.approx(1 - 16 / schedule_1f1b.ticks(4, 1, 16))
+  assert e.schedule == '1f1b' and e.bubble == pytest.approx(3 / 19)  # GPipe's: forwards in m+p-1 ticks
 
 
 @pytest.mark.slow

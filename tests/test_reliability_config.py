@@ -13,8 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax3d import config as config_lib
-from jax3d.training import step as step_lib
+from jax3d import config as config_lib, step as step_lib
 
 from helpers import fixed_batches, setup_for, small_cfg
 

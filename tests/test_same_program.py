@@ -1,5 +1,5 @@
 """The same program on every process (issue 44): the compiled train step's collectives, device
-groups included, do not depend on Python's hash seed. A set's iteration order follows
+groups included, do not depend on Python's hash seed (1F1B, GPipe and ZeRO-3). A set's iteration order follows
 PYTHONHASHSEED; the pipeline's manual axes were once iterated as a set, so two processes of one
 run could compile all-reduces over {0,4,2,6} and {0,2,4,6} (on GPUs: a NCCL mismatch or a hang)."""
 
@@ -42,8 +42,12 @@ def groups(seed: str, over: dict) -> list[str]:
   [
     {'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.schedule': '1f1b', 'model.n_layers': 2},
     pytest.param({'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'model.n_layers': 2}, marks=pytest.mark.slow),
+    pytest.param(
+      {'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'model.n_layers': 2, 'train.shard_params': True},
+      marks=pytest.mark.slow,
+    ),
   ],
-  ids=['1f1b', 'gpipe'],
+  ids=['1f1b', 'gpipe', 'zero3'],
 )
 def test_collectives_do_not_depend_on_the_hash_seed(over):
   runs = [groups(seed, over) for seed in ('1', '2')]

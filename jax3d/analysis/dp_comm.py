@@ -31,23 +31,21 @@ import jax
 import numpy as np
 
 from jax3d.model import lora
-from jax3d.parallel import schedule_1f1b
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 REGATHERS = {'none': 1, 'dots': 1, 'attn': 1, 'full': 1, 'stage': 2}
 
 
-def regathers(policy: str, one_f_one_b: bool) -> int:
-  """All-gathers of a layer's weights in the backward pass of one use, besides the forward's."""
-  if one_f_one_b:  # the backward recomputes the chunk ('stage' stashes inputs only: as 'full')
-    return 1 + REGATHERS['full' if policy == 'stage' else policy]
+def regathers(policy: str) -> int:
+  """All-gathers of a layer's weights in the backward pass of one use, besides the forward's (both
+  schedules: 1F1B keeps its chunks' VJP residuals as GPipe does)."""
   return REGATHERS[policy]
 
 
 def layer_uses(n_layers: int, pp: int, repeats: int, loop_steps: int, grad_accum: int) -> int:
-  """Layer runs per device per step: `loop_steps` (the loop's iterations, or 1F1B's ticks) times
+  """Layer runs per device per step: `loop_steps` (the loop's iterations) times
   the layers each runs (n_layers / (pp*repeats)), times grad_accum."""
   return loop_steps * (n_layers // (pp * repeats)) * grad_accum
 
@@ -160,8 +158,7 @@ def zero3_bytes(
 ) -> dict:
   """`dp_bytes` of ZeRO-3 on the compiler's path for a layout (`plan`: a RunPlan), the loop's
   steps and uses from its schedule: what `jax3d.inspect` checks and the time model prices."""
-  one_f = schedule == '1f1b' and plan.pp > 1
-  steps = schedule_1f1b.ticks(plan.pp, plan.repeats, plan.microbatches) if one_f else plan.iterations
+  steps = plan.iterations  # 1F1B: forwards (and backwards) in v*m+p-1 ticks, GPipe's count
   return dp_bytes(
     mode,
     dp=plan.dp,
@@ -169,7 +166,7 @@ def zero3_bytes(
     shared=shared,
     layers_per_stage=n_layers // plan.pp,
     uses=layer_uses(n_layers, plan.pp, plan.repeats, steps, plan.grad_accum),
-    gathers_back=regathers(remat, one_f),
+    gathers_back=regathers(remat),
     shared_group=shared_group,
     grad_accum=plan.grad_accum,
   )

@@ -17,19 +17,17 @@ import numpy as np
 from jax3d.analysis.dp_comm import dp_comm
 from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 from jax3d.model import formulas
-from jax3d.parallel import schedule_1f1b
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 
 def expected_comm(s: Setup) -> dict:
   """Wire bytes per device per step from the formulas, two ways where they differ:
   'formula'  the papers' count of useful work (m micro-batches through L/p layers per stage);
   'spmd'     what this SPMD pipeline executes: every stage runs and sends in all v*m+p-1
-             iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m) (under
-             1F1B the pp ring sends an activation forward and a gradient back in each of its
-             T = v*m + 2(p-1) + (v-1)p ticks: 2*T micro-batches per step); and
+             iterations, bubble included, so tp and pp traffic scale by (v*m+p-1)/(v*m) (1F1B
+             too: it sends forward in v*m+p-1 ticks and back in v*m+p-1); and
              the tp all-reduces the remat policy recomputes (formulas.TP_ALL_REDUCES_RECOMPUTED).
              dp is the same either way: the pipeline loop is manual over dp, so the weight
              gradients are summed over dp once per step, after the loop.
@@ -41,8 +39,7 @@ def expected_comm(s: Setup) -> dict:
   act = np.dtype(dims.dtype).itemsize
   bsh = plan.micro_batch // d * plan.seq_len * dims.d_model * act  # one micro-batch on one dp shard
   iters, layers_per_chunk = v * m + p - 1, dims.n_layers // (p * v)
-  one_f = s.cfg.pipeline.schedule == '1f1b' and p > 1  # one send each way per tick (schedule_1f1b)
-  ticks = schedule_1f1b.ticks(p, v, m) if one_f else iters
+  one_f = s.cfg.pipeline.schedule == '1f1b' and p > 1
   per_layer_mb = 4 * 2 * (t - 1) / t * bsh
   dp = dp_comm(s)
   scatter = plan.pp_batch_split is not None  # the loop's inputs gathered, outputs scattered over pp
@@ -67,7 +64,7 @@ def expected_comm(s: Setup) -> dict:
     'tp_edges': {'formula': sp_edges, 'spmd': sp_edges},
     'pp': {
       'formula': 2 * v * m * bsh * a / sp if p > 1 else 0.0,
-      'spmd': 2 * ticks * bsh * a / sp if p > 1 else 0.0,
+      'spmd': 2 * iters * bsh * a / sp if p > 1 else 0.0,
     },
     'pp_edges': {'formula': edge, 'spmd': edge},
     'dp': {'formula': dp['wire'], 'spmd': dp['wire']},

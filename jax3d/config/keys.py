@@ -88,7 +88,7 @@ def declared() -> Declared:
   # per tick, the loss in the loop, activation memory bounded by the stages (interleaved with repeats > 1)
   c.pipeline.schedule = 'gpipe', one_of(*SCHEDULES)
   # true | false | auto: a stage skips the work of its bubble iterations (a lax.cond); auto = on
-  # CPU devices with jax >= 0.12, where fake devices share the cores (jax3d/parallel/pipeline.py)
+  # CPU devices with jax >= 0.12, where fake devices share the cores (jax3d/parallel/pipeline/__init__.py)
   c.pipeline.skip_bubbles = 'auto', one_of(*SWITCH, fold_case=True)
 
   c.model.n_layers = 4, POSITIVE  # decoder layers; divisible by mesh.pp * pipeline.repeats

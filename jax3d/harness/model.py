@@ -3,7 +3,7 @@ interface with lm-eval's own request encoding: context/continuation split, the p
 empty context, as its `hf` model does) over a built run (Setup) and its parameters, any layout.
 
   loglikelihood(_rolling)  requests packed as documents into rows (jax3d/harness/rows.py), scored
-                           by the eval step's program (jax3d/training/scoring.py), one chunk of
+                           by the eval step's program (jax3d/scoring.py), one chunk of
                            rows (plan.chunk_batch x plan.seq_len) per step; rolling windows are
                            lm-eval's own (`get_rolling_token_windows`), each window a request
   generate_until           the KV-cache decoder (jax3d/model/generate.py), one request at a time:
@@ -25,12 +25,12 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as model_utils
 
+from jax3d import scoring
 from jax3d.data import corpus as data_lib, tokenizer as tok_lib
 from jax3d.errors import UsageError
 from jax3d.harness import rows as rows_lib
 from jax3d.model import generate
-from jax3d.record import Setup
-from jax3d.training import scoring
+from jax3d.setup import Setup
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's `hf` model's default
 

@@ -28,7 +28,7 @@ from jax3d.model import lora, quant, rope
 if TYPE_CHECKING:
   from collections.abc import Callable
 
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 
 def rope_scaling(scaling: rope.RopeScaling) -> dict | None:

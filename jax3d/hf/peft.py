@@ -27,7 +27,7 @@ from jax3d.hf import safetensors_io
 from jax3d.model import lora
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 CONFIG, WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
 PREFIX = 'base_model.model.model.layers.'

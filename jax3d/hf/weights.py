@@ -32,7 +32,7 @@ from jax3d.hf.config import HFModel
 from jax3d.model import llama, lora, quant
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 
 def _bounds(sl: slice, n: int) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 With v chunks per stage, chunk c = r*p + s (r = 0..v-1) runs on stage s, so the stacked weights are
 stored stage-major: position j holds canonical layer `layer_order(...)[j]`, and a plain P('pp')
-sharding of the layer axis gives each stage exactly its chunks (jax3d/parallel/pipeline.py).
+sharding of the layer axis gives each stage exactly its chunks (jax3d/parallel/pipeline/__init__.py).
 Checkpoints and exports hold the canonical order (`to_canonical`).
 """
 

@@ -19,7 +19,7 @@ tiled `all_gather` on that dimension:
            the stage's weights and their gradient exist whole during the step.
 
 The embedding, head and final norm are used outside the loop: constrained to the layers' own
-layout there (jax3d/training/step.py), so the compiler all-gathers them once per step and
+layout there (jax3d/step.py), so the compiler all-gathers them once per step and
 reduce-scatters their gradients. The explicit path (16-/8-bit
 reductions, bf16 parameters) gathers everything once at its entry and reduce-scatters with
 `compression.reduce` (data_parallel.value_and_grad).
@@ -34,7 +34,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jax3d.parallel import remat
-from jax3d.parallel.ring import LayerFn
+from jax3d.parallel.pipeline.chunk import LayerFn
 from jax3d.parallel.sharding import DP, TP
 
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
-from jax3d.parallel import schedule_1f1b
 from jax3d.planning import memory_model, time_model
 from jax3d.planning.hardware import BYTES, GB, Hardware
 from jax3d.planning.memory_model import layer_residual_bytes, local_params
@@ -54,12 +53,9 @@ class Estimate:
 
   @property
   def bubble(self) -> float:
-    """Idle share of the pipeline loop: GPipe's (p-1)/(v*m+p-1), or 1F1B's 1 - v*m/T with its T
-    ticks of a forward and a backward (the idle halves computed, as on accelerators)."""
-    p = self.plan
-    if self.schedule != '1f1b' or p.pp == 1:
-      return p.bubble
-    return 1 - p.repeats * p.microbatches / schedule_1f1b.ticks(p.pp, p.repeats, p.microbatches)
+    """Idle share of the pipeline loop: (p-1)/(v*m+p-1), GPipe's and 1F1B's (its loop computes
+    forwards and backwards in v*m+p-1 ticks each, jax3d/parallel/pipeline/schedule_1f1b.py)."""
+    return self.plan.bubble
 
   @property
   def total_bytes(self) -> float:

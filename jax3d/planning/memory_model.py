@@ -9,14 +9,14 @@ for activations), modelling what jax3d's step really does:
     accumulator): the pipeline loop's carry, and each iteration's fresh gradient of the
     loop-invariant stage weights (JAX's transpose of a scan's constant operand) added into it.
     `python -m jax3d.plan --verify` checks this against XLA's figure.
-  - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline.py): its scan keeps the
+  - activations of the SPMD GPipe pipeline (jax3d/parallel/pipeline/__init__.py): its scan keeps the
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
     pass, and with v > 1 five stacks of its m micro-batches (`_gpipe_edges`). One layer's is read
     off the real layer (`jax.ad_checkpoint` residuals of `layers.Block` at the tp-local shapes,
     under the remat policy, with the attention kernel's), so it follows the code; with XLA's
     attention, Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t)). With remat 'stage' it counts m+1
-    micro-batches per iteration (its input and, with pp > 1, a stage-0 queue of m): an upper bound, since the compiled loop saves the
-    iteration's input only (the queue, where v > 1, is a carry updated in place). Under 1F1B
+    micro-batches per iteration (its input and, with pp > 1, a stage-0 queue of m): an upper bound,
+    since the compiled loop saves the iteration's input only (the queue, where v > 1, is a carry updated in place). Under 1F1B
     (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the stages instead
     (`_activations_1f1b`), whatever the number of micro-batches.
   - LoRA (lora.rank > 0): the base in lora.base_dtype, the adapters' gradients and moments only.
@@ -34,7 +34,7 @@ import numpy as np
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
-from jax3d.parallel import schedule_1f1b
+from jax3d.parallel.pipeline import schedule_1f1b
 from jax3d.planning.hardware import BYTES
 from jax3d.planning.residuals import layer_residual_bytes
 
@@ -115,7 +115,7 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool 
 
 
 def _gpipe_edges(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
-  """The circular loop's own stacks of m micro-batches (jax3d/parallel/ring.py `circulate`, pp > 1,
+  """The circular loop's own stacks of m micro-batches (jax3d/parallel/pipeline/gpipe.py `circulate`, pp > 1,
   v > 1): its input, the stage-0 queue and the queue's gradient (fp32), and the finished outputs
   with their gradient (compute dtype). Read off the GPU compile (`plan --verify --target`): Llama 3
   70B at dp 2, pp 8, tp 4, m 16, v 5, remat full on 64 x H100 holds 3 fp32 and 2 bf16 such stacks
@@ -130,32 +130,33 @@ def _gpipe_edges(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
 
 
 def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
-  """pipeline.schedule=1f1b with stages (jax3d/parallel/pipeline.py `in_loop_loss`)."""
+  """pipeline.schedule=1f1b with stages (jax3d/parallel/pipeline/__init__.py `in_loop_loss`)."""
   return cfg.pipeline.schedule == '1f1b' and plan.pp > 1
 
 
 def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, res: Callable) -> float:
-  """1F1B (jax3d/parallel/schedule_1f1b.py): the stash of chunk inputs, min((v+1)p-3, v*m) slots
-  (bounded by the stages, not the micro-batches), one gradient slot, the loop's input and its
-  gradient (fp32, the m micro-batches), and the one backward in flight: its chunk's residuals
-  under the policy on one micro-batch ('stage' as 'full': the stash already holds only inputs)."""
+  """1F1B (jax3d/parallel/pipeline/schedule_1f1b.py, one_f_one_b.py): the VJP residuals of the units in
+  flight, min((v+1)p-1, v*m) slots (bounded by the stages, not the micro-batches), each a chunk's
+  residuals under the policy on one micro-batch ('stage': its input only), one stash and one
+  gradient slot, the loop's input and its gradient (fp32, the m micro-batches), and one layer's
+  intermediates while a unit runs."""
   sp = plan.tp if plan.sequence_parallel else 1
   act_mb = micro_activation_bytes(cfg, plan) / sp
-  slots = schedule_1f1b.stash_slots(plan.pp, plan.repeats, plan.microbatches) + 1
+  slots = schedule_1f1b.residual_slots(plan.pp, plan.repeats, plan.microbatches)
   edges = 2 * plan.microbatches * act_mb * 4 / BYTES[cfg.train.compute_dtype]
-  policy = 'full' if cfg.train.remat == 'stage' else cfg.train.remat
-  return slots * act_mb + edges + lc * res(policy=policy) + res(policy='none')
+  per_slot = act_mb if cfg.train.remat == 'stage' else lc * res(policy=cfg.train.remat)
+  return slots * per_slot + 2 * act_mb + edges + res(policy='none')
 
 
 def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   """fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out.
-  Under 1F1B the head runs inside the loop on one micro-batch at a time (a dp shard's rows). With
+  Under 1F1B the head runs inside the loop on 1/pp of one micro-batch at a time. With
   train.loss_chunks the logits terms are for one piece of the sequence (a scan recomputes each
   piece's in the backward pass)."""
   dp_pp = plan.dp * plan.pp
   rows_all = plan.chunk_batch // (dp_pp if plan.chunk_batch % dp_pp == 0 else plan.dp)
   h, cb = cfg.model.d_model, BYTES[cfg.train.compute_dtype]
-  head_rows = micro_rows(plan) if one_f_one_b(cfg, plan) else rows_all
+  head_rows = max(1, micro_rows(plan) // plan.pp) if one_f_one_b(cfg, plan) else rows_all
   logits = head_rows * 3 * 4 * plan.vocab_padded // plan.tp / cfg.train.loss_chunks
   return plan.seq_len * (logits + rows_all * 2 * h * cb)
 

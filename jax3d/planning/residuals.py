@@ -36,7 +36,7 @@ def layer_residual_bytes(
   """Bytes one tp shard of one layer keeps for its backward pass, its input included (`features`:
   model.head_dim, 0 = d_model / n_heads, model.qkv_bias, model.qk_norm). Its weights
   count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
-  stack in the backward pass (jax3d/parallel/ring.py `run_layers`); without one, XLA keeps
+  stack in the backward pass (jax3d/parallel/pipeline/chunk.py `run_layers`); without one, XLA keeps
   the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
   rows: traced at 1 and 2 rows.
 

@@ -1,9 +1,10 @@
 """Step time of one layout: compute at `efficiency` of peak, the tp/pp/dp traffic over the links
 each axis is placed on (jax3d/parallel/mesh.py: tp inside a node, then pp, dp outermost), the dp
 all-reduce partly hidden behind the backward pass, and the bubble as wasted compute:
-executed/useful = (v*m+p-1)/(v*m). Under 1F1B (jax3d/parallel/schedule_1f1b.py) the loop runs
-T = v*m + 2(p-1) + (v-1)p ticks of one forward and one backward (the idle halves computed, as on
-accelerators), and each backward recomputes its chunk's forward from the stashed input.
+executed/useful = (v*m+p-1)/(v*m). Under 1F1B (jax3d/parallel/pipeline/schedule_1f1b.py) the loop
+computes forwards in v*m+p-1 of its ticks and backwards in v*m+p-1, each chunk once (its VJP
+residuals kept): GPipe's compute and ring traffic, plus the head's two pp collectives per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
-from jax3d.parallel import schedule_1f1b
 from jax3d.planning import memory_model
 from jax3d.planning.hardware import BYTES, Hardware
 
@@ -39,9 +39,6 @@ def compute_seconds(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware)
   adapters = 6 * m.n_layers * formulas.lora_layer_params(dims)
   layer_flops = wg * p_layers + attn + extra[t.remat] + adapters
   waste = plan.iterations / (plan.repeats * plan.microbatches)  # bubble iterations compute too
-  if memory_model.one_f_one_b(cfg, plan):  # the backward recomputes its chunk from the stashed input
-    layer_flops = wg * p_layers + attn + fwd + extra['full' if t.remat == 'stage' else t.remat] + adapters
-    waste = _ticks(plan) / (plan.repeats * plan.microbatches)  # idle halves computed (accelerators)
   peak = hw.peak_tflops * 1e12 * (1.0 if t.compute_dtype == 'bfloat16' else 0.5)
   tokens = plan.tokens_per_step
   return tokens * (layer_flops * waste + wg * (dims_p - p_layers)) / plan.n_devices / (peak * hw.efficiency)
@@ -54,12 +51,13 @@ def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   sp = tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
   lc = cfg.model.n_layers // (pp * plan.repeats)  # layers per chunk: what one iteration runs
   one_f = memory_model.one_f_one_b(cfg, plan)
-  layer_calls = (_ticks(plan) if one_f else plan.iterations) * lc * plan.grad_accum
+  layer_calls = plan.iterations * lc * plan.grad_accum
   all_reduces = 4 + formulas.TP_ALL_REDUCES_RECOMPUTED[t.remat]  # per layer: 2 forward, 2 backward
   tp_bytes = layer_calls * all_reduces * 2 * (tp - 1) / tp * act_mb
   # The ring's ppermute is outside every checkpoint: one send forward, one backward.
-  # 1F1B: one send each way per tick as well.
-  pp_bytes = (_ticks(plan) if one_f else plan.iterations) * plan.grad_accum * 2 * act_mb / sp if pp > 1 else 0
+  # 1F1B: as many, and the head's reduce-scatter (fp32) and all-gather of each micro-batch.
+  pp_bytes = plan.iterations * plan.grad_accum * 2 * act_mb / sp if pp > 1 else 0
+  pp_bytes += plan.microbatches * plan.grad_accum * 2 * (pp - 1) / pp * act_mb if one_f else 0
   rows = plan.microbatches * memory_model.micro_rows(plan)
   edge = formulas.pipeline_edge_bytes(
     pp, rows, plan.seq_len, cfg.model.d_model, sp, plan.pp_batch_split is not None
@@ -125,8 +123,3 @@ def step_times(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> d
   }
   times['step'] = compute + times['tp'] + times['pp'] + t_dp - times['dp_hidden']
   return times
-
-
-def _ticks(plan: RunPlan) -> int:
-  """The 1F1B loop's ticks (jax3d/parallel/schedule_1f1b.py)."""
-  return schedule_1f1b.ticks(plan.pp, plan.repeats, plan.microbatches)

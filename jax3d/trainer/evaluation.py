@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jax3d.data import corpus as data_lib, mixture as mixture_lib
-from jax3d.record import Setup
+from jax3d.setup import Setup
 
 
 def held_out_losses(

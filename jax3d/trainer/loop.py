@@ -34,7 +34,7 @@ from jax3d import assemble
 from jax3d.config import RunPlan
 from jax3d.data import corpus as data_lib, mixture as mixture_lib, prefetch as prefetch_lib
 from jax3d.errors import TrainingError
-from jax3d.record import Setup
+from jax3d.setup import Setup
 from jax3d.trainer import checkpoint as ckpt_lib, distributed, metrics as metrics_lib
 from jax3d.trainer.steplog import StepLog
 

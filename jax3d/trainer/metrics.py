@@ -26,7 +26,8 @@ import numpy as np
 
 from jax3d.analysis.memory import fmt_bytes
 from jax3d.model import formulas, lora
-from jax3d.parallel import pipeline, schedule_1f1b
+from jax3d.parallel import pipeline
+from jax3d.parallel.pipeline import schedule_1f1b
 
 
 def is_main_process() -> bool:

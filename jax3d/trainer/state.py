@@ -24,13 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax3d import step as step_lib
 from jax3d.errors import CheckpointError
 from jax3d.hf import weights as hf_weights
 from jax3d.model import lora, quant
-from jax3d.record import Setup
+from jax3d.setup import Setup
 from jax3d.trainer import checkpoint as ckpt_lib
 from jax3d.trainer.rundir import checkpoint_dir
-from jax3d.training import step as step_lib
 
 
 def initial_state(

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from jax3d.analysis import memory as memory_lib
 from jax3d.errors import TrainingError
 from jax3d.model import formulas as flops_lib
-from jax3d.record import Setup
+from jax3d.setup import Setup
 from jax3d.trainer import metrics as metrics_lib
 
 

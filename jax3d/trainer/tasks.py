@@ -19,7 +19,7 @@ if TYPE_CHECKING:
   import jax
   import ml_collections
 
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 
 def json_path(workdir: str, step: int) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 
-from jax3d import assemble
+from jax3d import assemble, step as step_lib
 from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, mixture as mixture_lib, tokenizer as tokenizer_lib
 from jax3d.errors import TrainingError
@@ -41,7 +41,6 @@ from jax3d.trainer import (
   tasks as tasks_lib,
   workdir as workdir_lib,
 )
-from jax3d.training import step as step_lib
 
 __all__ = ['Trainer', 'TrainingError']  # TrainingError (jax3d/errors.py) is importable from here too
 

@@ -16,7 +16,7 @@ import numpy as np
 from jax3d.errors import CheckpointError
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 TOLERANCE = 1e-4
 
@@ -26,8 +26,8 @@ def jax3d_logits(setup: Setup, params: Any, tokens_bt: np.ndarray) -> np.ndarray
   them (the run's mesh, logical rules and shardings); b is one accumulation chunk's rows."""
   import jax
 
+  from jax3d import step as step_lib
   from jax3d.parallel import sharding
-  from jax3d.training import step as step_lib
 
   def fn(params, tokens_bt):
     with sharding.use_rules(setup.rules):

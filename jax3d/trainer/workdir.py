@@ -20,7 +20,7 @@ if TYPE_CHECKING:
   import jax
   import ml_collections
 
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 
 def _flatten(d: dict, prefix: str = '') -> dict:

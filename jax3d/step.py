@@ -13,6 +13,7 @@ dims, optimizer, logical rules and the shardings, computed once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,13 +22,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax3d import optim
 from jax3d.data import corpus
 from jax3d.model import llama, lora
 from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
-from jax3d.training import optim
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -63,17 +64,16 @@ def gathered_outside_loop(params: Any, s: Setup) -> Any:
 
 
 def _head_loss_sum(head: Any, y_btd: jax.Array, side: Batch, s: Setup) -> jax.Array:
-  """sum(w * CE) of the head over the last layer's output, in train.loss_chunks pieces: the one
-  head and loss of both schedules (after the pipeline, or inside the 1F1B loop per micro-batch)."""
-  chunks = s.cfg.train.loss_chunks
+  """sum(w * CE) of the head over the last layer's output, in train.loss_chunks pieces (or fewer
+  that divide 1F1B's 1/pp of the positions): the one head and loss of both schedules."""
+  chunks = math.gcd(s.cfg.train.loss_chunks, y_btd.shape[1])
   return llama.head_loss_sum(s.dims, head, y_btd, side['targets'], side.get('weights'), chunks)
 
 
 def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> jax.Array:
-  """embed -> the 1F1B pipeline, whose last stage computes the head and the loss of each
-  micro-batch from its per-row side inputs (every [B, T] array but the inputs, micro-batched as
-  the rows; the layers read DOC_KEYS of them)."""
-  head = {k: v for k, v in params.items() if k != 'layers'}  # what llama.head_apply may read
+  """embed -> the 1F1B pipeline, with the head and loss of each micro-batch inside (split over pp),
+  from its per-row side inputs (every [B, T] array but the inputs; the layers read DOC_KEYS)."""
+  head = {k: params[k] for k in ('head', 'embed') if k == 'head' or s.dims.tie_embeddings}  # what it reads
 
   x_btd = llama.embed_apply(s.dims, params, batch['inputs'])
   return pipeline.loss(

@@ -1,4 +1,9 @@
-"""Pipeline parallelism: micro-batching, stage placement, and the `shard_map` around the ring.
+"""Pipeline parallelism: micro-batching, stage placement, and the `shard_map` around the stages' loop.
+
+The package: chunk.py (a chunk of layers, its forward with VJP residuals and its backward: both
+schedules' one), gpipe.py (the GPipe/circular loop), schedule_1f1b.py (the 1F1B schedule as data),
+one_f_one_b.py (the 1F1B loop, the head and the loss inside), and here the `shard_map` both share
+(`_over_stages`) and the public entry points: `apply`/`run` (GPipe) and `loss`/`run_loss` (1F1B).
 
 The stacked layers are split into `pp` stages. `apply` takes the embedded batch [B, T, D], forms
 m micro-batches, runs them through every layer pipelined over `pp`, and returns [B, T, D].
@@ -15,7 +20,7 @@ last stage goes back into the stage-0 queue (the next pass round the ring) or, o
 into the outputs. Bubble iterations (u outside [0, v*m)) write nothing, to outputs or gradients
 (on CPU they skip their layers: `skips_bubbles`). The loop itself, one stage's scan over the
 iterations, and its backward pass (written out under remat 'full' and 'stage'):
-jax3d/parallel/ring.py.
+jax3d/parallel/pipeline/gpipe.py.
 
 Stage placement. With v chunks per stage, chunk c = r*p + s (r = 0..v-1) runs on stage s, so the
 stacked weights are stored stage-major: position j holds canonical layer `layer_order(...)[j]`,
@@ -38,13 +43,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax3d.config import RunPlan
-from jax3d.parallel import loop_1f1b, microbatch, remat, ring, schedule_1f1b, sharding, zero3
+from jax3d.parallel import microbatch, remat, sharding, zero3
+from jax3d.parallel.pipeline import gpipe, one_f_one_b, schedule_1f1b
+from jax3d.parallel.pipeline.chunk import LayerFn, run_layers
 from jax3d.parallel.sharding import DP, PP
 
 
 # --- the pipeline ---------------------------------------------------------------------------
 def apply(
-  layer_fn: ring.LayerFn,
+  layer_fn: LayerFn,
   layers: Any,
   x_btd: jax.Array,
   side_bt: dict[str, jax.Array] | None = None,
@@ -58,7 +65,7 @@ def apply(
 ) -> jax.Array:
   """The embedded batch [B, T, D] through all layers (stacked, in storage order), pipelined.
   `side_bt`: per-row arrays [B, T] (segment ids, positions, ...), micro-batched as the rows; each
-  layer gets its micro-batch's (`ring.LayerFn`). `gather`: ZeRO-3, the layers arrive as dp slices
+  layer gets its micro-batch's (`LayerFn`). `gather`: ZeRO-3, the layers arrive as dp slices
   (jax3d/parallel/zero3.py).
 
   With sequence parallelism (`plan.sequence_parallel`) the loop carries each micro-batch as its
@@ -102,7 +109,7 @@ def apply(
 
 
 def run(
-  layer_fn: ring.LayerFn,
+  layer_fn: LayerFn,
   layers: Any,
   x_mbtd: jax.Array,
   *,
@@ -117,7 +124,7 @@ def run(
   gather: zero3.Gather | None = None,
 ) -> jax.Array:
   """Every micro-batch of x_mbtd [m, b, t, d] through all layers, pipelined over `pp`; returns
-  [m, b, t, d], equal to `ring.run_layers` applied to each micro-batch in turn. With `scatter` = k, x
+  [m, b, t, d], equal to `chunk.run_layers` applied to each micro-batch in turn. With `scatter` = k, x
   arrives and leaves with its axis k split over pp (1: the rows, with dp; 0: the micro-batches,
   the rows over dp); with `manual`, the caller is already inside a shard_map manual over dp and
   pp (see the module docstring). `carry` = (split, whole) annotates the loop's micro-batches
@@ -125,40 +132,20 @@ def run(
   hold and move 1/tp of them) and makes the outputs whole again (one all-gather over tp) before
   the sum over pp hands them on. `skip_bubbles`: bubble
   iterations run no layers (`skips_bubbles`). `side_mbt`: per-row arrays [m, b, t] laid out as x's
-  first two axes; each layer gets its micro-batch's (`ring.LayerFn`). `gather` (ZeRO-3, not with
+  first two axes; each layer gets its micro-batch's (`LayerFn`). `gather` (ZeRO-3, not with
   `manual`): `layers` are stored sharded over dp too, gathered in the loop (zero3.Gather)."""
   split, whole = carry or (lambda a: a, lambda a: a)
-  p, v = mesh.shape[PP], repeats
-  # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
-  # a tuple, in mesh order: a set's order follows the hash seed, and the collectives' device groups
-  # with it, so two processes of one run could compile different programs (issue 44)
-  axes = tuple(a for a in (PP, DP) if mesh.shape[a] > 1)
-  names = lambda *ns: tuple(n for n in ns if n in axes) or None
-  rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
-  dtype = x_mbtd.dtype
+  p, v, dtype = mesh.shape[PP], repeats, x_mbtd.dtype
 
-  if gather is not None:
-    layer_fn = gather.layer(layer_fn, policy)
-
-  def stage_loop(layers_local, x_mbtd, side_m):
-    if gather is not None:
-      layers_local = gather.stage(layers_local)
-    if DP in axes:
-      # The weights are the same on every dp rank; marking them as varying here, in their stored
-      # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
-      # loop, instead of once per micro-batch inside it.
-      layers_local = jax.tree.map(lambda a: sharding.vary(a, (DP,)), layers_local)
-    if scatter is not None:
-      over_pp = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
-      x_mbtd, side_m = over_pp(x_mbtd), jax.tree.map(over_pp, side_m)
+  def stage_loop(layer_fn, layers_local, _, x_mbtd, side_m):
     x_mbtd = split(x_mbtd)
     if p == 1:  # no ring: the micro-batches simply run one after another
       one = remat.wrap_iteration(
-        lambda _, xs: (None, ring.run_layers(layer_fn, layers_local, xs[0], policy, side=xs[1])), policy
+        lambda _, xs: (None, run_layers(layer_fn, layers_local, xs[0], policy, side=xs[1])), policy
       )
       return whole(jax.lax.scan(one, None, (x_mbtd.astype(dtype), side_m))[1].astype(jnp.float32))
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
-    out_mbtd = ring.circulate(
+    out_mbtd = gpipe.circulate(
       layer_fn, layers_local, sharding.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles, side_m
     )
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
@@ -167,19 +154,66 @@ def run(
       return jax.lax.psum_scatter(out_mbtd, PP, scatter_dimension=scatter, tiled=True)
     return jax.lax.psum(out_mbtd, PP)
 
-  # The activations cross the loop's boundary in fp32 (the sums over pp of their gradients too):
-  # exact, a one-off m*b*t*d per step, and it avoids XLA:CPU's failing bf16 all-reduce promotion.
-  x32_mbtd, side_mbt = x_mbtd.astype(jnp.float32), side_mbt or {}
-  if not axes or manual:
-    return stage_loop(layers, x32_mbtd, side_mbt).astype(dtype)
-  return jax.shard_map(
-    stage_loop,
-    mesh=mesh,
-    in_specs=(_layer_specs(names(PP), gather), rows, rows),
-    out_specs=rows,
-    axis_names=set(axes),
-    check_vma=True,
-  )(layers, x32_mbtd, side_mbt).astype(dtype)
+  stages = _over_stages(stage_loop, layer_fn, mesh, scatter, manual, gather, policy, rows_out=True)
+  return stages(layers, {}, x_mbtd, side_mbt or {}).astype(dtype)
+
+
+def _over_stages(
+  body: Callable,
+  layer_fn: LayerFn,
+  mesh: Mesh,
+  scatter: int | None,
+  manual: bool,
+  gather: zero3.Gather | None,
+  policy: str,
+  rows_out: bool,
+) -> Callable:
+  """Both schedules' `shard_map` over the stages: (layers, head, x_mbtd, side_mbt) ->
+  `body(layer_fn, layers_local, head, x_mbtd, side_m)` on each stage, which returns the rows
+  (GPipe, `rows_out`) or this stage's loss (1F1B, summed over the stages), with its layers
+  (ZeRO-3: gathered, `gather`), marked dp-varying (their gradient sum over dp happens once, after
+  the loop), and the micro-batches whole over pp (`scatter`: all-gathered at the entry). The
+  activations cross the loop's boundary in fp32 (the sums over pp of their gradients too): exact,
+  a one-off m*b*t*d per step, and it avoids XLA:CPU's failing bf16 all-reduce promotion."""
+  # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
+  # a tuple, in mesh order: a set's order follows the hash seed, and the collectives' device groups
+  # with it, so two processes of one run could compile different programs (issue 44)
+  axes = tuple(a for a in (PP, DP) if mesh.shape[a] > 1)
+  names = lambda *ns: tuple(n for n in ns if n in axes) or None
+  rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
+
+  stage_fn = layer_fn if gather is None else gather.layer(layer_fn, policy)
+
+  def on_stage(layers_local, head, x_mbtd, side_m):
+    if gather is not None:
+      layers_local = gather.stage(layers_local)
+    # The weights are the same on every dp rank; marking them as varying here, in their stored
+    # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
+    # loop, instead of once per micro-batch inside it.
+    layers_local = jax.tree.map(lambda a: sharding.vary(a, names(DP) or ()), layers_local)
+    if scatter is not None:
+      over_pp = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
+      x_mbtd, side_m = over_pp(x_mbtd), jax.tree.map(over_pp, side_m)
+    if rows_out:
+      return body(stage_fn, layers_local, head, x_mbtd, side_m)
+    head = jax.tree.map(lambda a: sharding.vary(a, axes), head)
+    out = body(stage_fn, layers_local, head, x_mbtd, side_m)
+    return out if manual else jax.lax.psum(out, axes)
+
+  def run_stages(layers, head, x_mbtd, side_mbt):
+    x32 = x_mbtd.astype(jnp.float32)
+    if not axes or manual:
+      return on_stage(layers, head, x32, side_mbt)
+    return jax.shard_map(
+      on_stage,
+      mesh=mesh,
+      in_specs=(P(names(PP)) if gather is None else gather.specs(names(PP)), P(), rows, rows),
+      out_specs=rows if rows_out else P(),
+      axis_names=set(axes),
+      check_vma=True,
+    )(layers, head, x32, side_mbt)
+
+  return run_stages
 
 
 # --- 1F1B: the loss inside the loop ---------------------------------------------------------------
@@ -190,12 +224,12 @@ def in_loop_loss(schedule: str, plan: RunPlan) -> bool:
 
 
 def loss(
-  layer_fn: ring.LayerFn,
+  layer_fn: LayerFn,
   layers: Any,
   head: Any,
   x_btd: jax.Array,
   side_bt: dict[str, jax.Array],
-  loss_fn: loop_1f1b.LossFn,
+  loss_fn: one_f_one_b.LossFn,
   *,
   mesh: Mesh,
   plan: RunPlan,
@@ -206,9 +240,9 @@ def loss(
 ) -> jax.Array:
   """The loss sum of the embedded batch [B, T, D] under the 1F1B schedule: the micro-batches
   through all layers (stacked, in storage order, as `apply`), and `loss_fn(head, y_btd, side)` of
-  each on the last stage, inside the loop (`run_loss`). `side_bt`: per-row inputs of the loss
-  and the layers ([B, T] arrays: targets, weights, segment ids, ...), micro-batched as x is; `head`: the parameters `loss_fn`
-  reads. With `manual` the sum is this device's share (see `apply`)."""
+  each inside the loop, split over pp (`run_loss`). `side_bt`: per-row inputs of the loss and the
+  layers ([B, T] arrays: targets, weights, segment ids, ...), micro-batched as x is; `head`: the
+  parameters `loss_fn` reads. With `manual` the sum is this device's share (see `apply`)."""
   local = lambda fn: lambda *a: _with_rules(sharding.without_dp_pp(rules), fn, *a)
   rows_sp = None
   if plan.sequence_parallel:  # the loop carries each micro-batch's rows [b*t, d], split over tp
@@ -232,12 +266,12 @@ def loss(
 
 
 def run_loss(
-  layer_fn: ring.LayerFn,
+  layer_fn: LayerFn,
   layers: Any,
   head: Any,
   x_mbtd: jax.Array,
   side_mbt: dict[str, jax.Array],
-  loss_fn: loop_1f1b.LossFn,
+  loss_fn: one_f_one_b.LossFn,
   *,
   mesh: Mesh,
   repeats: int,
@@ -249,57 +283,23 @@ def run_loss(
   gather: zero3.Gather | None = None,
 ) -> jax.Array:
   """The loss sum of the micro-batches x_mbtd [m, b, t, d] (side inputs [m, b, t]) under 1F1B, equal
-  to `loss_fn(head, ring.run_layers(...), side)` summed over the micro-batches; `scatter` and
+  to `loss_fn(head, chunk.run_layers(...), side)` summed over the micro-batches; `scatter` and
   `manual` as in `run`. `rows_sp`: sequence parallelism, the loop carries each micro-batch's rows
   [b*t, d] (annotated by it) and `loss_fn` gets them back as [b, t, d]. `gather`: as in `run`."""
   p, v, dtype = mesh.shape[PP], repeats, x_mbtd.dtype
-  # a tuple, in mesh order: a set's order follows the hash seed, and the collectives' device groups
-  # with it, so two processes of one run could compile different programs (issue 44)
-  axes = tuple(a for a in (PP, DP) if mesh.shape[a] > 1)
-  names = lambda *ns: tuple(n for n in ns if n in axes) or None
-  rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
 
-  if gather is not None:
-    layer_fn = gather.layer(layer_fn, policy)
-
-  def stage_loss(layers_local, head, x_mbtd, side_m):
-    if gather is not None:
-      layers_local = gather.stage(layers_local)
-    layers_local = jax.tree.map(
-      lambda a: sharding.vary(a, tuple(a_ for a_ in axes if a_ != PP)), layers_local
-    )
-    head = jax.tree.map(lambda a: sharding.vary(a, axes), head)
-    if scatter is not None:
-      over_pp = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
-      x_mbtd, side_m = over_pp(x_mbtd), jax.tree.map(over_pp, side_m)
+  def stage_loss(layer_fn, layers_local, head, x_mbtd, side_m):
     m, b, t, d = x_mbtd.shape
-    sched = schedule_1f1b.build(p, v, m)
-    fn = loss_fn
     if rows_sp is not None:
       x_mbtd = rows_sp(x_mbtd.reshape(m, b * t, d))
-      fn = lambda hd, y, side: loss_fn(hd, y.reshape(b, t, d), side)
     chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
-    loop = loop_1f1b.Loop(layer_fn, fn, sched, dtype, policy, skip_bubbles)
-    out = loop.loss()(chunks, head, sharding.vary(x_mbtd, (PP,)), side_m)
-    return out if manual else jax.lax.psum(out, axes)
+    loop = one_f_one_b.Loop(
+      layer_fn, loss_fn, schedule_1f1b.build(p, v, m), dtype, policy, skip_bubbles, (b, t, d)
+    )
+    return loop.loss()(chunks, head, sharding.vary(x_mbtd, (PP,)), side_m)
 
-  x32_mbtd = x_mbtd.astype(jnp.float32)
-  if manual:
-    return stage_loss(layers, head, x32_mbtd, side_mbt)
-  return jax.shard_map(
-    stage_loss,
-    mesh=mesh,
-    in_specs=(_layer_specs(names(PP), gather), P(), rows, rows),
-    out_specs=P(),
-    axis_names=set(axes),
-    check_vma=True,
-  )(layers, head, x32_mbtd, side_mbt)
-
-
-def _layer_specs(pp: tuple | None, gather: zero3.Gather | None) -> Any:
-  """The stacked layers' in_specs: the layer axis over pp; under ZeRO-3 also each leaf's sharded
-  dimension over dp."""
-  return P(pp) if gather is None else gather.specs(pp)
+  stages = _over_stages(stage_loss, layer_fn, mesh, scatter, manual, gather, policy, rows_out=False)
+  return stages(layers, head, x_mbtd, side_mbt)
 
 
 def _with_rules(rules: sharding.Rules, fn: Callable, *args: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The build record: everything a built run is, as one plain frozen record every layer reads.
+"""The built run: `Setup`, everything a built run is, as one plain frozen record every layer reads.
 
 `jax3d.assemble.build(cfg)` fills it in (resolve the config -> validate once -> mesh -> shardings
 -> abstract state); nothing here computes anything or imports the layers above, so the model, the

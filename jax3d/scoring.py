@@ -1,7 +1,7 @@
 """Per-token scores of rows of documents: the log-probability of each target and whether it is the
 model's argmax, for lm-evaluation-harness requests packed several to a row (jax3d/harness/).
 
-The program is the eval step's (jax3d/training/step.py `eval_step`): the same batch keys and
+The program is the eval step's (jax3d/step.py `eval_step`): the same batch keys and
 shapes (one accumulation chunk x train.seq_len, segment ids and positions), the same forward
 (`step.hidden`: embed -> the pipeline on the run's mesh, any layout) and the same head and
 vocab-parallel cross-entropy (`llama.token_cross_entropy`); it returns the per-token values the
@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax3d import step as step_lib
 from jax3d.data import corpus
 from jax3d.model import llama
 from jax3d.parallel import sharding
-from jax3d.training import step as step_lib
 
 if TYPE_CHECKING:
-  from jax3d.record import Setup
+  from jax3d.setup import Setup
 
 
 def token_scores(params: Any, batch: step_lib.Batch, s: Setup) -> tuple[jax.Array, jax.Array]:

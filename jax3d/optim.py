@@ -1,5 +1,5 @@
 """The optimizer: optax AdamW with linear warmup + cosine decay and global-norm clipping. A step with
-a non-finite loss or gradient is skipped by the train step (jax3d/training/step.py), around it.
+a non-finite loss or gradient is skipped by the train step (jax3d/step.py), around it.
 
 Weight decay applies to matrices (kernels, embedding), not to norm scales.
 """

@@ -1,12 +1,13 @@
-"""The pipeline's loop on one stage: the ring of `pp` stages inside pipeline.py's `shard_map`.
+"""GPipe on one stage: the circulating loop of p stages inside the pipeline's `shard_map`.
 
-`circulate` runs the schedule of jax3d/parallel/pipeline.py (GPipe, or circular with v chunks per
-stage) as one `lax.scan` over its v*m + p - 1 iterations; `run_layers` is the scan over a chunk's
-layers that each iteration runs. Under remat 'full' and 'stage' the loop's backward pass is
-written out (`Ring.backward`, a `jax.custom_vjp`): the iterations in reverse, the ring's
-`ppermute` reversed, each layer recomputed from its kept input and its weight gradient added in
-place into one accumulator of the stage's weights. Other policies keep what the policy saves, so
-JAX differentiates the loop itself.
+`circulate` runs the schedule of jax3d/parallel/pipeline/__init__.py (GPipe, or circular with v
+chunks per stage) as one `lax.scan` over its v*m + p - 1 iterations, each running one chunk
+(chunk.py). Under remat 'full' and 'stage' the loop's backward pass is written out
+(`GPipe.with_backward`, a `jax.custom_vjp`): each iteration keeps its chunk's VJP residuals
+(`chunk.Chunk.forward`: each layer's input, or the chunk's input), and the backward runs the
+iterations in reverse, the ring's `ppermute` reversed, each chunk's VJP rebuilt from them
+(`chunk.Chunk.backward`) and its weight gradient added in place into one accumulator of the
+stage's weights. Other policies keep what the policy saves, so JAX differentiates the loop itself.
 """
 
 from __future__ import annotations
@@ -19,43 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.parallel import remat
+from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, Side, add_at, kept, run_layers, zeros
 from jax3d.parallel.sharding import PP, vary
-
-# (one layer's params, x_btd, side) -> y_btd. `side`: the micro-batch's per-row arrays ([b, t]
-# each: segment ids, positions, ...), a dict, possibly empty; the pipeline hands each iteration
-# those of the micro-batch it works on.
-LayerFn = Callable[[Any, jax.Array, dict], jax.Array]
-Side = dict[str, jax.Array]
-
-
-def run_layers(
-  layer_fn: LayerFn,
-  layers: Any,
-  x: jax.Array,
-  policy: str,
-  chunk: jax.Array | None = None,
-  side: Side | None = None,
-) -> jax.Array:
-  """Sequential scan of `layer_fn` over the stacked `layers` (each layer under the remat policy),
-  every layer given the micro-batch's `side` arrays.
-
-  With `chunk`, `layers` is [v, lc, ...] and the layers of chunk `chunk` (a traced index) run:
-  each layer's weights are sliced inside its checkpoint, so the backward pass slices them again
-  instead of saving a copy of the chunk's weights for every pipeline iteration."""
-  side = {} if side is None else side
-  if chunk is None:
-    step = remat.wrap_layer(lambda h, p: (layer_fn(p, h, side), None), policy)
-    return jax.lax.scan(step, x, layers)[0]
-
-  def one(h, j):
-    return layer_fn(_layer(layers, chunk, j), h, side), None
-
-  lc = jax.tree.leaves(layers)[0].shape[1]
-  return jax.lax.scan(remat.wrap_layer(one, policy), x, jnp.arange(lc))[0]
 
 
 @dataclasses.dataclass(frozen=True)
-class Ring:
+class GPipe:
   """One stage's view of the schedule: m micro-batches, v chunks per stage, p stages."""
 
   layer_fn: LayerFn
@@ -136,46 +106,28 @@ class Ring:
     ts = jnp.arange(self.iterations)
     if self.v == 1:
       return jax.lax.scan(iteration, (state, None, None), (ts, xs))[1]
-    out = _zeros(state, (self.m, *state.shape))
+    out = zeros(state, (self.m, *state.shape))
     (_, _, out_mbtd), aux_n = jax.lax.scan(iteration, (state, xs, out), (ts, None))
     return out_mbtd, aux_n
 
-  def layer_inputs(
-    self, chunks: Any, r: jax.Array, x_btd: jax.Array, side_u: Side
-  ) -> tuple[jax.Array, jax.Array]:
-    """Chunk r on x: (its output, each layer's input [lc, b, t, d])."""
-
-    def one(h, j):
-      return self.layer_fn(_layer(chunks, r, j), h, side_u), h
-
-    return jax.lax.scan(one, x_btd, jnp.arange(jax.tree.leaves(chunks)[0].shape[1]))
-
   def backward(
-    self, chunks: Any, aux_n: jax.Array, side: Side, ct_out: jax.Array, policy: str
+    self, chunks: Any, kept_n: list, layout: tuple, ct_out: jax.Array, policy: str
   ) -> tuple[Any, jax.Array]:
-    """The loop's backward pass, written out: iterations in reverse, each layer of the chunk
-    recomputed from its input and its weight gradient added in place into one accumulator of the
-    stage's weights. `ct_out`: the gradient of `forward`'s outputs. Returns the gradients of the
-    weights and of `forward`'s xs."""
+    """The loop's backward pass, written out: iterations in reverse, each chunk's VJP rebuilt from
+    its residuals and its weight gradient added in place into one accumulator of the stage's
+    weights. `ct_out`: the gradient of `forward`'s outputs. Returns the gradients of the weights
+    and of `forward`'s xs."""
     s = jax.lax.axis_index(PP)
     back = [((i + 1) % self.p, i) for i in range(self.p)]
-    lc = jax.tree.leaves(chunks)[0].shape[1]
+    chunk = Chunk(self.layer_fn, policy, self.dtype)
 
-    def layers_back(acc, r, ct_btd, aux, side_u):
-      h_lbtd = aux if policy == 'full' else self.layer_inputs(chunks, r, aux[0], side_u)[1]
-      layer_fn = lambda p, h: self.layer_fn(p, h, side_u)
-
-      def one(carry, j):
-        ct_h, acc = carry
-        _, vjp = jax.vjp(layer_fn, _layer(chunks, r, j), h_lbtd[j])
-        g_p, ct_h = vjp(ct_h)
-        return (ct_h, jax.tree.map(lambda a, g: _add_at(a, g, (r, j)), acc, g_p)), None
-
-      return jax.lax.scan(one, (ct_btd, acc), jnp.arange(lc), reverse=True)[0]
+    def chunk_back(acc, r, ct_btd, kept):
+      g, ct_x = chunk.backward(jax.tree.map(lambda a: a[r], chunks), kept, layout, ct_btd)
+      return ct_x.astype(self.dtype), jax.tree.map(lambda a, g: add_at(a, g, (r,)), acc, g)
 
     def iteration(carry, inp):
       ct_state, ct_queue, acc = carry
-      t, ct_recv_btd, aux = inp
+      t, ct_recv_btd, kept = inp
       u, r, busy = self.at(t)
       if ct_queue is not None:  # the output's write, transposed: each slot is written once
         slot, finished = self.done(t)
@@ -187,59 +139,61 @@ class Ring:
         ct_recv_btd = ct_recv_btd + jnp.where(again, ct_slot, 0.0).astype(self.dtype)
         ct_queue = ct_queue.at[slot].set(jnp.where(again, 0.0, ct_slot))
       ct_y_btd = jax.lax.ppermute(ct_recv_btd, PP, back)
-      args = (acc, r, ct_y_btd, aux, self.side_at(side, u))
+      args = (acc, r, ct_y_btd, kept)
       if self.skip_bubbles:
-        ct_x_btd, acc = jax.lax.cond(busy, layers_back, lambda a, r, c, x, sd: (c, a), *args)
+        ct_x_btd, acc = jax.lax.cond(busy, chunk_back, lambda a, r, c, k: (c, a), *args)
       else:
-        ct_x_btd, acc = layers_back(*args)
+        ct_x_btd, acc = chunk_back(*args)
       zero = jnp.zeros_like(ct_x_btd)
       ct_first = jnp.where(s == 0, ct_x_btd, zero).astype(jnp.float32)
       ct_state = jnp.where(s == 0, zero, ct_x_btd)
       if ct_queue is None:
         return (ct_state, None, acc), ct_first
-      return (ct_state, _add_at(ct_queue, ct_first, (jnp.mod(u, self.m),)), acc), None
+      return (ct_state, add_at(ct_queue, ct_first, (jnp.mod(u, self.m),)), acc), None
 
-    ct_queue = None if self.v == 1 else _zeros(ct_out, dtype=jnp.float32)
-    init = (_zeros(ct_out[0]), ct_queue, jax.tree.map(_zeros, chunks))
+    ct_queue = None if self.v == 1 else zeros(ct_out, dtype=jnp.float32)
+    init = (zeros(ct_out[0]), ct_queue, jax.tree.map(zeros, chunks))
     ts = jnp.arange(self.iterations)
     ct_recv = ct_out if self.v == 1 else None  # v > 1: read from ct_out at each output's iteration
-    (_, ct_queue, acc), ct_xs = jax.lax.scan(iteration, init, (ts, ct_recv, aux_n), reverse=True)
+    (_, ct_queue, acc), ct_xs = jax.lax.scan(iteration, init, (ts, ct_recv, kept_n), reverse=True)
     return acc, ct_xs if ct_queue is None else ct_queue
 
   def with_backward(self, policy: str) -> Callable[[Any, jax.Array, Side], jax.Array]:
     """`forward` of the plain layers as a function of (chunks, xs, side) whose backward pass is
-    `backward`: under 'full' each iteration keeps its layers' inputs, under 'stage' only its own
-    input. The side arrays (integers) get no gradient."""
+    `backward`: each iteration keeps its chunk's VJP residuals (under 'full' each layer's input,
+    under 'stage' its own input). The side arrays (integers) get no gradient."""
+    chunk = Chunk(self.layer_fn, policy, self.dtype)
+    of = lambda chunks, r: jax.tree.map(lambda a: a[r], chunks)
 
     def plain(chunks, r, x_btd, side_u):
       return run_layers(self.layer_fn, chunks, x_btd, 'none', chunk=r, side=side_u), None
 
-    def keeping(chunks, r, x_btd, side_u):
-      if policy == 'full':
-        return self.layer_inputs(chunks, r, x_btd, side_u)
-      return plain(chunks, r, x_btd, side_u)[0], x_btd[None]
-
-    lc = lambda chunks: jax.tree.leaves(chunks)[0].shape[1]
     ring = jax.custom_vjp(
       lambda chunks, xs, side: self.forward(chunks, xs, side, plain, lambda x: (x, None))[0]
     )
 
-    def fwd(chunks, xs, side):
-      k = lc(chunks) if policy == 'full' else 1
-      outs, aux_n = self.forward(
-        chunks, xs, side, keeping, lambda x: (x, jnp.broadcast_to(jnp.zeros_like(x), (k, *x.shape)))
+    def slots(chunks, x_btd, side):  # the residuals' zero slot and layout (traced, not run)
+      axes = tuple(sorted(jax.typeof(x_btd).manual_axis_type.varying))
+      return chunk.slots(
+        of(chunks, 0), jnp.zeros_like(x_btd, dtype=self.dtype), self.side_at(side, 0), 1, axes
       )
-      return outs, (chunks, aux_n, side)
+
+    def fwd(chunks, xs, side):
+      zero = [a[0] for a in slots(chunks, xs[0], side)[0]]
+      keeping = lambda c, r, x, sd: (lambda y, k, _: (y, kept(k, zero)))(*chunk.forward(of(c, r), x, sd))
+      outs, kept_n = self.forward(chunks, xs, side, keeping, lambda x: (x, zero))
+      return outs, (chunks, kept_n, side)
 
     def bwd(res, ct_outs):
-      chunks, aux_n, side = res
-      return (*self.backward(chunks, aux_n, side, ct_outs, policy), None)
+      chunks, kept_n, side = res
+      layout = slots(chunks, ct_outs[0], side)[1]
+      return (*self.backward(chunks, kept_n, layout, ct_outs, policy), None)
 
     ring.defvjp(fwd, bwd)
     return ring
 
 
-# Policies whose pipeline loop has its backward pass written out (`Ring.backward`): they keep a
+# Policies whose pipeline loop has its backward pass written out (`GPipe.backward`): they keep a
 # layer's input at most, so each layer is recomputed from it in the backward pass.
 WRITTEN_OUT = ('full', 'stage')
 
@@ -269,13 +223,13 @@ def circulate(
   buffer, fp32 (where XLA adds a slot's gradient in place), read and written in `dtype`'s values
   (exact in fp32).
 
-  Under 'full' and 'stage' remat the backward pass is `Ring.backward`: JAX's transpose of the
+  Under 'full' and 'stage' remat the backward pass is `GPipe.backward`: JAX's transpose of the
   scan would zero a stage-sized gradient buffer in every iteration and add it to the loop's
   accumulator (its transpose of a loop-invariant operand)."""
   m = x_mbtd.shape[0]
   # layers_local: this stage's v chunks, [v * lc, ...] -> [v, lc, ...]
   chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
-  ring = Ring(layer_fn, dtype, p, v, m, skip_bubbles)
+  ring = GPipe(layer_fn, dtype, p, v, m, skip_bubbles)
   if v > 1:
     xs = x_mbtd
   else:
@@ -292,22 +246,3 @@ def circulate(
   out_mbtd = (recv_nbtd[p - 1 : p - 1 + m] if v == 1 else recv_nbtd).astype(jnp.float32)
   # only stage 0's are the outputs: the sum over pp
   return jnp.where(jax.lax.axis_index(PP) == 0, out_mbtd, 0.0)
-
-
-def _layer(chunks: Any, r: jax.Array, j: jax.Array) -> Any:
-  """Layer j of chunk r: one layer's weights."""
-  return jax.tree.map(lambda a: a[r, j], chunks)
-
-
-def _zeros(a: jax.Array, shape: tuple[int, ...] | None = None, dtype: Any = None) -> jax.Array:
-  """Zeros like `a` (or of `shape`, `dtype`), varying over the same manual axes."""
-  z = jnp.zeros_like(a, dtype=dtype)
-  return vary(jnp.broadcast_to(z, shape) if shape else z, tuple(jax.typeof(a).manual_axis_type.varying))
-
-
-def _add_at(acc: jax.Array, g: jax.Array, index: tuple[jax.Array, ...]) -> jax.Array:
-  """acc with g added at `index` of its leading dims, written as XLA fuses it into one in-place
-  add of the slice (a zero buffer with g placed in it, added: `.at[].add` is a scatter-add)."""
-  start = (*index, *(0,) * g.ndim)
-  g = g.reshape((1,) * len(index) + g.shape)
-  return acc + jax.lax.dynamic_update_slice(jnp.zeros_like(acc), g.astype(acc.dtype), start)
