@@ -43,6 +43,7 @@ RANK = (
   'jax3d.hf',  # Hugging Face in and out
   'jax3d.optim',  # the optimizer
   'jax3d.step',  # the train step
+  'jax3d.scoring',  # per-token scores of packed requests: the eval step's program (lm-eval)
   'jax3d.analysis',  # compiled memory, FLOPs, collectives; memory curves; plots
   'jax3d.assemble',  # the one build path
   'jax3d.planning',  # cost model, planner, OOM ladder
