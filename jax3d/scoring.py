@@ -32,7 +32,7 @@ def token_scores(params: Any, batch: step_lib.Batch, s: Setup) -> tuple[jax.Arra
   with sharding.use_rules(s.rules):
     if s.zero3:
       params = step_lib.gathered_outside_loop(params, s)
-    doc = {k: batch[k] for k in step_lib.DOC_KEYS}
+    doc = {k: batch[k] for k in step_lib.DOC_KEYS if k in batch}
     logits_btv = step_lib.logits(params, batch['inputs'], s, doc=doc)
     logp_bt = -llama.token_cross_entropy(logits_btv, batch['targets'])
     greedy_bt = jnp.argmax(logits_btv, axis=-1) == batch['targets']

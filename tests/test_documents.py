@@ -77,7 +77,7 @@ def _eval_and_logits(over: dict, batches: dict) -> tuple[dict, dict]:
 
   def fn(p, b):
     with sharding.use_rules(s.rules):
-      return step_lib.logits(p, b['inputs'], s, doc={k: b[k] for k in step_lib.DOC_KEYS})
+      return step_lib.logits(p, b['inputs'], s, doc={k: b[k] for k in step_lib.DOC_KEYS if k in b})
 
   lg = step_lib.MeshJit(fn, s.mesh)
   logits = {k: np.asarray(lg(params, put(batches[k]))) for k in ('packed_a', 'a_changed_a', 'b_changed_a')}
@@ -233,7 +233,7 @@ def test_weighted_loss_is_the_weighted_mean_and_masked_targets_get_no_gradient()
 
   def fn(p, bt):
     with sharding.use_rules(s.rules):
-      doc = {k: bt[k] for k in step_lib.DOC_KEYS}
+      doc = {k: bt[k] for k in step_lib.DOC_KEYS if k in bt}
       return step_lib.logits(p, bt['inputs'], s, doc=doc), step_lib.loss_and_grads(p, bt, None, s)[:2]
 
   grad = step_lib.MeshJit(fn, s.mesh)
