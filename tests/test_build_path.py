@@ -102,7 +102,9 @@ def test_plan_verify_compiles_the_imported_model(folder, trained_args):
   assert rows[0]['compiled_breakdown_gb']['argument'] == round(trained_args[0] / GB, 6)
   # The planner's own estimate is of the imported model too (not of the config's default model).
   cfg = assemble.resolve(H.jax3d_cfg(folder, LAYOUT))
-  est = costmodel.estimate(cfg, config.validate(cfg, 8), hw=costmodel.Hardware(flash_attention=False))
+  est = costmodel.estimate(
+    cfg, config.validate(cfg, 8), hw=costmodel.Hardware(flash_attention=True, attention='blockwise')
+  )
   assert rows[0]['estimate_memory_gb'] == round(est.total_bytes / GB, 6)
 
 
