@@ -34,7 +34,6 @@ import numpy as np
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
-from jax3d.parallel.pipeline import schedule_1f1b
 from jax3d.planning.hardware import BYTES
 from jax3d.planning.residuals import layer_residual_bytes
 
@@ -142,6 +141,8 @@ def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, re
   intermediates while a unit runs."""
   sp = plan.tp if plan.sequence_parallel else 1
   act_mb = micro_activation_bytes(cfg, plan) / sp
+  from jax3d.parallel.pipeline import schedule_1f1b  # imported when needed: the package imports jax
+
   slots = schedule_1f1b.residual_slots(plan.pp, plan.repeats, plan.microbatches)
   edges = 2 * plan.microbatches * act_mb * 4 / BYTES[cfg.train.compute_dtype]
   per_slot = act_mb if cfg.train.remat == 'stage' else lc * res(policy=cfg.train.remat)
