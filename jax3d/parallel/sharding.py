@@ -1,9 +1,12 @@
 """Tensor parallelism and the one table from logical axis names (what the model speaks) to mesh axes.
 
   batch      micro-batch rows inside the pipeline          -> dp
+  rows       a layer's flattened rows b*t (outside SP)      -> dp, and with context parallelism
+             (mesh.cp > 1) cp and dp: cp-major rows (context.rows), each device's own tokens
+  seq        the sequence                                   -> replicated, or cp when mesh.cp > 1
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
              (microbatch.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
-  seq, embed, head_dim, norm, qkv, gate_up, lora          -> replicated (lora: an adapter's rank)
+  embed, head_dim, norm, qkv, gate_up, lora               -> replicated (lora: an adapter's rank)
   micro      the micro-batch axis outside the pipeline's loop -> replicated, or pp where whole
              micro-batches are split over it (microbatch.micro_axes)
   heads, kv_heads    attention heads (Megatron column/row)  -> tp
@@ -39,20 +42,26 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (jax3d/parallel/mesh.py builds the mesh with them)
+CP = 'cp'  # the context-parallel axis: in the mesh only when mesh.cp > 1 (jax3d/parallel/context.py)
 
 Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 
 
 def logical_rules(
-  batch_all: str | tuple[str, ...], sequence_parallel: bool = False, micro: str | None = None
+  batch_all: str | tuple[str, ...],
+  sequence_parallel: bool = False,
+  micro: str | None = None,
+  context: bool = False,
 ) -> Rules:
   """The table above; `batch_all` and `micro` are the pipeline's choice for the batch outside its
-  loop."""
+  loop; `context`: mesh.cp > 1 (the sequence over the 'cp' axis)."""
+  rows = (CP, DP) if context else DP  # cp-major rows (context.rows)
   return (
     ('batch', DP),
-    ('rows_sp', (DP, TP) if sequence_parallel else DP),
+    ('rows', rows),
+    ('rows_sp', (DP, TP) if sequence_parallel else rows),
     ('batch_all', batch_all),
-    ('seq', None),
+    ('seq', CP if context else None),
     ('embed', None),
     ('head_dim', None),
     ('norm', None),

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d.data import corpus
 from jax3d.model import llama, lora
-from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
+from jax3d.parallel import context, data_parallel, microbatch, pipeline, sharding
 from jax3d.training import optim
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.A
   weights (None: 1) and DOC_KEYS (without: one causal sequence per row). `manual`: traced inside
   data_parallel's shard_map (manual over dp and pp): the rows are this device's, the layers this
   stage's, and the sum is this device's share (summed over dp and pp by the caller)."""
+  batch = context.lay_out(batch, s.plan.cp)  # mesh.cp > 1: each row in the cp layout
   if manual:
     batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
   elif s.zero3:  # ZeRO-3: the weights outside the loop (embedding, head, norm) gathered before use
@@ -113,7 +114,11 @@ def logits(
   """fp32 logits [b, t, v_padded] (vocab over tp): embed -> the pipeline -> head, as training
   computes them (the loss is their cross-entropy). `doc`: DOC_KEYS arrays [b, t] of rows of
   documents (attention within a segment, positions restarting), or none."""
-  return llama.head_apply(s.dims, params, hidden(params, tokens_bt, s, manual, doc))
+  if s.plan.cp == 1:
+    return llama.head_apply(s.dims, params, hidden(params, tokens_bt, s, manual, doc))
+  laid = context.lay_out({'inputs': tokens_bt, **(doc or {})}, s.plan.cp)  # the cp layout and back
+  doc = {k: v for k, v in laid.items() if k != 'inputs'}
+  return context.natural(llama.head_apply(s.dims, params, hidden(params, laid['inputs'], s, manual, doc)), s.plan.cp)
 
 
 def hidden(
