@@ -116,7 +116,8 @@ def attend(
 
   def operands(q, k, v, seg):
     qp, kp = positions(q.shape[0])
-    return q, gather(k), gather(v), qp, kp, seg, (None if seg is None else gather(seg))
+    ids = () if seg is None else (seg, gather(seg))
+    return q, gather(k), gather(v), qp, kp, *(ids or (None, None))
 
   def fwd_local(q, k, v, *seg):
     return blockwise.forward(*operands(q, k, v, seg[0] if seg else None), block)
@@ -130,21 +131,25 @@ def attend(
   q_names, kv_names = ('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim')
   lse_names = ('seq', 'batch', 'kv_heads', None, None)  # [nq, b, kv, g, bq]: this rank's query blocks
   seg_names = (('batch', 'seq'),) * len(segs)
-  fwd = sharding.device_local(fwd_local, (q_names, kv_names, kv_names, *seg_names), (q_names, lse_names))
+  fwd = sharding.device_local(fwd_local, (q_names, kv_names, kv_names, *seg_names), (q_names, lse_names), check_vma=False)
   bwd_in = (q_names, kv_names, kv_names, q_names, lse_names, q_names, *seg_names)
-  bwd = sharding.device_local(bwd_local, bwd_in, (q_names, kv_names, kv_names))
+  bwd = sharding.device_local(bwd_local, bwd_in, (q_names, kv_names, kv_names), check_vma=False)
+
+  # unchecked regions return values varying over no manual axis: marked as their inputs were
+  like = lambda a, x: sharding.vary(a, tuple(jax.typeof(x).manual_axis_type.varying))
 
   @jax.custom_vjp
   def run(q, k, v, *seg):
-    return fwd(q, k, v, *seg)[0]
+    return like(fwd(q, k, v, *seg)[0], q)
 
-  def run_fwd(q, k, v, *seg):  # stop_gradient: as blockwise's (jax 0.10 linearises this rule too)
-    out, lse = fwd(*jax.lax.stop_gradient((q, k, v)), *seg)
-    return out, (q, k, v, out, lse, seg)
+  def run_fwd(q, k, v, *seg):
+    out, lse = fwd(q, k, v, *seg)
+    return like(out, q), (q, k, v, out, lse, seg)
 
   def run_bwd(res, g):
     q, k, v, out, lse, seg = res
-    return (*bwd(q, k, v, out, lse, g, *seg), *(jnp.zeros_like(x) for x in seg))
+    grads = bwd(q, k, v, out, lse, g, *seg)
+    return (*(like(d, x) for d, x in zip(grads, (q, k, v), strict=True)), *(jnp.zeros_like(x) for x in seg))
 
   run.defvjp(run_fwd, run_bwd)
   return run(q_btnh, k_btkh, v_btkh, *segs)

@@ -140,18 +140,23 @@ def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
   return _manual(fn, in_logical, out_logical, {TP})
 
 
-def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
+def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, check_vma: bool = True) -> Any:
   """`fn` on each device's own blocks: a shard_map manual over every mesh axis not manual yet
   (nested in the pipeline's or the explicit reduction's shard_map, or at the top), its specs the
   logical names resolved by the rules in force; an axis a spec does not name is replicated. For a
   kernel whose custom partitioner cannot take the layouts GSPMD gives it (cuDNN attention): inside,
-  nothing is left to partition."""
+  nothing is left to partition. `check_vma=False` for a region that jax may split (partial
+  evaluation, e.g. a scan hoisting its loop-invariant part): jax 0.10 then gives the residuals the
+  newly manual axes alone, where with the check it names the enclosing shard_map's too (dp), an
+  order Shardy rejects."""
   mesh = jax.sharding.get_abstract_mesh()
   axes = set(mesh.axis_names) - set(mesh.manual_axes)
-  return _manual(fn, in_logical, out_logical, axes) if axes else fn
+  return _manual(fn, in_logical, out_logical, axes, check_vma) if axes else fn
 
 
-def _manual(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axes: set[str]) -> Any:
+def _manual(
+  fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axes: set[str], check_vma: bool = True
+) -> Any:
   """A shard_map manual over `axes`; `out_logical` is one output's names or a tuple of them."""
   rules = _RULES.get()
   several = bool(out_logical) and all(isinstance(n, tuple) for n in out_logical)
@@ -160,7 +165,7 @@ def _manual(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axes: se
     in_specs=tuple(spec(names, rules) for names in in_logical),
     out_specs=tuple(spec(n, rules) for n in out_logical) if several else spec(out_logical, rules),
     axis_names=axes,
-    check_vma=True,
+    check_vma=check_vma,
   )
 
 
