@@ -6,12 +6,12 @@ itself (rank i holds chunks i and 2cp-1-i) and its inverse."""
 import chex
 import numpy as np
 import pytest
+from test_documents import weighted_batches
 
 from jax3d.model import blockwise
 from jax3d.parallel import context
 
 from helpers import run_steps, small_cfg
-from test_documents import weighted_batches
 
 MODEL = {'model__n_layers': 2, 'model__n_kv_heads': 2, 'train__attention': 'blockwise'}
 LAYOUTS = {
@@ -37,7 +37,9 @@ def reference():
   return run_steps(small_cfg(**MODEL), batches=weighted_batches(2))
 
 
-@pytest.mark.parametrize('name', [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS])
+@pytest.mark.parametrize(
+  'name', [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS]
+)
 def test_context_parallel_equals_one_device(name, reference, monkeypatch):
   monkeypatch.setattr(blockwise, 'BLOCK', 4)  # several blocks per rank: the skipping runs too
   losses, grads, params = run_steps(small_cfg(**MODEL, **LAYOUTS[name]), batches=weighted_batches(2))

@@ -117,7 +117,9 @@ def test_llama3_8b_on_one_node_at_dp8_fits_only_with_zero3():
   gb = lambda over, ga: _estimate('llama3_8b', DP8 | over | {'train.grad_accum': ga}, NODE, 80e9)
   for over in ({}, {'train.shard_optimizer': True}, _zero3('step', **{'train.loss_chunks': 8})):
     assert not any(gb(over, ga).fits for ga in (1, 2, 4, 8, 16)), over
-  assert gb({'train.shard_optimizer': True}, 16).total_bytes > 120e9  # weights 32, gradients 64 (one loop iteration: no second copy)
+  assert (
+    gb({'train.shard_optimizer': True}, 16).total_bytes > 120e9
+  )  # weights 32, gradients 64 (one loop iteration: no second copy)
   best = gb(_zero3('layer', **{'train.loss_chunks': 8}), 4)
   assert best.fits and best.total_bytes < 60e9
   b = best.breakdown

@@ -258,15 +258,29 @@ def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
     ('train.attention', t.attention, t.attention in ('xla', 'cudnn'), f'{not_yet}; valid: auto, blockwise'),
     ('train.shard_optimizer', t.shard_optimizer, t.shard_optimizer, f'{not_yet}; valid: False'),
     ('train.shard_params', t.shard_params, t.shard_params, f'{not_yet}; valid: False'),
-    ('train.grad_reduce_dtype', t.grad_reduce_dtype, t.grad_reduce_dtype != 'float32', f'{not_yet}; valid: float32'),
-    ('train.sequence_parallel', t.sequence_parallel, str(t.sequence_parallel).lower() == 'true', f'{not_yet}; valid: false, auto (off)'),
+    (
+      'train.grad_reduce_dtype',
+      t.grad_reduce_dtype,
+      t.grad_reduce_dtype != 'float32',
+      f'{not_yet}; valid: float32',
+    ),
+    (
+      'train.sequence_parallel',
+      t.sequence_parallel,
+      str(t.sequence_parallel).lower() == 'true',
+      f'{not_yet}; valid: false, auto (off)',
+    ),
     ('train.loss_chunks', t.loss_chunks, t.loss_chunks > 1, f'{not_yet}; valid: 1'),
   )
   for key, value, bad, valid in unsupported:
     if bad:
       return key, value, valid
   if t.seq_len % (2 * cp):
-    return 'train.seq_len', t.seq_len, f'must be divisible by 2*mesh.cp = {2 * cp} (each row splits into 2*cp chunks)'
+    return (
+      'train.seq_len',
+      t.seq_len,
+      f'must be divisible by 2*mesh.cp = {2 * cp} (each row splits into 2*cp chunks)',
+    )
   return None
 
 

@@ -27,6 +27,7 @@ would not order the tokens). A row of one document (no segment ids) passes neith
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -159,8 +160,10 @@ def _blockwise(
   in their row. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
   device instead (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's
   shard_map on jax 0.10 (BUILD_NOTES.md)."""
-  if context.split(q_btnh.shape[1]) > 1:  # the sequence split over 'cp': K/V all-gathered (jax3d/parallel/context.py)
-    return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, blockwise.BLOCK)
+  if context.split(q_btnh.shape[1]) > 1:  # the sequence over 'cp' (jax3d/parallel/context.py)
+    fwd = functools.partial(blockwise.forward, block=blockwise.BLOCK)
+    bwd = functools.partial(blockwise.backward, block=blockwise.BLOCK)
+    return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, fwd, bwd)
   b, t = q_btnh.shape[:2]
   pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt, blockwise.BLOCK)

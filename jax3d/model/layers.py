@@ -261,8 +261,7 @@ class Block(nn.Module):
     )
     if dm.adapted('gate') or dm.adapted('up'):
       g_rf, u_rf = (
-        self._adapt(x, m_rd, gu_r2f[:, i], ('embed',), 'rows', ('mlp',))
-        for i, x in enumerate(('gate', 'up'))
+        self._adapt(x, m_rd, gu_r2f[:, i], ('embed',), 'rows', ('mlp',)) for i, x in enumerate(('gate', 'up'))
       )
       gu_r2f = jnp.stack([g_rf, u_rf], axis=1)
     h_rf = constrain(swiglu(gu_r2f).astype(dm.dtype), ('rows', 'mlp'))

@@ -21,13 +21,13 @@ replicated over cp, so their gradients are summed over dp x cp by the compiler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax3d.model import blockwise
 from jax3d.parallel import sharding
 from jax3d.parallel.sharding import CP
 
@@ -57,6 +57,15 @@ def lay_out(batch: dict[str, jax.Array], cp: int) -> dict[str, jax.Array]:
 def natural(x_bt: jax.Array, cp: int) -> jax.Array:
   """[B, T, ...] in the cp layout -> the rows' own order (the inverse of `lay_out`)."""
   return x_bt if cp == 1 else x_bt[:, np.argsort(order(x_bt.shape[1], cp))]
+
+
+def in_layout(fn: Callable, tokens_bt: jax.Array, doc: dict[str, jax.Array] | None, cp: int) -> jax.Array:
+  """fn(tokens, doc) -> [B, T, ...] per token, run on the rows in the cp layout and returned in
+  their own order (logits for scoring and verification)."""
+  if cp == 1:
+    return fn(tokens_bt, doc)
+  laid = lay_out({'inputs': tokens_bt, **(doc or {})}, cp)
+  return natural(fn(laid.pop('inputs'), laid), cp)
 
 
 def cp_size() -> int:
@@ -93,14 +102,22 @@ def unrows(x_r: jax.Array, b: int, t: int) -> jax.Array:
 
 
 def attend(
-  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None, block: int
+  q_btnh: jax.Array,
+  k_btkh: jax.Array,
+  v_btkh: jax.Array,
+  seg_bt: jax.Array | None,
+  forward: Callable,
+  backward: Callable,
 ) -> jax.Array:
   """Causal attention [b, t, n, h] of rows in the cp layout, the sequence split over 'cp' (the
   module docstring): K, V and the key segments all-gathered over cp. Forward and backward are two
   per-device regions (`sharding.device_local`, a custom VJP, as attention._per_device_vjp):
   differentiating one region, or a region manual over cp alone, makes the kernel's residuals
   outputs split over a free axis (dp) before the manual one, which Shardy rejects. The backward
-  reuses the forward's logsumexp; dK and dV are reduce-scattered over cp."""
+  reuses the forward's logsumexp; dK and dV are reduce-scattered over cp. `forward` and `backward`
+  are the kernel's (jax3d/model/blockwise.py's, its block size bound): (q, k, v, q positions, k
+  positions, q segments, k segments) -> (out, logsumexp), and the same + (out, logsumexp, dout) ->
+  (dq, dk, dv)."""
   t = q_btnh.shape[1]
   cp = split(t)
   natural_of = np.argsort(order(t, cp))  # gathered (rank-major) keys -> natural order
@@ -120,10 +137,10 @@ def attend(
     return q, gather(k), gather(v), qp, kp, *(ids or (None, None))
 
   def fwd_local(q, k, v, *seg):
-    return blockwise.forward(*operands(q, k, v, seg[0] if seg else None), block)
+    return forward(*operands(q, k, v, seg[0] if seg else None))
 
   def bwd_local(q, k, v, out, lse, g, *seg):
-    dq, dk, dv = blockwise.backward(*operands(q, k, v, seg[0] if seg else None), out, lse, g, block=block)
+    dq, dk, dv = backward(*operands(q, k, v, seg[0] if seg else None), out, lse, g)
     scatter = lambda d: jax.lax.psum_scatter(d[:, order(t, cp)], CP, scatter_dimension=1, tiled=True)
     return dq, scatter(dk), scatter(dv)
 
@@ -131,7 +148,9 @@ def attend(
   q_names, kv_names = ('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim')
   lse_names = ('seq', 'batch', 'kv_heads', None, None)  # [nq, b, kv, g, bq]: this rank's query blocks
   seg_names = (('batch', 'seq'),) * len(segs)
-  fwd = sharding.device_local(fwd_local, (q_names, kv_names, kv_names, *seg_names), (q_names, lse_names), check_vma=False)
+  fwd = sharding.device_local(
+    fwd_local, (q_names, kv_names, kv_names, *seg_names), (q_names, lse_names), check_vma=False
+  )
   bwd_in = (q_names, kv_names, kv_names, q_names, lse_names, q_names, *seg_names)
   bwd = sharding.device_local(bwd_local, bwd_in, (q_names, kv_names, kv_names), check_vma=False)
 
