@@ -3,6 +3,9 @@ numbers. Rows of packed documents with padding and fractional weights (test_docu
 2 losses and the step-1 gradients within 1e-5 of one device, at dp2 cp4 and cp8; the cp layout
 itself (rank i holds chunks i and 2cp-1-i) and its inverse."""
 
+import os
+import sys
+
 import chex
 import numpy as np
 import pytest
@@ -47,3 +50,24 @@ def test_context_parallel_equals_one_device(name, reference, monkeypatch):
   chex.assert_trees_all_close(params, r_params, rtol=0, atol=0)  # the parameters' layout is cp's too
   np.testing.assert_allclose(losses, r_losses, rtol=1e-5)
   chex.assert_trees_all_close(grads, r_grads, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_memory_model_prices_the_sequence_split_over_cp():
+  """The planner's estimate per device against the compiled train step at cp 1 and 4 (one row
+  of 2048 tokens, scripts/bench_cp.py's shape): within 15%, and the compiled bytes fall with cp."""
+  import jax
+
+  from jax3d import assemble, config as config_lib
+  from jax3d.planning import costmodel
+
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'scripts'))
+  import bench_cp
+
+  got = {}
+  for cp in (1, 4):
+    cfg = config_lib.load_config('tiny', bench_cp.SHAPE | {'train.seq_len': 2048, 'mesh.cp': cp})
+    s = assemble.build(cfg, jax.devices()[:cp])
+    got[cp] = (assemble.compile_train_step(s).memory['total'], costmodel.estimate(s.cfg, s.plan).total_bytes)
+    assert got[cp][1] == pytest.approx(got[cp][0], rel=0.15), (cp, got[cp])
+  assert got[4][0] < 0.45 * got[1][0]
