@@ -71,3 +71,18 @@ def test_memory_model_prices_the_sequence_split_over_cp():
     got[cp] = (assemble.compile_train_step(s).memory['total'], costmodel.estimate(s.cfg, s.plan).total_bytes)
     assert got[cp][1] == pytest.approx(got[cp][0], rel=0.15), (cp, got[cp])
   assert got[4][0] < 0.45 * got[1][0]
+
+
+def test_oom_ladder_offers_splitting_the_sequence():
+  """A long-sequence config that does not fit: the ladder's rung 4b prices cp=2 (dp halved,
+  accumulation doubled: the same batch) below the base, with its flags."""
+  from jax3d import config as config_lib
+  from jax3d.planning import oom
+
+  over = {'train.seq_len': 8192, 'model.max_seq_len': 8192, 'mesh.dp': 8, 'mesh.pp': 1, 'mesh.tp': 1}
+  cfg = config_lib.load_config('tiny', over | {'pipeline.microbatches': 1, 'train.global_batch_size': 16})
+  lines = oom.oom_ladder(cfg, config_lib.validate(cfg, 8), 2e8)
+  (rung,) = [x for x in lines if x.startswith('4b. split the sequence: cp')]
+  assert '--config.mesh.cp=2 --config.mesh.dp=4 --config.train.grad_accum=2' in rung
+  before, after = (float(x.split()[0]) for x in rung.rsplit('): ', 1)[1].split(' per GPU')[0].split(' -> '))
+  assert after < 0.5 * before
