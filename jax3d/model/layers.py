@@ -247,9 +247,8 @@ class Block(nn.Module):
     o_names = ('batch', 'heads', 'head_dim') if sp else ('batch', 'seq', 'heads', 'head_dim')
     o = checkpoint_name(constrain(o_btnh.reshape(r, n, h) if sp else o_btnh, o_names), 'attn_out')
     o_rd = self._dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), self._out_std, 'o')(o)
-    o_rd = o_rd if sp else context.rows(o_rd)
-    o_rd = self._adapt('o', o, o_rd, ('heads', 'head_dim'), self._rows, ('embed',))
-    return constrain(o_rd, (self._rows, 'embed'))
+    o_rd = self._adapt('o', o, o_rd, ('heads', 'head_dim'), self._rows, ('embed',))  # o's own order
+    return constrain(o_rd if sp else context.rows(o_rd), (self._rows, 'embed'))
 
   def _mlp(self, x_rd: jax.Array, d: int) -> jax.Array:
     """The SwiGLU MLP: column-parallel gate/up (mlp on tp), row-parallel down (one all-reduce)."""
