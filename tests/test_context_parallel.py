@@ -22,8 +22,10 @@ LAYOUTS = {
   'cp8': {'mesh__dp': 1, 'mesh__cp': 8, 'train__seq_len': 16},
   'cp2-tp2-dp2': {'mesh__dp': 2, 'mesh__cp': 2, 'mesh__tp': 2},
   'cp2-accum2': {'mesh__dp': 4, 'mesh__cp': 2, 'train__grad_accum': 2},
+  'dp2-cp4-zero1': {'mesh__dp': 2, 'mesh__cp': 4, 'train__shard_optimizer': True},
+  'dp2-cp4-zero3': {'mesh__dp': 2, 'mesh__cp': 4, 'train__shard_params': True},
 }
-SLOW = {'cp2-tp2-dp2', 'cp2-accum2'}
+SLOW = {'cp2-tp2-dp2', 'cp2-accum2', 'dp2-cp4-zero1', 'dp2-cp4-zero3'}
 
 
 def test_layout_balances_and_inverts():

@@ -256,13 +256,11 @@ def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
     ('mesh.pp', pp, pp > 1, f'{not_yet} (pipeline stages with cp); valid: 1'),
     ('pipeline.schedule', cfg.pipeline.schedule, cfg.pipeline.schedule == '1f1b', f'{not_yet}; valid: gpipe'),
     ('train.attention', t.attention, t.attention in ('xla', 'cudnn'), f'{not_yet}; valid: auto, blockwise'),
-    ('train.shard_optimizer', t.shard_optimizer, t.shard_optimizer, f'{not_yet}; valid: False'),
-    ('train.shard_params', t.shard_params, t.shard_params, f'{not_yet}; valid: False'),
     (
       'train.grad_reduce_dtype',
       t.grad_reduce_dtype,
       t.grad_reduce_dtype != 'float32',
-      f'{not_yet}; valid: float32',
+      f'{not_yet} (the 16-/8-bit reductions over dp); valid: float32',
     ),
     (
       'train.sequence_parallel',
