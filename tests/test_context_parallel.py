@@ -24,8 +24,9 @@ LAYOUTS = {
   'cp2-accum2': {'mesh__dp': 4, 'mesh__cp': 2, 'train__grad_accum': 2},
   'dp2-cp4-zero1': {'mesh__dp': 2, 'mesh__cp': 4, 'train__shard_optimizer': True},
   'dp2-cp4-zero3': {'mesh__dp': 2, 'mesh__cp': 4, 'train__shard_params': True},
+  'dp4-cp2-loss-chunks2': {'mesh__dp': 4, 'mesh__cp': 2, 'train__loss_chunks': 2},
 }
-SLOW = {'cp2-tp2-dp2', 'cp2-accum2', 'dp2-cp4-zero1', 'dp2-cp4-zero3'}
+SLOW = {'cp2-tp2-dp2', 'cp2-accum2', 'dp2-cp4-zero1', 'dp2-cp4-zero3', 'dp4-cp2-loss-chunks2'}
 
 
 def test_layout_balances_and_inverts():

@@ -268,7 +268,6 @@ def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
       str(t.sequence_parallel).lower() == 'true',
       f'{not_yet}; valid: false, auto (off)',
     ),
-    ('train.loss_chunks', t.loss_chunks, t.loss_chunks > 1, f'{not_yet}; valid: 1'),
   )
   for key, value, bad, valid in unsupported:
     if bad:
