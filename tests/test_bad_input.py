@@ -196,8 +196,8 @@ TABLE = [
   (T, ['--config.train.cp_strategy=spiral'], ["train.cp_strategy='spiral'", 'one of allgather, ring']),
   (
     T,
-    ['--config.mesh.cp=2', '--config.mesh.dp=1'],
-    ['mesh.pp=2', 'not supported yet with mesh.cp=2', 'valid: 1'],
+    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.sequence_parallel=true'],
+    ["train.sequence_parallel='true'", 'not supported yet with mesh.cp=2', 'valid: false, auto (off)'],
   ),
   (
     T,

@@ -25,8 +25,26 @@ LAYOUTS = {
   'dp2-cp4-zero1': {'mesh__dp': 2, 'mesh__cp': 4, 'train__shard_optimizer': True},
   'dp2-cp4-zero3': {'mesh__dp': 2, 'mesh__cp': 4, 'train__shard_params': True},
   'dp4-cp2-loss-chunks2': {'mesh__dp': 4, 'mesh__cp': 2, 'train__loss_chunks': 2},
+  'cp2-pp2-dp2-m2': {'mesh__dp': 2, 'mesh__cp': 2, 'mesh__pp': 2, 'pipeline__microbatches': 2},
+  'cp2-pp2-tp2-m2': {'mesh__dp': 1, 'mesh__cp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2},
+  'cp2-pp2-1f1b-m4': {
+    'mesh__dp': 2,
+    'mesh__cp': 2,
+    'mesh__pp': 2,
+    'pipeline__microbatches': 4,
+    'pipeline__schedule': '1f1b',
+  },
 }
-SLOW = {'cp2-tp2-dp2', 'cp2-accum2', 'dp2-cp4-zero1', 'dp2-cp4-zero3', 'dp4-cp2-loss-chunks2'}
+SLOW = {
+  'cp2-tp2-dp2',
+  'cp2-accum2',
+  'dp2-cp4-zero1',
+  'dp2-cp4-zero3',
+  'dp4-cp2-loss-chunks2',
+  'cp2-pp2-dp2-m2',
+  'cp2-pp2-tp2-m2',
+  'cp2-pp2-1f1b-m4',
+}
 
 
 def test_layout_balances_and_inverts():

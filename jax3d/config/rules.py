@@ -253,8 +253,6 @@ def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
   not_yet = f'not supported yet with mesh.cp={cp} > 1'
   unsupported = (
     ('train.cp_strategy', t.cp_strategy, t.cp_strategy == 'ring', f'{not_yet}; valid: allgather'),
-    ('mesh.pp', pp, pp > 1, f'{not_yet} (pipeline stages with cp); valid: 1'),
-    ('pipeline.schedule', cfg.pipeline.schedule, cfg.pipeline.schedule == '1f1b', f'{not_yet}; valid: gpipe'),
     ('train.attention', t.attention, t.attention in ('xla', 'cudnn'), f'{not_yet}; valid: auto, blockwise'),
     (
       'train.grad_reduce_dtype',
