@@ -64,11 +64,12 @@ def build(
   mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
   cpu.retain_freed_memory(devices)  # XLA:CPU only: no page faults on every step's buffers
   dims = llama.Dims.from_config(cfg, plan)
+  choice = 'blockwise' if plan.cp > 1 else cfg.train.attention  # cp's attention is blockwise's
   dims = dataclasses.replace(
-    dims, attention=attention.resolve(cfg.train.attention, devices, cfg.train.compute_dtype, dims.head_dim)
+    dims, attention=attention.resolve(choice, devices, cfg.train.compute_dtype, dims.head_dim)
   )
   rules = sharding.logical_rules(
-    microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan)
+    microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan), plan.cp > 1
   )
   s = Setup(
     cfg=cfg,

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax3d import optim
 from jax3d.data import corpus
 from jax3d.model import llama, lora
-from jax3d.parallel import data_parallel, microbatch, pipeline, sharding
+from jax3d.parallel import context, data_parallel, microbatch, pipeline, sharding
 
 if TYPE_CHECKING:
   from jax3d.setup import Setup
@@ -48,6 +48,7 @@ def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.A
     batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
   elif s.zero3:  # ZeRO-3: the weights outside the loop (embedding, head, norm) gathered before use
     params = gathered_outside_loop(params, s)
+  batch = context.lay_out(batch, s.plan.cp)  # mesh.cp > 1: each row in the cp layout
   if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
     return _pipelined_loss_sum(params, batch, s, manual)
   y_btd = hidden(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
@@ -108,10 +109,10 @@ def _block_fn(s: Setup, seq_len: int) -> Callable:
 def logits(
   params: Any, tokens_bt: jax.Array, s: Setup, manual: bool = False, doc: Batch | None = None
 ) -> jax.Array:
-  """fp32 logits [b, t, v_padded] (vocab over tp): embed -> the pipeline -> head, as training
-  computes them (the loss is their cross-entropy). `doc`: DOC_KEYS arrays [b, t] of rows of
-  documents (attention within a segment, positions restarting), or none."""
-  return llama.head_apply(s.dims, params, hidden(params, tokens_bt, s, manual, doc))
+  """fp32 logits [b, t, v_padded] (vocab over tp), as training computes them (the loss is their
+  cross-entropy). `doc`: DOC_KEYS arrays [b, t] of rows of documents, or none."""
+  head = lambda toks, d: llama.head_apply(s.dims, params, hidden(params, toks, s, manual, d))
+  return context.in_layout(head, tokens_bt, doc, s.plan.cp)  # cp > 1: in the cp layout and back
 
 
 def hidden(
@@ -156,8 +157,7 @@ def accumulate(
 
 
 def weight_sum(batch: Batch) -> jax.Array:
-  """The loss's normaliser: the sum of the batch's weights (its token count without weights),
-  kept from 0 (a batch of padding only then has loss 0)."""
+  """The loss's normaliser: the batch's weight sum (token count without weights), kept from 0."""
   if 'weights' not in batch:
     return jnp.float32(batch['inputs'].size)
   return jnp.maximum(jnp.sum(batch['weights'], dtype=jnp.float32), jnp.finfo(jnp.float32).tiny)

@@ -199,6 +199,28 @@ TABLE = [
   (T, ['--config.pipeline.schedule=1f2b'], ["pipeline.schedule='1f2b'", 'gpipe, circular, 1f1b']),
   (T, ['--config.pipeline.microbatches=0'], ['pipeline.microbatches=0', '>= 1']),
   (T, ['--config.train.sequence_parallel=maybe'], ["train.sequence_parallel='maybe'", 'true, false, auto']),
+  # context parallelism (mesh.cp): what it is not built with yet is refused by name
+  (T, ['--config.train.cp_strategy=spiral'], ["train.cp_strategy='spiral'", 'one of allgather, ring']),
+  (
+    T,
+    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.sequence_parallel=true'],
+    ["train.sequence_parallel='true'", 'not supported yet with mesh.cp=2', 'valid: false, auto (off)'],
+  ),
+  (
+    T,
+    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.cp_strategy=ring'],
+    ["train.cp_strategy='ring'", 'not supported yet with mesh.cp=2', 'valid: allgather'],
+  ),
+  (
+    T,
+    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.grad_reduce_dtype=int8'],
+    ["train.grad_reduce_dtype='int8'", 'not supported yet with mesh.cp=2', 'valid: float32'],
+  ),
+  (
+    T,
+    ['--config.mesh.cp=4', '--config.mesh.pp=1', '--config.mesh.tp=1', '--config.train.seq_len=100'],
+    ['train.seq_len=100', 'divisible by 2*mesh.cp = 8'],
+  ),
   (
     T,
     ['--config.pipeline.skip_bubbles=sometimes'],

@@ -299,3 +299,13 @@ def test_plugin_without_a_gpu_runs_jax_on_cpu(monkeypatch):
   monkeypatch.setattr(gpu_target.gpu, 'gpu_present', lambda env: True)
   env = {}
   assert not gpu_target.hide_unusable_plugin(env) and 'JAX_PLATFORMS' not in env
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_context_parallel_compiles_for_gpus():
+  """mesh.cp=2 (dp2 cp2 tp2, bf16) through the h100x8 compile: the blockwise kernel (auto under cp,
+  not cuDNN) with K/V all-gathered over the cp axis."""
+  s, c = compile_for('h100x8', mesh__dp=2, mesh__cp=2, mesh__pp=1, mesh__tp=2, pipeline__microbatches=1)
+  assert s.dims.attention == 'blockwise' and dict(s.mesh.shape)['cp'] == 2
+  assert not kernels(c) and 'all-gather' in c.executable.as_text()

@@ -113,8 +113,9 @@ def test_only_adapters_train_and_base_is_frozen():
       'pipeline__schedule': '1f1b',
       'train__shard_optimizer': True,
     },
+    pytest.param({'mesh__dp': 2, 'mesh__cp': 4}, marks=pytest.mark.slow),  # context parallel (issue 43)
   ],
-  ids=['2-2-2', '1-2-4-sp', '2-2-2-1f1b-zero1'],
+  ids=['2-2-2', '1-2-4-sp', '2-2-2-1f1b-zero1', 'dp2-cp4'],
 )
 def test_layouts_equal_one_device(over):
   check(over)

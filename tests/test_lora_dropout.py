@@ -49,8 +49,9 @@ def reference():
       },
       marks=pytest.mark.slow,
     ),
+    pytest.param({'mesh__dp': 2, 'mesh__cp': 4}, marks=pytest.mark.slow),
   ],
-  ids=['2-2-2-m2', '1-2-4-sp', '2-2-2-accum2', '2-2-2-1f1b-zero1'],
+  ids=['2-2-2-m2', '1-2-4-sp', '2-2-2-accum2', '2-2-2-1f1b-zero1', 'dp2-cp4'],
 )
 def test_dropout_layouts_equal_one_device(over):
   losses, grads, _, _ = run_lora(small_cfg(**DROP, **over))

@@ -35,6 +35,7 @@ from jax3d.config.ranges import (
 )
 from jax3d.config.rules import (
   ATTENTION_IMPLS,
+  CP_STRATEGIES,
   DTYPES,
   GATHERS,
   GRAD_REDUCE_DTYPES,
@@ -81,6 +82,8 @@ def declared() -> Declared:
   c.mesh.pp = 1, AXIS  # pipeline stages
   c.mesh.tp = 1, AXIS  # tensor (Megatron) parallel, kept inside a host
   c.mesh.allow_tp_across_hosts = False, ANY  # refuse a tp group that spans hosts unless forced
+  # context parallel: devices sharing each row's tokens (a 4th mesh axis 'cp' when > 1)
+  c.mesh.cp = 1, POSITIVE
 
   c.pipeline.microbatches = 1, POSITIVE  # m: micro-batches per step (per grad_accum chunk)
   c.pipeline.repeats = 1, POSITIVE  # v: layer chunks per stage; > 1 = the circular schedule
@@ -150,6 +153,8 @@ def declared() -> Declared:
   c.train.attention = 'auto', one_of(*ATTENTION_IMPLS)
   # Megatron-SP with tp > 1: true | false | auto (on when rows divide)
   c.train.sequence_parallel = 'false', one_of(*SWITCH, fold_case=True)
+  # attention over mesh.cp > 1: allgather (K/V all-gathered over cp) | ring (not built yet: refused)
+  c.train.cp_strategy = 'allgather', one_of(*CP_STRATEGIES)
 
   c.data.path = '', ANY  # '' = the Python standard library's own source, as bytes
   # held-out share (by file where the corpus has files)

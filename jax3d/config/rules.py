@@ -21,6 +21,7 @@ SCHEDULES = ('gpipe', 'circular', '1f1b')  # jax3d/parallel/pipeline/schedule_1f
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 GATHERS = ('auto', 'layer', 'step')  # train.shard_params_gather (jax3d/parallel/zero3.py)
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'blockwise')
+CP_STRATEGIES = ('allgather', 'ring')  # train.cp_strategy (jax3d/parallel/context.py)
 PACKINGS = ('auto', 'concat', 'pack')  # data.packing (jax3d/data/packing.py)
 SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
 ROPE_SCALINGS = ('none', 'linear', 'llama3')  # jax3d/model/rope.py
@@ -246,6 +247,40 @@ def _interleaved_1f1b_groups(cfg: ml_collections.ConfigDict, dp: int, pp: int, t
   return None
 
 
+def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+  """mesh.cp > 1: the settings context parallelism is built and tested with (the rest refused)."""
+  cp, t = cfg.mesh.cp, cfg.train
+  if cp == 1:
+    return None
+  not_yet = f'not supported yet with mesh.cp={cp} > 1'
+  unsupported = (
+    ('train.cp_strategy', t.cp_strategy, t.cp_strategy == 'ring', f'{not_yet}; valid: allgather'),
+    ('train.attention', t.attention, t.attention in ('xla', 'cudnn'), f'{not_yet}; valid: auto, blockwise'),
+    (
+      'train.grad_reduce_dtype',
+      t.grad_reduce_dtype,
+      t.grad_reduce_dtype != 'float32',
+      f'{not_yet} (the 16-/8-bit reductions over dp); valid: float32',
+    ),
+    (
+      'train.sequence_parallel',
+      t.sequence_parallel,
+      str(t.sequence_parallel).lower() == 'true',
+      f'{not_yet}; valid: false, auto (off)',
+    ),
+  )
+  for key, value, bad, valid in unsupported:
+    if bad:
+      return key, value, valid
+  if t.seq_len % (2 * cp):
+    return (
+      'train.seq_len',
+      t.seq_len,
+      f'must be divisible by 2*mesh.cp = {2 * cp} (each row splits into 2*cp chunks)',
+    )
+  return None
+
+
 LAYOUT_CHECKS: tuple[Callable[[ml_collections.ConfigDict, int, int, int], Failure], ...] = (
   _tp_divides_layers,
   _tp_divides_vocab,
@@ -253,6 +288,7 @@ LAYOUT_CHECKS: tuple[Callable[[ml_collections.ConfigDict, int, int, int], Failur
   _circular_has_microbatches,
   _interleaved_1f1b_groups,
   _batch_divides,
+  _context_parallel,
 )
 
 

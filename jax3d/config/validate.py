@@ -42,10 +42,11 @@ class RunPlan:
   nan_steps: tuple[int, ...] = ()  # train.inject_nan_at, parsed (a fault drill)
   sequence_parallel: bool = False  # train.sequence_parallel, resolved: on only with tp > 1
   skip_bubbles: bool | None = None  # pipeline.skip_bubbles; None = auto (decided by the devices)
+  cp: int = 1  # mesh.cp: context parallel, devices sharing each row's tokens
 
   @property
-  def n_devices(self) -> int:  # dp * pp * tp
-    return self.dp * self.pp * self.tp
+  def n_devices(self) -> int:  # dp * cp * pp * tp
+    return self.dp * self.cp * self.pp * self.tp
 
   @property
   def chunk_batch(self) -> int:  # sequences per accumulation chunk
@@ -84,15 +85,16 @@ def _fail(key: str, value: Any, valid: str) -> NoReturn:
   raise ConfigError(f'{key}={value!r} is invalid: {valid}')
 
 
-def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int) -> tuple[int, int, int]:
-  """Fills one -1 axis with the devices left over; checks dp*pp*tp == n_devices."""
+def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int, cp: int = 1) -> tuple[int, int, int]:
+  """Fills one -1 axis with the devices left over; checks dp*cp*pp*tp == n_devices."""
+  _check_range('mesh.cp', cp)
   sizes = {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp}
   for k, v in sizes.items():
     _check_range(k, v)
   free = [k for k, v in sizes.items() if v == -1]
   if len(free) > 1:
     raise ConfigError(f'{" and ".join(f"{k}=-1" for k in free)}: at most one mesh axis may be -1')
-  fixed = math.prod(v for v in sizes.values() if v != -1)
+  fixed = cp * math.prod(v for v in sizes.values() if v != -1)
   if free:
     if n_devices % fixed:
       raise ConfigError(
@@ -100,10 +102,11 @@ def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int) -> tuple[int, int, i
         f'which does not divide the {n_devices} visible devices'
       )
     sizes[free[0]] = n_devices // fixed
-  total = math.prod(sizes.values())
+  total = cp * math.prod(sizes.values())
   if total != n_devices:
+    cp_words = ('cp*', f'{cp}*') if cp > 1 else ('', '')
     raise ConfigError(
-      f'mesh dp*pp*tp = {sizes["mesh.dp"]}*{sizes["mesh.pp"]}*{sizes["mesh.tp"]} = '
+      f'mesh dp*{cp_words[0]}pp*tp = {sizes["mesh.dp"]}*{cp_words[1]}{sizes["mesh.pp"]}*{sizes["mesh.tp"]} = '
       f'{total}, but {n_devices} devices are visible (use -1 on one axis to fill)'
     )
   return sizes['mesh.dp'], sizes['mesh.pp'], sizes['mesh.tp']
@@ -144,12 +147,13 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   (MODEL_CHECKS) and against the device count (LAYOUT_CHECKS); returns the run plan."""
   check_ranges(cfg)
   _raise_first(check(cfg) for check in MODEL_CHECKS)
-  dp, pp, tp = resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices)
+  dp, pp, tp = resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices, cfg.mesh.cp)
   _raise_first(check(cfg, dp, pp, tp) for check in LAYOUT_CHECKS)
   t, p_ = cfg.train, cfg.pipeline
   rows = t.global_batch_size // (dp * p_.microbatches * t.grad_accum) * t.seq_len
   return RunPlan(
-    sequence_parallel=_sequence_parallel(t.sequence_parallel, rows, tp),
+    sequence_parallel=cfg.mesh.cp == 1 and _sequence_parallel(t.sequence_parallel, rows, tp),
+    cp=cfg.mesh.cp,
     dp=dp,
     pp=pp,
     tp=tp,

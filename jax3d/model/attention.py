@@ -27,6 +27,7 @@ would not order the tokens). A row of one document (no segment ids) passes neith
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 
 from jax3d.errors import ConfigError
 from jax3d.model import blockwise
-from jax3d.parallel import sharding
+from jax3d.parallel import context, sharding
 
 FUSED_DTYPES = ('bfloat16', 'float16')
 # The bias of a masked-out key: jax's cudnn wrapper's own values (cuDNN mishandles -inf - -inf);
@@ -159,6 +160,10 @@ def _blockwise(
   in their row. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
   device instead (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's
   shard_map on jax 0.10 (BUILD_NOTES.md)."""
+  if context.split(q_btnh.shape[1]) > 1:  # the sequence over 'cp' (jax3d/parallel/context.py)
+    fwd = functools.partial(blockwise.forward, block=blockwise.BLOCK)
+    bwd = functools.partial(blockwise.backward, block=blockwise.BLOCK)
+    return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, fwd, bwd)
   b, t = q_btnh.shape[:2]
   pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt, blockwise.BLOCK)

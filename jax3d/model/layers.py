@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d.model import attention, lora, rope as rope_lib
 from jax3d.model.dims import Dims
-from jax3d.parallel import tensor
+from jax3d.parallel import context, tensor
 from jax3d.parallel.sharding import constrain
 
 KVCache = tuple[jax.Array, jax.Array]  # one layer's (keys [b, s, k, h], values [b, s, k, h])
@@ -167,7 +167,7 @@ class Block(nn.Module):
   def __call__(self, x_btd, positions_t=None, cache=None, segment_ids=None, noise=None):
     sp = self.seq_len is not None
     b, t, d = (x_btd.shape[0] // self.seq_len, self.seq_len, x_btd.shape[1]) if sp else x_btd.shape
-    x_rd = constrain(x_btd.reshape(b * t, d), (self._rows, 'embed'))
+    x_rd = constrain(x_btd.reshape(b * t, d) if sp else context.rows(x_btd), (self._rows, 'embed'))
 
     q_btnh, k_btkh, v_btkh = self._qkv(x_rd, b, t, positions_t, noise)
     if cache is None:
@@ -180,12 +180,13 @@ class Block(nn.Module):
     x_rd = x_rd + self._mlp(x_rd, d, noise)
     if sp:
       return x_rd
-    return x_rd.reshape(b, t, d) if cache is None else (x_rd.reshape(b, t, d), cache)
+    x_btd = context.unrows(x_rd, b, t)
+    return x_btd if cache is None else (x_btd, cache)
 
   @property
   def _rows(self) -> str:
     """The logical name of the residual stream's rows: split over tp too under sequence parallelism."""
-    return 'rows_sp' if self.seq_len is not None else 'batch'
+    return 'rows_sp' if self.seq_len is not None else 'rows'
 
   def _stream(self, a_rd: jax.Array) -> jax.Array:
     """The residual stream's annotation under sequence parallelism (rows split over tp)."""
@@ -222,14 +223,14 @@ class Block(nn.Module):
     a_rd = self._stream(RMSNorm(dm, name='attn_norm')(x_rd))
     names = ('embed', 'kv_heads', 'qkv', 'head_dim')
     qkv_rkch = self._dense((k, g + 2, h), -1, names, 0.02, 'qkv', bias=dm.qkv_bias)(a_rd)
-    qkv_rkch = constrain(qkv_rkch, ('batch', 'kv_heads', 'qkv', 'head_dim'))
-    col = (('embed',), 'batch')
+    qkv_rkch = constrain(qkv_rkch, ('rows', 'kv_heads', 'qkv', 'head_dim'))
+    col = (('embed',), 'rows')
     q_rkgh = self._adapt('q', a_rd, qkv_rkch[:, :, :g], *col, ('kv_heads', 'qkv', 'head_dim'), noise)
     k_rkh = self._adapt('k', a_rd, qkv_rkch[:, :, g], *col, ('kv_heads', 'head_dim'), noise)
     v_rkh = self._adapt('v', a_rd, qkv_rkch[:, :, g + 1], *col, ('kv_heads', 'head_dim'), noise)
-    q_btnh = q_rkgh.reshape(b, t, n, h)  # query head i belongs to KV head i // g
-    k_btkh = k_rkh.reshape(b, t, k, h)
-    v_btkh = v_rkh.reshape(b, t, k, h)
+    q_btnh = context.unrows(q_rkgh, b, t).reshape(b, t, n, h)  # query head i belongs to KV head i // g
+    k_btkh = context.unrows(k_rkh, b, t)
+    v_btkh = context.unrows(v_rkh, b, t)
     if dm.qk_norm:
       q_btnh = RMSNorm(dm, 'head_dim', name='q_norm')(q_btnh)
       k_btkh = RMSNorm(dm, 'head_dim', name='k_norm')(k_btkh)
@@ -247,9 +248,9 @@ class Block(nn.Module):
     # keeps a transposed-operand dot and runs it in Eigen, slower.
     o_names = ('batch', 'heads', 'head_dim') if sp else ('batch', 'seq', 'heads', 'head_dim')
     o = checkpoint_name(constrain(o_btnh.reshape(r, n, h) if sp else o_btnh, o_names), 'attn_out')
-    o_rd = self._dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), self._out_std, 'o')(o).reshape(r, d)
-    o_rd = self._adapt('o', o, o_rd, ('heads', 'head_dim'), self._rows, ('embed',), noise)
-    return constrain(o_rd, (self._rows, 'embed'))
+    o_rd = self._dense(d, (-2, -1), ('heads', 'head_dim', 'embed'), self._out_std, 'o')(o)
+    o_rd = self._adapt('o', o, o_rd, ('heads', 'head_dim'), self._rows, ('embed',), noise)  # o's own order
+    return constrain(o_rd if sp else context.rows(o_rd), (self._rows, 'embed'))
 
   def _mlp(self, x_rd: jax.Array, d: int, noise: lora.Noise | None) -> jax.Array:
     """The SwiGLU MLP: column-parallel gate/up (mlp on tp), row-parallel down (one all-reduce)."""
@@ -257,15 +258,15 @@ class Block(nn.Module):
     m_rd = self._stream(RMSNorm(dm, name='mlp_norm')(x_rd))
     gu_r2f = constrain(
       self._dense((2, dm.d_ff), -1, ('embed', 'gate_up', 'mlp'), 0.02, 'gate_up')(m_rd),
-      ('batch', 'gate_up', 'mlp'),
+      ('rows', 'gate_up', 'mlp'),
     )
     if dm.adapted('gate') or dm.adapted('up'):
       g_rf, u_rf = (
-        self._adapt(x, m_rd, gu_r2f[:, i], ('embed',), 'batch', ('mlp',), noise)
+        self._adapt(x, m_rd, gu_r2f[:, i], ('embed',), 'rows', ('mlp',), noise)
         for i, x in enumerate(('gate', 'up'))
       )
       gu_r2f = jnp.stack([g_rf, u_rf], axis=1)
-    h_rf = constrain(swiglu(gu_r2f).astype(dm.dtype), ('batch', 'mlp'))
+    h_rf = constrain(swiglu(gu_r2f).astype(dm.dtype), ('rows', 'mlp'))
     y_rd = self._dense(d, -1, ('mlp', 'embed'), self._out_std, 'down')(h_rf)
     y_rd = self._adapt('down', h_rf, y_rd, ('mlp',), self._rows, ('embed',), noise)
     return constrain(checkpoint_name(y_rd, 'mlp_out'), (self._rows, 'embed'))
@@ -288,6 +289,8 @@ class Block(nn.Module):
     if not dm.adapted(target):
       return y
     n_in, n_out = len(in_names), len(out_names)
+    if noise is not None and x.ndim - n_in == 1:  # x is the layer's rows: its words in their order
+      noise = (context.rows(noise[0]), noise[1])
     adapter = lora.Adapter(
       x.shape[-n_in:],
       y.shape[-n_out:],

@@ -1,8 +1,9 @@
-"""The ('dp', 'pp', 'tp') device mesh.
+"""The ('dp', 'pp', 'tp') device mesh; with context parallelism (mesh.cp > 1) ('dp', 'pp', 'cp', 'tp').
 
 Placement maps ranks to the topology: `tp` varies fastest, so a tensor-parallel group is a set of
-neighbouring devices (one host's NVLink domain), `pp` next, and `dp` outermost, across hosts. On
-several hosts `create_hybrid_device_mesh` keeps `tp` inside a host.
+neighbouring devices (one host's NVLink domain), `cp` next (inside a node too), `pp` next, and `dp`
+outermost, across hosts. On several hosts `create_hybrid_device_mesh` keeps `tp` (and `cp`) inside a
+host. The `cp` axis exists only when mesh.cp > 1, so a run without it keeps its three-axis mesh.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jax.sharding import AxisType, Mesh
 from jax3d.config import ConfigError, RunPlan
 
 AXES = ('dp', 'pp', 'tp')
+CP_AXES = ('dp', 'pp', 'cp', 'tp')  # mesh.cp > 1
 FAKE_CPU_DEVICES = 8
 
 
@@ -38,10 +40,12 @@ def build_mesh(
   devices = list(devices if devices is not None else jax.devices())
   if len(devices) != plan.n_devices:
     raise ConfigError(
-      f'mesh dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.n_devices}, but {len(devices)} devices are visible'
+      f'mesh dp*cp*pp*tp = {plan.dp}*{plan.cp}*{plan.pp}*{plan.tp} = {plan.n_devices}, but {len(devices)} devices are visible'
     )
   n_hosts = len({d.process_index for d in devices})
   per_host = len(devices) // n_hosts
+  if plan.cp > 1:
+    return _cp_mesh(plan, devices, per_host)
   if n_hosts > 1:
     if plan.tp > per_host or per_host % plan.tp:
       if not allow_tp_across_hosts:
@@ -78,14 +82,26 @@ def build_mesh(
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+def _cp_mesh(plan: RunPlan, devices: list[jax.Device], per_host: int) -> Mesh:
+  """Mesh(('dp','pp','cp','tp')): cp and tp inside a host (one block of cp*tp neighbours)."""
+  block = plan.cp * plan.tp
+  if block > per_host or per_host % block:
+    raise ConfigError(
+      f'mesh.cp={plan.cp} with mesh.tp={plan.tp} would span hosts ({per_host} devices per host): '
+      f'not supported yet; valid: cp*tp dividing the devices of one host'
+    )
+  devices.sort(key=lambda d: (d.process_index, d.id))
+  grid = np.array(devices).reshape(plan.dp, plan.pp, plan.cp, plan.tp)
+  return Mesh(grid, CP_AXES, axis_types=(AxisType.Auto,) * 4)
+
+
 def describe_placement(mesh: Mesh, hosts: Sequence[str] | None = None) -> list[str]:
-  """One line per device: its (dp, pp, tp) coordinate, host (`hosts[process_index]` when given),
-  process and device id."""
+  """One line per device: its (dp, pp, tp) coordinate (cp too when the mesh has it), host
+  (`hosts[process_index]` when given), process and device id."""
   lines = []
   for idx in np.ndindex(mesh.devices.shape):
     d = mesh.devices[idx]
     host = f'host {hosts[d.process_index]} ' if hosts and d.process_index < len(hosts) else ''
-    lines.append(
-      f'  (dp={idx[0]}, pp={idx[1]}, tp={idx[2]}) -> {host}process {d.process_index} device {d.id} ({d.device_kind})'
-    )
+    coord = ', '.join(f'{a}={i}' for a, i in zip(mesh.axis_names, idx, strict=True))
+    lines.append(f'  ({coord}) -> {host}process {d.process_index} device {d.id} ({d.device_kind})')
   return lines

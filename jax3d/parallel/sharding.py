@@ -1,9 +1,12 @@
 """Tensor parallelism and the one table from logical axis names (what the model speaks) to mesh axes.
 
   batch      micro-batch rows inside the pipeline          -> dp
+  rows       a layer's flattened rows b*t (outside SP)      -> dp, and with context parallelism
+             (mesh.cp > 1) cp and dp: cp-major rows (context.rows), each device's own tokens
+  seq        the sequence                                   -> replicated, or cp when mesh.cp > 1
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
              (microbatch.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
-  seq, embed, head_dim, norm, qkv, gate_up, lora          -> replicated (lora: an adapter's rank)
+  embed, head_dim, norm, qkv, gate_up, lora               -> replicated (lora: an adapter's rank)
   micro      the micro-batch axis outside the pipeline's loop -> replicated, or pp where whole
              micro-batches are split over it (microbatch.micro_axes)
   heads, kv_heads    attention heads (Megatron column/row)  -> tp
@@ -39,20 +42,26 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (jax3d/parallel/mesh.py builds the mesh with them)
+CP = 'cp'  # the context-parallel axis: in the mesh only when mesh.cp > 1 (jax3d/parallel/context.py)
 
 Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 
 
 def logical_rules(
-  batch_all: str | tuple[str, ...], sequence_parallel: bool = False, micro: str | None = None
+  batch_all: str | tuple[str, ...],
+  sequence_parallel: bool = False,
+  micro: str | None = None,
+  context: bool = False,
 ) -> Rules:
   """The table above; `batch_all` and `micro` are the pipeline's choice for the batch outside its
-  loop."""
+  loop; `context`: mesh.cp > 1 (the sequence over the 'cp' axis)."""
+  rows = (CP, DP) if context else DP  # cp-major rows (context.rows)
   return (
     ('batch', DP),
-    ('rows_sp', (DP, TP) if sequence_parallel else DP),
+    ('rows', rows),
+    ('rows_sp', (DP, TP) if sequence_parallel else rows),
     ('batch_all', batch_all),
-    ('seq', None),
+    ('seq', CP if context else None),
     ('embed', None),
     ('head_dim', None),
     ('norm', None),
@@ -131,18 +140,23 @@ def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
   return _manual(fn, in_logical, out_logical, {TP})
 
 
-def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
+def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, check_vma: bool = True) -> Any:
   """`fn` on each device's own blocks: a shard_map manual over every mesh axis not manual yet
   (nested in the pipeline's or the explicit reduction's shard_map, or at the top), its specs the
   logical names resolved by the rules in force; an axis a spec does not name is replicated. For a
   kernel whose custom partitioner cannot take the layouts GSPMD gives it (cuDNN attention): inside,
-  nothing is left to partition."""
+  nothing is left to partition. `check_vma=False` for a region that jax may split (partial
+  evaluation, e.g. a scan hoisting its loop-invariant part): jax 0.10 then gives the residuals the
+  newly manual axes alone, where with the check it names the enclosing shard_map's too (dp), an
+  order Shardy rejects."""
   mesh = jax.sharding.get_abstract_mesh()
   axes = set(mesh.axis_names) - set(mesh.manual_axes)
-  return _manual(fn, in_logical, out_logical, axes) if axes else fn
+  return _manual(fn, in_logical, out_logical, axes, check_vma) if axes else fn
 
 
-def _manual(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axes: set[str]) -> Any:
+def _manual(
+  fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axes: set[str], check_vma: bool = True
+) -> Any:
   """A shard_map manual over `axes`; `out_logical` is one output's names or a tuple of them."""
   rules = _RULES.get()
   several = bool(out_logical) and all(isinstance(n, tuple) for n in out_logical)
@@ -151,7 +165,7 @@ def _manual(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axes: se
     in_specs=tuple(spec(names, rules) for names in in_logical),
     out_specs=tuple(spec(n, rules) for n in out_logical) if several else spec(out_logical, rules),
     axis_names=axes,
-    check_vma=True,
+    check_vma=check_vma,
   )
 
 

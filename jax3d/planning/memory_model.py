@@ -75,8 +75,19 @@ def micro_rows(plan: RunPlan) -> int:
 
 
 def micro_activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
-  """One micro-batch's activation [b, s, h] on one device, in the compute dtype."""
-  return micro_rows(plan) * plan.seq_len * cfg.model.d_model * BYTES[cfg.train.compute_dtype]
+  """One micro-batch's activation [b, s, h] on one device (its 1/cp of the sequence), in the
+  compute dtype."""
+  return micro_rows(plan) * plan.seq_len // plan.cp * cfg.model.d_model * BYTES[cfg.train.compute_dtype]
+
+
+def cp_gather_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+  """mesh.cp > 1: one layer's K and V all-gathered over cp (the whole sequence, this device's KV
+  heads), held while its attention runs, forward or backward (jax3d/parallel/context.py)."""
+  if plan.cp == 1:
+    return 0.0
+  m = cfg.model
+  kv = m.n_kv_heads // plan.tp * (m.head_dim or m.d_model // m.n_heads)
+  return 2 * micro_rows(plan) * plan.seq_len * kv * BYTES[cfg.train.compute_dtype]
 
 
 def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str) -> float:
@@ -89,7 +100,7 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool 
     m.n_heads,
     m.n_kv_heads,
     m.d_ff,
-    plan.seq_len,
+    plan.seq_len // plan.cp,  # a layer's own tokens (the K/V gathered over cp: cp_gather_bytes)
     plan.tp,
     compute=t.compute_dtype,
     param=t.param_dtype,
@@ -104,7 +115,7 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool 
   if t.remat != 'stage':
     # under ZeRO-3's layer gather, 'none' keeps what 'dots' keeps (jax3d/parallel/zero3.py)
     kept = 'dots' if t.remat == 'none' and gather_mode(cfg, plan) == 'layer' else t.remat
-    return plan.iterations * lc * res(policy=kept) + res(policy='none') + edges
+    return plan.iterations * lc * res(policy=kept) + res(policy='none') + edges + cp_gather_bytes(cfg, plan)
   # 'stage': per iteration its carry (input and, with pp > 1, the stage-0 queue of m micro-batches),
   # plus one iteration recomputed in the backward pass
   sp = plan.tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
@@ -159,7 +170,7 @@ def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   h, cb = cfg.model.d_model, BYTES[cfg.train.compute_dtype]
   head_rows = max(1, micro_rows(plan) // plan.pp) if one_f_one_b(cfg, plan) else rows_all
   logits = head_rows * 3 * 4 * plan.vocab_padded // plan.tp / cfg.train.loss_chunks
-  return plan.seq_len * (logits + rows_all * 2 * h * cb)
+  return plan.seq_len // plan.cp * (logits + rows_all * 2 * h * cb)
 
 
 def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:

@@ -108,6 +108,8 @@ def sampling_config(
 
   cfg = copy.deepcopy(cfg)
   overrides = dict(overrides or {})
+  if 'mesh.cp' not in overrides:  # generation runs no training sequence split over cp
+    cfg.mesh.cp = 1
   for k, v in overrides.items():
     config_lib.set_key(cfg, k, v)
   try:
@@ -317,5 +319,5 @@ def export_workdir(
 def _n_devices(cfg: Any, available: int) -> int:
   from jax3d import config as config_lib
 
-  dp, pp, tp = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, available)
-  return dp * pp * tp
+  dp, pp, tp = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, available, cfg.mesh.cp)
+  return dp * cfg.mesh.cp * pp * tp

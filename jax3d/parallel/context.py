@@ -1,0 +1,174 @@
+"""Context parallelism (mesh.cp > 1): each row's tokens split over the devices of the 'cp' axis.
+
+Layout (load balance, as Megatron-LM and MaxText): a row of t tokens is cut into 2*cp chunks of
+c = t/(2cp) and laid out so that cp rank i holds chunks i and 2cp-1-i; under causal attention
+every rank then has the same work (an early chunk with few keys, a late one with many). `order`
+is that permutation; `lay_out` applies it to every [B, T] array of a batch on entering the step
+(the batch arrives with its rows over dp and replicated over cp, so this is a local slice per
+device, no communication), and adds the rotary positions 0..t-1 when the batch has none: the
+positions travel with the tokens, so RoPE is right in any order. The loss is a sum over tokens
+divided by the batch's weight sum, so the order changes neither; `natural` puts per-token outputs
+(logits) back in the rows' own order.
+
+Attention (`attend`, train.cp_strategy=allgather): a shard_map manual over 'cp' alone (dp and tp
+stay with GSPMD, as for the blockwise attention without cp). Each rank all-gathers K, V and the
+key segment ids over cp, puts the keys back in their natural order (a static gather, so that the
+blockwise kernel's block skipping sees contiguous needed blocks), and runs blockwise attention of
+its own queries, whose causal positions are their tokens' indices in the row, against all keys.
+The all-gather's transpose is a reduce-scatter of dK and dV over cp. The parameters are
+replicated over cp, so their gradients are summed over dp x cp by the compiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax3d.parallel import sharding
+from jax3d.parallel.sharding import CP
+
+POSITIONS = 'positions'
+
+
+def order(t: int, cp: int) -> np.ndarray:
+  """int [t]: the row index of the token at each place of the cp layout (rank i: chunks i and
+  2cp-1-i of c = t/(2cp) tokens each, ranks in order)."""
+  c = t // (2 * cp)
+  chunks = np.arange(t).reshape(2 * cp, c)
+  return np.concatenate([np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
+
+
+def lay_out(batch: dict[str, jax.Array], cp: int) -> dict[str, jax.Array]:
+  """Every [B, T] array of `batch` in the cp layout (`order`), with rotary positions 0..T-1 added
+  where the batch has none (rows of one sequence)."""
+  if cp == 1:
+    return batch
+  b, t = batch['inputs'].shape
+  if POSITIONS not in batch:
+    batch = {**batch, POSITIONS: jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+  idx = order(t, cp)
+  return {k: v[:, idx] for k, v in batch.items()}
+
+
+def natural(x_bt: jax.Array, cp: int) -> jax.Array:
+  """[B, T, ...] in the cp layout -> the rows' own order (the inverse of `lay_out`)."""
+  return x_bt if cp == 1 else x_bt[:, np.argsort(order(x_bt.shape[1], cp))]
+
+
+def in_layout(fn: Callable, tokens_bt: jax.Array, doc: dict[str, jax.Array] | None, cp: int) -> jax.Array:
+  """fn(tokens, doc) -> [B, T, ...] per token, run on the rows in the cp layout and returned in
+  their own order (logits for scoring and verification)."""
+  if cp == 1:
+    return fn(tokens_bt, doc)
+  laid = lay_out({'inputs': tokens_bt, **(doc or {})}, cp)
+  return natural(fn(laid.pop('inputs'), laid), cp)
+
+
+def cp_size() -> int:
+  """The size of the 'cp' axis of the mesh in context (1 when it has none)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return dict(mesh.shape).get(CP, 1) if not mesh.empty else 1
+
+
+def split(t: int) -> int:
+  """The cp ranks a sequence of length t is split over: the mesh's cp, or 1 where t does not divide
+  into 2*cp chunks (the parameters' initialisation traces a layer on one token; training's seq_len
+  always divides, train.seq_len's rule)."""
+  cp = cp_size()
+  return cp if t % (2 * cp) == 0 else 1
+
+
+def rows(x_bt: jax.Array) -> jax.Array:
+  """[b, t, ...] -> the layer's flattened rows [b*t, ...]: b-major, or with cp > 1 cp-major
+  ([cp, b, t/cp] flattened), so that rows split over (cp, dp) are each device's own tokens (a
+  b-major flattening of a sequence split over cp is no split of the rows: GSPMD would reshard)."""
+  b, t = x_bt.shape[:2]
+  cp = split(t)
+  if cp == 1:
+    return x_bt.reshape(b * t, *x_bt.shape[2:])
+  return x_bt.reshape(b, cp, t // cp, *x_bt.shape[2:]).swapaxes(0, 1).reshape(b * t, *x_bt.shape[2:])
+
+
+def unrows(x_r: jax.Array, b: int, t: int) -> jax.Array:
+  """The inverse of `rows`: [b*t, ...] -> [b, t, ...]."""
+  cp = split(t)
+  if cp == 1:
+    return x_r.reshape(b, t, *x_r.shape[1:])
+  return x_r.reshape(cp, b, t // cp, *x_r.shape[1:]).swapaxes(0, 1).reshape(b, t, *x_r.shape[1:])
+
+
+def attend(
+  q_btnh: jax.Array,
+  k_btkh: jax.Array,
+  v_btkh: jax.Array,
+  seg_bt: jax.Array | None,
+  forward: Callable,
+  backward: Callable,
+) -> jax.Array:
+  """Causal attention [b, t, n, h] of rows in the cp layout, the sequence split over 'cp' (the
+  module docstring): K, V and the key segments all-gathered over cp. Forward and backward are two
+  per-device regions (`sharding.device_local`, a custom VJP, as attention._per_device_vjp):
+  differentiating one region, or a region manual over cp alone, makes the kernel's residuals
+  outputs split over a free axis (dp) before the manual one, which Shardy rejects. The backward
+  reuses the forward's logsumexp; dK and dV are reduce-scattered over cp. `forward` and `backward`
+  are the kernel's (jax3d/model/blockwise.py's, its block size bound): (q, k, v, q positions, k
+  positions, q segments, k segments) -> (out, logsumexp), and the same + (out, logsumexp, dout) ->
+  (dq, dk, dv)."""
+  t = q_btnh.shape[1]
+  cp = split(t)
+  natural_of = np.argsort(order(t, cp))  # gathered (rank-major) keys -> natural order
+  c = t // (2 * cp)
+
+  def positions(b: int) -> tuple[jax.Array, jax.Array]:  # this rank's queries', all keys' (in order)
+    i = jax.lax.axis_index(CP)
+    q_pos = jnp.concatenate([i * c + jnp.arange(c), (2 * cp - 1 - i) * c + jnp.arange(c)])
+    k_pos = jnp.arange(t)
+    return (jnp.broadcast_to(p.astype(jnp.int32), (b, p.shape[0])) for p in (q_pos, k_pos))
+
+  gather = lambda a: jax.lax.all_gather(a, CP, axis=1, tiled=True)[:, natural_of]
+
+  def operands(q, k, v, seg):
+    qp, kp = positions(q.shape[0])
+    ids = () if seg is None else (seg, gather(seg))
+    return q, gather(k), gather(v), qp, kp, *(ids or (None, None))
+
+  def fwd_local(q, k, v, *seg):
+    return forward(*operands(q, k, v, seg[0] if seg else None))
+
+  def bwd_local(q, k, v, out, lse, g, *seg):
+    dq, dk, dv = backward(*operands(q, k, v, seg[0] if seg else None), out, lse, g)
+    scatter = lambda d: jax.lax.psum_scatter(d[:, order(t, cp)], CP, scatter_dimension=1, tiled=True)
+    return dq, scatter(dk), scatter(dv)
+
+  segs: tuple[Any, ...] = () if seg_bt is None else (seg_bt,)
+  q_names, kv_names = ('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim')
+  lse_names = ('seq', 'batch', 'kv_heads', None, None)  # [nq, b, kv, g, bq]: this rank's query blocks
+  seg_names = (('batch', 'seq'),) * len(segs)
+  fwd = sharding.device_local(
+    fwd_local, (q_names, kv_names, kv_names, *seg_names), (q_names, lse_names), check_vma=False
+  )
+  bwd_in = (q_names, kv_names, kv_names, q_names, lse_names, q_names, *seg_names)
+  bwd = sharding.device_local(bwd_local, bwd_in, (q_names, kv_names, kv_names), check_vma=False)
+
+  # unchecked regions return values varying over no manual axis: marked as their inputs were
+  like = lambda a, x: sharding.vary(a, tuple(jax.typeof(x).manual_axis_type.varying))
+
+  @jax.custom_vjp
+  def run(q, k, v, *seg):
+    return like(fwd(q, k, v, *seg)[0], q)
+
+  def run_fwd(q, k, v, *seg):
+    out, lse = fwd(q, k, v, *seg)
+    return like(out, q), (q, k, v, out, lse, seg)
+
+  def run_bwd(res, g):
+    q, k, v, out, lse, seg = res
+    grads = bwd(q, k, v, out, lse, g, *seg)
+    return (*(like(d, x) for d, x in zip(grads, (q, k, v), strict=True)), *(jnp.zeros_like(x) for x in seg))
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(q_btnh, k_btkh, v_btkh, *segs)
