@@ -62,8 +62,8 @@ def test_dp_bytes_by_hand():
   one = dp_comm.dp_bytes('layer', **kw | {'layers': LAYER, 'layers_per_stage': 1, 'uses': 7}, gathers_back=1)
   assert one['wire'] == pytest.approx(7 * 3 * r * LAYER + 3 * r * SHARED)
   # 'none' keeps what 'dots' keeps under the layer gather: one gather again in the backward
-  assert dp_comm.regathers('none', False) == 1 and dp_comm.regathers('stage', False) == 2
-  assert dp_comm.regathers('full', True) == 2  # 1F1B's backward recomputes its chunk
+  assert dp_comm.regathers('none') == 1 and dp_comm.regathers('stage') == 2
+  assert dp_comm.regathers('full') == 1  # 1F1B keeps its chunks' VJP residuals as GPipe does
   # the time model prices the same bytes
   e = _estimate('tiny', DP8 | _zero3('layer', **{'train.remat': 'full'}), hw=CPU)
   assert e.times['dp'] * CPU.intra_gbps * 1e9 == pytest.approx(layer['wire'])
