@@ -148,6 +148,7 @@ def test_schedules_remat_zero_and_loss_chunks_equal_one_device(name):
   check(VARIANTS[name], **({'rtol': 2e-2, 'atol': 1e-5, 'loss_rtol': 1e-4} if 'bf16' in name else {}))
 
 
+@pytest.mark.slow  # 40-90 s; the default suite keeps LoRA on 2-2-2 and documents at every layout
 def test_documents_with_weights_equal_one_device():
   """Rows of documents (segment mask, positions, loss weights) with ZeRO-3 on 2-2-2."""
   check({**D222, 'train__shard_params': True}, documents=True)
