@@ -294,6 +294,7 @@ def test_a_seed_base_run_exports_merged_samples_and_refuses_an_adapter(tmp_path)
   assert not os.path.exists(tmp_path / 'a') and os.path.isfile(tmp_path / 'merged' / outdir.MARKER)
 
 
+@pytest.mark.slow  # 12-40 s (default-suite budget; CI runs -m slow)
 def test_inspection_counts_the_adapters_gradients_on_the_dp_wire():
   """The compiled step's dp collectives carry the adapters' gradients only, as jax3d.inspect's
   formula says (2-2-2, and ZeRO-1's explicit reduce-scatter + all-gather)."""

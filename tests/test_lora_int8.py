@@ -86,6 +86,7 @@ def test_int8_base_layouts_equal_one_device(over):
   chex.assert_trees_all_close(grads, r_grads, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # 11-16 s (default-suite budget; CI runs -m slow)
 def test_int8_base_trains_like_its_float32_base():
   """3 steps over the int8 quantization of the float32 initialisation: losses within 1e-4
   (relative) of the float32 base's, the adapters' first gradients within 1%."""

@@ -153,6 +153,7 @@ def run_cfg(base: str, adapter: str, tmp_path: object, layout: tuple = (1, 1, 1)
   return H.jax3d_cfg(base, layout, **{**TRAIN, 'train.steps': 4, **over})
 
 
+@pytest.mark.slow  # 12 s (default-suite budget; CI runs -m slow)
 def test_checkpoint_holds_the_adapters_and_resumes_exactly(llama, tmp_path):
   """A checkpoint holds the adapters and their optimizer state (and where the base came from); a
   run resumed from it continues bit for bit; a resume onto another base is refused."""
