@@ -255,3 +255,15 @@ def prepare_devices(n: int = 8) -> None:
 
   use_fake_cpu_devices(n)
   gpu.apply_gpu_flags()
+
+
+def model_source(args: Args) -> tuple[str, dict[str, Any]]:
+  """(the model a reading command runs: --workdir or --config.checkpoint.init_from=hf:PATH, the
+  other --config overrides). UsageError where neither or both are given."""
+  f = args.flags
+  init_from = args.overrides.get('checkpoint.init_from', '')
+  if not f['workdir'] and not init_from.startswith('hf:'):
+    raise errors.UsageError('give --workdir=DIR (a training run) or --config.checkpoint.init_from=hf:PATH')
+  if f['workdir'] and init_from:
+    raise errors.UsageError('give --workdir or --config.checkpoint.init_from, not both')
+  return f['workdir'] or init_from, {k: v for k, v in args.overrides.items() if k != 'checkpoint.init_from'}

@@ -54,11 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _eval(args: cli.Args) -> int:
   f = args.flags
-  init_from = args.overrides.get('checkpoint.init_from', '')
-  if not f['workdir'] and not init_from.startswith('hf:'):
-    raise errors.UsageError('give --workdir=DIR (a training run) or --config.checkpoint.init_from=hf:PATH')
-  if f['workdir'] and init_from:
-    raise errors.UsageError('give --workdir or --config.checkpoint.init_from, not both')
+  source, overrides = cli.model_source(args)
   from jax3d.harness import tasks as harness_tasks
 
   names = harness_tasks.split_names(f['tasks'])
@@ -71,15 +67,14 @@ def _eval(args: cli.Args) -> int:
   from jax3d.trainer import tasks as run_tasks
 
   loaded = harness_tasks.load(names, f['include_path'])  # exit 2 here, before anything compiles
-  overrides = {k: v for k, v in args.overrides.items() if k != 'checkpoint.init_from'}
   overrides |= run_tasks.batch_overrides(f['batch_rows'])
-  setup, params, step = run_tasks.load(f['workdir'] or init_from, overrides, config=args.config_path)
+  setup, params, step = run_tasks.load(source, overrides, config=args.config_path)
   lm = JaxLM(setup, params, f['max_length'])
   results = harness_tasks.evaluate(lm, loaded, f['limit'], f['num_fewshot'])
   print(harness_tasks.table(results))
   out = f['out'] or (run_tasks.json_path(f['workdir'], step) if f['workdir'] else None)
   if out:
-    extra = {'source': f['workdir'] or init_from, 'step': step, 'layout': setup.layout, 'packing': lm.stats}
+    extra = {'source': source, 'step': step, 'layout': setup.layout, 'packing': lm.stats}
     print(f'wrote {harness_tasks.write_json(results, out, extra)}')
   return 0
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import types
 
-from jax3d import cli, errors
+from jax3d import cli
 from jax3d.trainer.workdir import sample_hf, sample_workdir
 
 FLAGS = {
@@ -68,14 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _sample(args: cli.Args) -> int:
   f = args.flags
-  init_from = args.overrides.get('checkpoint.init_from', '')
-  if not f['workdir'] and not init_from.startswith('hf:'):
-    raise errors.UsageError('give --workdir=DIR (a training run) or --config.checkpoint.init_from=hf:PATH')
-  if f['workdir'] and init_from:
-    raise errors.UsageError('give --workdir or --config.checkpoint.init_from, not both')
+  source, overrides = cli.model_source(args)
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
-  source = f['workdir'] or init_from
-  overrides = {k: v for k, v in args.overrides.items() if k != 'checkpoint.init_from'}
   sampler = sample_workdir if f['workdir'] else sample_hf
   text = sampler(
     source,
