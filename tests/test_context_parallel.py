@@ -96,7 +96,7 @@ def test_oom_ladder_offers_splitting_the_sequence():
   over = {'train.seq_len': 8192, 'model.max_seq_len': 8192, 'mesh.dp': 8, 'mesh.pp': 1, 'mesh.tp': 1}
   cfg = config_lib.load_config('tiny', over | {'pipeline.microbatches': 1, 'train.global_batch_size': 16})
   lines = oom.oom_ladder(cfg, config_lib.validate(cfg, 8), 2e8)
-  (rung,) = [x for x in lines if x.startswith('4b. split the sequence: cp')]
+  (rung,) = [x for x in lines if x.startswith('4c. split the sequence: cp')]
   assert '--config.mesh.cp=2 --config.mesh.dp=4 --config.train.grad_accum=2' in rung
   before, after = (float(x.split()[0]) for x in rung.rsplit('): ', 1)[1].split(' per GPU')[0].split(' -> '))
   assert after < 0.5 * before

@@ -46,11 +46,11 @@ def oom_ladder(
     ladder.rung('3. smaller micro-batch', {'train.grad_accum': 2 * cfg.train.grad_accum}, ladder.acts)
   )
   lines.append(_more_pp_or_tp_rung(ladder))
-  if plan.dp % 2 == 0:  # half the dp ranks become cp ranks; twice the accumulation keeps the batch
-    cp = {'mesh.cp': 2 * plan.cp, 'mesh.dp': plan.dp // 2, 'train.grad_accum': 2 * plan.grad_accum}
-    lines.append(ladder.rung('4b. split the sequence: cp (each row over 2x the devices)', cp, ladder.acts))
   if plan.pp > 1:
     lines.append(_schedule_rung(ladder))
+  if plan.dp % 2 == 0:  # half the dp ranks become cp ranks; twice the accumulation keeps the batch
+    cp = {'mesh.cp': 2 * plan.cp, 'mesh.dp': plan.dp // 2, 'train.grad_accum': 2 * plan.grad_accum}
+    lines.append(ladder.rung('4c. split the sequence: cp (each row over 2x the devices)', cp, ladder.acts))
   if cfg.train.param_dtype != 'bfloat16':
     lines.append(
       ladder.rung(
