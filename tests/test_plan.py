@@ -129,6 +129,7 @@ def test_json_and_emit():
   )
 
 
+@pytest.mark.slow  # default-suite budget (CI runs -m slow too)
 def test_misfit_reason_and_oom_ladder():
   r = cli('--config=configs/llama3_70b.py', '--nodes=1', '--gpus-per-node=8', '--gpu-memory-gb=80')
   assert r.returncode == 2
