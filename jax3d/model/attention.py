@@ -1,14 +1,21 @@
 """Training attention: which kernel (`train.attention`) and where it runs.
 
-  auto       cuDNN's fused (flash) attention where it runs: GPU devices, bf16/fp16 compute, a head
-             size cuDNN takes; the blockwise attention everywhere else (CPU, fp32). `resolve`
-             decides once, when the run is built (`assemble.build`); the start-up line names it.
+  auto       On NVIDIA GPUs in bf16/fp16 with a head size cuDNN takes: `fused` (below); everywhere
+             else (CPU, fp32) the blockwise attention. `resolve` decides once, when the run is
+             built (`assemble.build`); the start-up line names it.
   xla        XLA's attention (`jax.nn.dot_product_attention(implementation='xla')`) with a dense
              [b, 1, t, t] mask of the documents: the reference; memory grows with t^2.
   cudnn      cuDNN's fused kernel (`__cudnn$fmha*` custom calls); refused where it cannot run.
+             Documents reach it as a dense [b, 1, t, t] bias (jax 0.10's public API has no packed
+             layout), kept for the backward pass.
+  pallas     JAX's Pallas Triton flash attention (jax3d/model/pallas.py): segment ids, never a
+             [t, t] array; K/V repeated per query group. NVIDIA GPUs only (refused elsewhere).
   blockwise  jax3d/model/blockwise.py: blocks of queries and keys, online softmax, a backward that
              recomputes block scores; documents from segment ids and positions, never a mask;
              memory linear in t. Run per device like cuDNN's (no collective to skip a block).
+  fused      (`auto`'s on GPUs) per layer call: cuDNN with no mask where the rows hold one
+             document each (no segment ids), Pallas where they hold documents; so documents never
+             become a [b, 1, t, t] array (BUILD_NOTES.md: the GPU compile's numbers).
 
 cuDNN's kernel is called where the sharding is manual: a `shard_map` over every mesh axis not
 manual yet (`sharding.device_local`), so each device runs it on its own rows and heads. Left to
@@ -69,13 +76,13 @@ def device_facts(devices: list[jax.Device]) -> tuple[str, float]:
 
 
 def resolve(choice: str, devices: list[jax.Device], compute_dtype: str, head_dim: int) -> str:
-  """The kernel train.attention=`choice` runs on these devices: 'xla', 'cudnn' or 'blockwise'.
-  `auto` is cuDNN wherever it runs, else blockwise; `cudnn` where it cannot run is a ConfigError
-  naming why."""
+  """The kernel train.attention=`choice` runs on these devices: 'xla', 'cudnn', 'pallas',
+  'blockwise' or 'fused'. `auto` is `fused` wherever cuDNN runs, else blockwise; `cudnn` or
+  `pallas` where it cannot run is a ConfigError naming why."""
   platform, cc = device_facts(devices)
   why = cudnn_supported(platform, compute_dtype, head_dim, cc)
   if choice == 'auto':
-    return 'blockwise' if why else 'cudnn'
+    return 'blockwise' if why else 'fused'
   if choice == 'cudnn' and why:
     raise ConfigError(f"train.attention='cudnn' cannot run here: {why}; use 'auto' or 'xla'")
   if choice == 'pallas' and platform not in ('gpu', 'cuda'):
