@@ -14,10 +14,11 @@ programs in alternation, `--rounds` rounds of `--steps` steps (the first of a ro
 the figure is the median of the kept steps. Prints the tables and writes the JSON.
 
 With `--target` (needs the CUDA plugin, no GPU): the train step of a 1B-shaped model (16 layers,
-d_model 2048, 32/8 heads, d_ff 8192, vocab 32000, dp=8, 4 rows of documents per GPU, bf16, remat
-dots) compiled for the target's GPUs with each train.attention (xla, cudnn, blockwise, pallas,
+d_model 2048, 32/8 heads, d_ff 8192, vocab 32000, dp=8, 32K tokens of documents per GPU: 4 rows of
+8K, 1 of 32K; bf16, remat dots) compiled for the target's GPUs with each train.attention (xla, cudnn, blockwise, pallas,
 auto): bytes per GPU, whether it fits, and the optimised HLO's arrays of [seq, seq] (the dense
-mask, cuDNN's bias, XLA's scores); then the Pallas kernel's GQA cost (K/V repeated per group).
+mask, cuDNN's bias, XLA's scores; at 8K also the MLP's [t, d_ff] activations of a row, d_ff being
+8192); then the Pallas kernel's GQA cost (K/V repeated per group).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ GPU_1B = {
 
 
 GPU_KERNELS = ('xla', 'cudnn', 'blockwise', 'pallas', 'auto')
+GPU_TOKENS = 32768  # tokens per GPU: 4 rows of 8K, 1 of 32K
 
 
 def square_buffers(hlo: str, seq: int) -> list[str]:
@@ -168,7 +170,8 @@ def gpu_memory(target: str, seqs: list[int]) -> list[dict]:
   )
   for seq in seqs:
     for impl in GPU_KERNELS:
-      over = GPU_1B | {'train.seq_len': seq, 'train.global_batch_size': 32, 'train.attention': impl}
+      rows = 8 * max(1, GPU_TOKENS // seq)  # the same tokens per GPU at every length (dp=8)
+      over = GPU_1B | {'train.seq_len': seq, 'train.global_batch_size': rows, 'train.attention': impl}
       s = assemble.build(config_lib.load_config('tiny', over), devices)
       c = assemble.compile_train_step(s, gpu_target.compiler_options())
       hlo = c.executable.as_text()
@@ -213,7 +216,7 @@ def gqa_repeat_cost(target: str, seqs: list[int]) -> list[dict]:
       row[f'kv{kv}_temp'] = int(c.memory_analysis().temp_size_in_bytes)
     row['repeat_bytes'] = row['kv8_temp'] - row['kv32_temp']
     out.append(row)
-    print(f'{"":>51}{seq:>6} {row["kv8_temp"] / 2**20:>14.1f} {row["kv32_temp"] / 2**20:>15.1f}')
+    print(f'{"":>49}{seq:>6} {row["kv8_temp"] / 2**20:>14.1f} {row["kv32_temp"] / 2**20:>15.1f}')
   return out
 
 

@@ -1,0 +1,120 @@
+"""`train.attention=pallas` and `auto`'s `fused` on GPUs (issue 42): JAX's Pallas Triton flash
+attention with the documents' segment ids, equal to XLA's dense attention, the reference.
+
+On CPU the kernel runs in Pallas's interpreter (jax3d/model/pallas.py picks it by platform; users
+cannot reach it there: `resolve` refuses `pallas` off GPUs), through the same per-device regions
+and custom VJP as on a GPU:
+* the kernel alone (default): rows of documents of uneven length (one-token ones among them) and
+  padding, GQA 8/2, a row length that is not a whole block (padded inside), on a 2x2x2 mesh with
+  rows over dp and heads over tp; value and gradients of q, k, v within 1e-5 in float32;
+* the model (slow): `auto` on devices taken for GPUs is `fused`, Pallas on rows of documents:
+  losses and gradients against `xla` at 1-1-1 and 2-2-2; rows of one document and Qwen3's head size.
+With the CUDA plugin (slow): the GPU program holds the Triton kernel and no [t, t] array, and
+`fused` without segment ids is cuDNN's kernel without a bias.
+"""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_blockwise import _segments
+from test_documents import weighted_batches
+
+from jax3d.model import attention
+from jax3d.parallel import gpu_target, sharding
+
+from helpers import run_steps, small_cfg
+
+
+def _inputs(t, n, kv, h, b=4, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((b, t, kv, h)), jnp.float32) for _ in range(2))
+  rows = [[1, 9, 1, 1, 8, 3, 1, 10], [20, 1, 2, t - 30], [t], [5, 1, 1, 1, 12]]
+  seg = jnp.asarray(np.stack([_segments(rows[i % 4], t) for i in range(b)]))
+  w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  return q, k, v, seg, w
+
+
+def _out_and_grads(kernel, q, k, v, seg, w, mesh=None):
+  """The attention's output and the gradients of q, k, v for the cotangent w."""
+
+  def fn(q, k, v):
+    out, vjp = jax.vjp(lambda q, k, v: attention.attend(q, k, v, seg, kernel), q, k, v)
+    return out, vjp(w)
+
+  if mesh is None:
+    return jax.jit(fn)(q, k, v)
+  with jax.set_mesh(mesh), sharding.use_rules(sharding.logical_rules('dp')):
+    return jax.jit(fn)(q, k, v)
+
+
+@pytest.mark.parametrize(
+  'segments,h',
+  [
+    (True, 16),
+    pytest.param(False, 16, marks=pytest.mark.slow),
+    pytest.param(True, 128, marks=pytest.mark.slow),
+  ],
+)
+def test_pallas_equals_xla_per_device(segments, h):
+  q, k, v, seg, w = _inputs(40, 8, 2, h, b=2)  # 40 tokens: padded to a block of 64 inside
+  seg = seg if segments else None
+  mesh = jax.make_mesh((2, 1, 2), ('dp', 'pp', 'tp'), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  got = _out_and_grads('pallas', q, k, v, seg, w, mesh)
+  chex.assert_trees_all_close(got, _out_and_grads('xla', q, k, v, seg, w), rtol=1e-5, atol=1e-5)
+
+
+def _as_gpu(monkeypatch):
+  """The run's devices read as H100s by `resolve` (the kernels still lower for the CPU)."""
+  monkeypatch.setattr(attention, 'device_facts', lambda devices: ('gpu', 9.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('layout', ['1-1-1', '2-2-2'])
+def test_model_fused_equals_xla_on_documents(layout, monkeypatch):
+  """`auto` on GPUs is `fused`: Pallas on rows of documents (with padding): 2 steps' losses and the
+  step-1 gradients against `xla` (float32)."""
+  over = {'model__n_layers': 2, 'model__n_kv_heads': 2}
+  if layout == '2-2-2':
+    over |= {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}
+  batches = weighted_batches(2)
+  ref = run_steps(small_cfg(train__attention='xla', **over), 2, batches)
+  _as_gpu(monkeypatch)
+  seen = []
+  real = attention.attend
+  monkeypatch.setattr(attention, 'attend', lambda *a: seen.append(a[-1]) or real(*a))
+  got = run_steps(small_cfg(train__attention='auto', **over), 2, batches)
+  assert set(seen) == {'fused'}
+  np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+  chex.assert_trees_all_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
+
+
+needs_plugin = pytest.mark.skipif(not gpu_target.plugin_installed(), reason="needs JAX's CUDA plugin")
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_gpu_program_of_fused_attention():
+  """Compiled for one H100 (no GPU): with documents, the Triton kernel (forward and backward) and
+  no array of [t, t]; without (rows of one document), cuDNN's kernel and no bias."""
+  dev = gpu_target.devices(gpu_target.parse('h100x1'))[0]
+  sh = jax.sharding.SingleDeviceSharding(dev)
+  b, t, n, kv, h = 2, 1024, 8, 2, 64
+  spec = lambda heads: jax.ShapeDtypeStruct((b, t, heads, h), jnp.bfloat16, sharding=sh)
+  seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=sh)
+
+  def program(*args):
+    loss = lambda q, k, v, *s: attention.attend(q, k, v, *(s or (None,)), 'fused').astype(jnp.float32).sum()
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return fn.lower(*args).compile(gpu_target.compiler_options()).as_text()
+
+  text = program(spec(n), spec(kv), spec(kv), seg)
+  calls = re.findall(r'custom_call_target="([^"]*)"', text)
+  assert calls.count('__gpu$xla.gpu.triton') >= 3 and not any('cudnn' in c for c in calls)
+  assert not re.search(rf'\b{t},{t}\]', text)
+  calls = set(re.findall(r'custom_call_target="([^"]*)"', program(spec(n), spec(kv), spec(kv))))
+  assert calls == {'__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'}
