@@ -76,6 +76,9 @@ LAYOUTS = {
     train__shard_params=True,
     train__attention='cudnn',
   ),
+  '8-1-1 zero3 auto': dict(
+    mesh__dp=8, mesh__pp=1, mesh__tp=1, pipeline__microbatches=1, train__shard_params=True
+  ),
   '1-2-4 sp 1f1b': dict(
     mesh__dp=1,
     mesh__pp=2,
