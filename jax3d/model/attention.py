@@ -167,12 +167,11 @@ def _per_device_vjp(
   # axes (the pipeline's): typed back as varying like the operands (out: q's; each gradient: its input's)
   like = sharding.vary_like
 
-  @jax.custom_vjp
-  def run(*operands):
-    return like(fwd_region(*operands), operands[0])
+  forward = lambda *operands: like(fwd_region(*operands), operands[0])
+  run = jax.custom_vjp(forward)
 
   def run_fwd(*operands):
-    return run(*operands), operands
+    return forward(*operands), operands
 
   def run_bwd(operands, g):
     grads = bwd_region(*operands, g)
