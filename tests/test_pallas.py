@@ -88,7 +88,13 @@ def test_layer_equals_xla_on_documents(kernel, monkeypatch):
   monkeypatch.setattr(attention, 'device_facts', lambda devices: ('gpu', 9.0))  # `pallas` resolves
   cfg = small_cfg(model__n_layers=1, model__n_kv_heads=2, mesh__dp=2, mesh__tp=2, mesh__pp=1)
   s = setup_for(cfg)
-  layer = jax.tree.map(lambda a: a[0], llama.init_params(jax.random.key(0), s.dims, s.layer_order)['layers'])
+  init = lambda kernel: llama.init_params(
+    jax.random.key(0), dataclasses.replace(s.dims, attention=kernel), s.layer_order
+  )
+  with jax.set_mesh(s.mesh), sharding.use_rules(s.rules):  # as make_init: the kernel's dims, the mesh
+    params = init(kernel)
+  chex.assert_trees_all_equal(params, init('xla'))  # the dummy-token trace is XLA's whatever the kernel
+  layer = jax.tree.map(lambda a: a[0], params['layers'])
   rows = weighted_batches(1)[0]
   seg, pos = jnp.asarray(rows['segment_ids']), jnp.asarray(rows['positions'])
   rng = np.random.default_rng(0)
