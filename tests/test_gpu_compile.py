@@ -218,7 +218,6 @@ def test_llama3_8b_plan_fits_on_h100x8_within_10_percent():
     },
   )
   v = verify_memory(cfg, config_lib.validate(cfg, 8), gpu_target.parse('h100x8'))
-  print(v)
   assert v['attention_kernel'] == 'fused' and v['fits']
   assert abs(v['estimate_bytes'] / v['compiled_bytes'] - 1) < 0.10, v
 
