@@ -11,8 +11,9 @@ and custom VJP as on a GPU:
   segment ids, and at Qwen3's head size;
 * the model's layer (slow) with `pallas` and `fused` (auto's on GPUs), on dp 2 x tp 2: its loss
   and the gradients of its parameters and input against `xla`.
-With the CUDA plugin (slow): the GPU program holds the Triton kernel and no [t, t] array, and
-`fused` without segment ids is cuDNN's kernel without a bias.
+With the CUDA plugin (slow): the GPU program holds the Triton kernel and no [t, t] array, `fused`
+without segment ids is cuDNN's kernel without a bias, and the kernel's blocks fit an A100's shared
+memory at head size 256 (bf16) and 128 (float32).
 """
 
 import dataclasses
@@ -142,3 +143,10 @@ def test_gpu_program_of_fused_attention():
   assert not re.search(rf'\b{t},{t}\]', text)
   calls = set(re.findall(r'custom_call_target="([^"]*)"', program(spec(n), spec(kv), spec(kv))))
   assert calls == {'__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'}
+  # blocks that fit the smaller shared memory of an A100 (164 KiB) at large heads and in float32
+  sh = jax.sharding.SingleDeviceSharding(gpu_target.devices(gpu_target.parse('a100x1'))[0])
+  for dtype, h in ((jnp.bfloat16, 256), (jnp.float32, 128)):
+    q, k = (jax.ShapeDtypeStruct((b, t, heads, h), dtype, sharding=sh) for heads in (n, kv))
+    seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=sh)
+    step = lambda q, k, v, s: pallas.backward(q, k, v, s, pallas.attention(q, k, v, s))
+    jax.jit(step).lower(q, k, k, seg).compile(gpu_target.compiler_options())  # or RESOURCE_EXHAUSTED

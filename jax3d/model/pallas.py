@@ -65,7 +65,9 @@ def _prepare(q, k, v, seg):
   t, n, h = q.shape[1:]
   g = n // k.shape[2]
   k, v = (jnp.repeat(x, g, axis=2) if g > 1 else x for x in (k, v))
-  block = min(BLOCK, max(16, 1 << (t - 1).bit_length()))
+  # the forward's blocks fit a GPU's shared memory (A100: 164 KiB) when block x h x bytes <= 128 x 256
+  fit = max(16, BLOCK * 256 // (h * q.dtype.itemsize))
+  block = min(BLOCK, 1 << (fit.bit_length() - 1), max(16, 1 << (t - 1).bit_length()))
   padded = -(-t // block) * block
   args = tuple(None if x is None else _pad(x, padded) for x in (q, k, v, seg))
   return args, (h**-0.5, block, min(BWD_BLOCK, block))
