@@ -29,6 +29,13 @@ LAYOUTS = {
   'dp4-cp2-loss-chunks2': {'mesh__dp': 4, 'mesh__cp': 2, 'train__loss_chunks': 2},
   'cp2-pp2-dp2-m2': {'mesh__dp': 2, 'mesh__cp': 2, 'mesh__pp': 2, 'pipeline__microbatches': 2},
   'cp2-pp2-tp2-m2': {'mesh__dp': 1, 'mesh__cp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2},
+  'cp4-pp2-1f1b-m4': {
+    'mesh__dp': 1,
+    'mesh__cp': 4,
+    'mesh__pp': 2,
+    'pipeline__microbatches': 4,
+    'pipeline__schedule': '1f1b',
+  },
   'cp2-pp2-1f1b-m4': {
     'mesh__dp': 2,
     'mesh__cp': 2,
@@ -37,7 +44,13 @@ LAYOUTS = {
     'pipeline__schedule': '1f1b',
   },
 }
-SLOW = set(LAYOUTS) - {'dp2-cp4'}  # the default suite runs dp2-cp4; the rest under -m slow
+STRATEGIES = ('allgather', 'ring')  # train.cp_strategy
+# the default suite runs dp2-cp4 with each strategy; the rest under -m slow
+CASES = [
+  pytest.param(n, st, marks=() if n == 'dp2-cp4' else pytest.mark.slow, id=f'{n}-{st}')
+  for n in LAYOUTS
+  for st in STRATEGIES
+]
 
 
 def test_layout_balances_and_inverts():
@@ -54,12 +67,12 @@ def reference():
   return run_steps(small_cfg(**MODEL), batches=weighted_batches(2))
 
 
-@pytest.mark.parametrize(
-  'name', [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS]
-)
-def test_context_parallel_equals_one_device(name, reference, monkeypatch):
+@pytest.mark.parametrize('name,strategy', CASES)
+def test_context_parallel_equals_one_device(name, strategy, reference, monkeypatch):
   monkeypatch.setattr(blockwise, 'BLOCK', 4)  # several blocks per rank: the skipping runs too
-  losses, grads, params = run_steps(small_cfg(**MODEL, **LAYOUTS[name]), batches=weighted_batches(2))
+  losses, grads, params = run_steps(
+    small_cfg(**MODEL, **LAYOUTS[name], train__cp_strategy=strategy), batches=weighted_batches(2)
+  )
   r_losses, r_grads, r_params = reference
   chex.assert_trees_all_close(params, r_params, rtol=0, atol=0)  # the parameters' layout is cp's too
   np.testing.assert_allclose(losses, r_losses, rtol=1e-5)
