@@ -208,7 +208,12 @@ TABLE = [
   ),
   (
     T,
-    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.cp_strategy=ring', '--config.train.attention=xla'],
+    [
+      '--config.mesh.cp=2',
+      '--config.mesh.pp=1',
+      '--config.train.cp_strategy=ring',
+      '--config.train.attention=xla',
+    ],
     ["train.attention='xla'", 'not supported yet with mesh.cp=2', 'valid: auto, blockwise'],
   ),
   (
