@@ -162,9 +162,10 @@ def _blockwise(
   q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None, cp_strategy: str
 ) -> jax.Array:
   """blockwise.attention of rows in their natural order: causal positions are the tokens' indices
-  in their row; with the sequence split over cp, `context.attend` by `cp_strategy`. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
-  device instead (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's
-  shard_map on jax 0.10 (BUILD_NOTES.md)."""
+  in their row (with the sequence split over cp: `context.attend` by `cp_strategy`). Left to
+  GSPMD (rows over dp, heads over tp; it partitions the block loops): run per device instead
+  (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's shard_map on
+  jax 0.10 (BUILD_NOTES.md)."""
   if context.split(q_btnh.shape[1]) > 1:  # the sequence over 'cp' (jax3d/parallel/context.py)
     return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, blockwise, blockwise.BLOCK, cp_strategy)
   b, t = q_btnh.shape[:2]

@@ -17,6 +17,10 @@ skipped), and each key block's backward likewise over query blocks. Not `lax.con
 differentiated scan (the layers' loop) jax 0.10's partial evaluation of a cond inside the custom
 VJP's forward kept every block's scores as residuals, t^2 again.
 
+Keys may also come in several calls (context parallelism's ring, jax3d/parallel/context.py):
+`start`, `accumulate` once per group of keys (the same online softmax, its running statistics
+carried between calls), `finish`; then `backward` once per group with the finished logsumexp.
+
 Grouped-query attention without repeating K/V: queries [b, t, n, h] are read as [b, t, kv, g, h].
 Shapes: b batch, t/s query/key length, n query heads, kv key/value heads, g = n / kv, h head size;
 the blocked layouts put the block index first: q [nq, b, bq, kv, g, h], k [nk, b, bk, kv, h].
