@@ -311,9 +311,18 @@ def test_plugin_without_a_gpu_runs_jax_on_cpu(monkeypatch):
 
 @needs_plugin
 @pytest.mark.slow
-def test_context_parallel_compiles_for_gpus():
+@pytest.mark.parametrize('strategy,collective', [('allgather', 'all-gather'), ('ring', 'collective-permute')])
+def test_context_parallel_compiles_for_gpus(strategy, collective):
   """mesh.cp=2 (dp2 cp2 tp2, bf16) through the h100x8 compile: the blockwise kernel (auto under cp,
-  not cuDNN) with K/V all-gathered over the cp axis."""
-  s, c = compile_for('h100x8', mesh__dp=2, mesh__cp=2, mesh__pp=1, mesh__tp=2, pipeline__microbatches=1)
+  not cuDNN) with K/V all-gathered over the cp axis, or passed round the ring (ppermute)."""
+  s, c = compile_for(
+    'h100x8',
+    mesh__dp=2,
+    mesh__cp=2,
+    mesh__pp=1,
+    mesh__tp=2,
+    pipeline__microbatches=1,
+    train__cp_strategy=strategy,
+  )
   assert s.dims.attention == 'blockwise' and dict(s.mesh.shape)['cp'] == 2
-  assert not kernels(c) and 'all-gather' in c.executable.as_text()
+  assert not kernels(c) and collective in c.executable.as_text()

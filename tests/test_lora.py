@@ -118,8 +118,9 @@ def test_only_adapters_train_and_base_is_frozen():
       marks=pytest.mark.slow,  # default-suite budget (CI runs -m slow too)
     ),
     pytest.param({'mesh__dp': 2, 'mesh__cp': 4}, marks=pytest.mark.slow),  # context parallel (issue 43)
+    pytest.param({'mesh__dp': 2, 'mesh__cp': 4, 'train__cp_strategy': 'ring'}, marks=pytest.mark.slow),
   ],
-  ids=['2-2-2', '1-2-4-sp', '2-2-2-1f1b-zero1', 'dp2-cp4'],
+  ids=['2-2-2', '1-2-4-sp', '2-2-2-1f1b-zero1', 'dp2-cp4', 'dp2-cp4-ring'],
 )
 def test_layouts_equal_one_device(over):
   check(over)

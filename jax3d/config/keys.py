@@ -153,7 +153,7 @@ def declared() -> Declared:
   c.train.attention = 'auto', one_of(*ATTENTION_IMPLS)
   # Megatron-SP with tp > 1: true | false | auto (on when rows divide)
   c.train.sequence_parallel = 'false', one_of(*SWITCH, fold_case=True)
-  # attention over mesh.cp > 1: allgather (K/V all-gathered over cp) | ring (not built yet: refused)
+  # attention over mesh.cp > 1: allgather (K/V all-gathered over cp) | ring (K/V passed round the cp ring, ppermute)
   c.train.cp_strategy = 'allgather', one_of(*CP_STRATEGIES)
 
   c.data.path = '', ANY  # '' = the Python standard library's own source, as bytes

@@ -254,7 +254,6 @@ def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
     return None
   not_yet = f'not supported yet with mesh.cp={cp} > 1'
   unsupported = (
-    ('train.cp_strategy', t.cp_strategy, t.cp_strategy == 'ring', f'{not_yet}; valid: allgather'),
     (
       'train.attention',
       t.attention,

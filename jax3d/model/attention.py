@@ -34,7 +34,6 @@ would not order the tokens). A row of one document (no segment ids) passes neith
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -102,15 +101,21 @@ def segment_mask(segment_ids_bt: jax.Array | None) -> jax.Array | None:
 
 
 def attend(
-  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt: jax.Array | None, kernel: str
+  q_btnh: jax.Array,
+  k_btkh: jax.Array,
+  v_btkh: jax.Array,
+  segment_ids_bt: jax.Array | None,
+  kernel: str,
+  cp_strategy: str = 'allgather',
 ) -> jax.Array:
   """Causal grouped-query attention [b, t, n, h] of the rows' own documents with `kernel` ('xla',
   'cudnn', 'pallas', 'blockwise' or 'fused': cuDNN for rows of one document, Pallas for rows of
-  documents; 'auto' is resolved before, by `resolve`, and reads as 'xla' here)."""
+  documents; 'auto' is resolved before, by `resolve`, and reads as 'xla' here); a sequence split
+  over cp (blockwise only) by `cp_strategy` (train.cp_strategy)."""
   if kernel == 'fused':
     kernel = 'cudnn' if segment_ids_bt is None else 'pallas'
   if kernel == 'blockwise':
-    return _blockwise(q_btnh, k_btkh, v_btkh, segment_ids_bt)
+    return _blockwise(q_btnh, k_btkh, v_btkh, segment_ids_bt, cp_strategy)
   names = (('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim'))
   if kernel == 'pallas':
     seg = () if segment_ids_bt is None else (segment_ids_bt,)
@@ -182,16 +187,15 @@ def _per_device_vjp(
 
 
 def _blockwise(
-  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None
+  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None, cp_strategy: str
 ) -> jax.Array:
   """blockwise.attention of rows in their natural order: causal positions are the tokens' indices
-  in their row. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
-  device instead (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's
-  shard_map on jax 0.10 (BUILD_NOTES.md)."""
+  in their row (with the sequence split over cp: `context.attend` by `cp_strategy`). Left to
+  GSPMD (rows over dp, heads over tp; it partitions the block loops): run per device instead
+  (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's shard_map on
+  jax 0.10 (BUILD_NOTES.md)."""
   if context.split(q_btnh.shape[1]) > 1:  # the sequence over 'cp' (jax3d/parallel/context.py)
-    fwd = functools.partial(blockwise.forward, block=blockwise.BLOCK)
-    bwd = functools.partial(blockwise.backward, block=blockwise.BLOCK)
-    return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, fwd, bwd)
+    return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, blockwise, blockwise.BLOCK, cp_strategy)
   b, t = q_btnh.shape[:2]
   pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt, blockwise.BLOCK)
