@@ -82,12 +82,15 @@ def micro_activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> flo
 
 def cp_gather_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   """mesh.cp > 1: one layer's K and V all-gathered over cp (the whole sequence, this device's KV
-  heads), held while its attention runs, forward or backward (jax3d/parallel/context.py)."""
-  if plan.cp == 1:
-    return 0.0
+  heads), held while its attention runs, forward or backward (jax3d/parallel/context.py;
+  cp_comm.kv_gather_bytes, docs/formulas.md)."""
+  from jax3d.analysis import cp_comm
+
   m = cfg.model
-  kv = m.n_kv_heads // plan.tp * (m.head_dim or m.d_model // m.n_heads)
-  return 2 * micro_rows(plan) * plan.seq_len * kv * BYTES[cfg.train.compute_dtype]
+  hd = m.head_dim or m.d_model // m.n_heads
+  return cp_comm.cp_attention_bytes(plan, m.n_layers, m.n_kv_heads, hd, BYTES[cfg.train.compute_dtype])[
+    'gathered'
+  ]
 
 
 def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str) -> float:
@@ -185,6 +188,7 @@ def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str) 
   (train.shard_params) what is gathered whole during the step ('gathered')."""
   t = cfg.train
   pb = BYTES[t.param_dtype]
+  flash = 'blockwise' if plan.cp > 1 else flash  # cp's attention is blockwise's (assemble.py)
   local = local_params(cfg, plan)
   n_local = sum(local.values())
   out = {
