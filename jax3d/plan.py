@@ -20,11 +20,11 @@ from jax3d.config import ConfigError, validate
 from jax3d.parallel import gpu_target
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
+from jax3d.planning.explain import explain
 from jax3d.planning.oom import oom_ladder
 from jax3d.planning.planner import (
   LAYOUT_KEYS,
   Candidate,
-  explain,
   search,
   shortlist,
   table,

@@ -43,16 +43,17 @@ def test_planner_splits_the_sequence_only_where_nothing_else_fits():
   """On 2 GPUs of 40 MB: at 4096 tokens no layout without cp fits (activations grow with the
   sequence), the pick is cp=2; at 64 tokens on 80 GB everything fits and the pick has cp=1 (its
   K/V gathers and gradient all-reduce over cp cost time for memory that is not needed)."""
-  search = lambda seq, gb: planner.search(
-    _tiny(seq), Hardware(gpus_per_node=2, memory_gb=gb, attention='blockwise'), ('none',), ('off',)
+  search = lambda seq, gb, cps=None: planner.search(
+    _tiny(seq), Hardware(gpus_per_node=2, memory_gb=gb, attention='blockwise'), ('none',), ('off',), cps
   )
   long = search(4096, 0.04)
   assert not any(c.est.fits for c in long if c.plan.cp == 1)
   assert long[0].est.fits and long[0].plan.cp == 2 and long[0].overrides['mesh.cp'] == 2
   assert long[0].est.times['cp'] > 0
-  short = search(64, 80)
+  assert not any(c.plan.cp > 1 for c in search(64, 80))  # layouts without cp fit: cp not searched
+  short = search(64, 80, cps=(1, 2))
   assert short[0].est.fits and short[0].plan.cp == 1
-  assert any(c.plan.cp == 2 and c.est.fits for c in short)  # offered, priced slower
+  assert any(c.plan.cp == 2 and c.est.fits for c in short)  # searched, priced slower
 
 
 def _plan(dp: int, pp: int, cp: int, tp: int) -> config_lib.RunPlan:

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 from jax3d import assemble, config  # noqa: E402
 from jax3d.analysis import dp_comm  # noqa: E402
-from jax3d.planning import costmodel, oom, planner  # noqa: E402
+from jax3d.planning import costmodel, explain, oom, planner  # noqa: E402
 
 CPU = costmodel.Hardware(flash_attention=False)
 NODE = costmodel.Hardware(nodes=1, gpus_per_node=8, memory_gb=80)
@@ -162,7 +162,7 @@ def test_search_tries_step_then_layer():
     assert pick and pick[0].est.zero3 == want, [c.row() for c in pick]
     if want:
       assert f'3/{want}' in '\n'.join(planner.table(pick[:1]))
-      why = '\n'.join(planner.explain(cfg, pick[0], ranked, hw))
+      why = '\n'.join(explain.explain(cfg, pick[0], ranked, hw))
       assert ('once per step' if want == 'step' else 'gathered per layer') in why
 
 

@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING
 
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware
+from jax3d.planning.planner import Candidate
 
 if TYPE_CHECKING:
   import ml_collections
-
-  from jax3d.planning.planner import Candidate
 
 
 def explain(

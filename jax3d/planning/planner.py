@@ -19,7 +19,6 @@ import ml_collections
 from jax3d.config import ConfigError, RunPlan, set_key, validate
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
-from jax3d.planning.explain import explain as explain  # re-exported: jax3d.plan, jax3d.api
 
 POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 LAYOUT_KEYS = (
@@ -98,14 +97,18 @@ def _batch_splits(batch: int, dp: int, pp: int) -> list[tuple[int, int]]:
 
 
 def layouts(
-  cfg: ml_collections.ConfigDict, hw: Hardware, policies: Sequence[str] = POLICIES
+  cfg: ml_collections.ConfigDict,
+  hw: Hardware,
+  policies: Sequence[str] = POLICIES,
+  cps: Sequence[int] | None = None,
 ) -> Iterator[tuple[dict, RunPlan, ml_collections.ConfigDict]]:
   """Every layout the rules allow that config.validate accepts: (overrides, plan, config) triples,
-  with the state replicated over dp (ZERO['off']; `search` tries the others). The config is one
-  working copy of `cfg`, set to the next layout's values on the next iteration."""
+  with the state replicated over dp (ZERO['off']; `search` tries the others), mesh.cp among `cps`
+  (None: all the rules allow). The config is one working copy of `cfg`, set to the next layout's
+  values on the next iteration."""
   n, m = hw.n_devices, cfg.model
   work = copy.deepcopy(cfg)
-  for tp, cp in _tp_cp(hw, cfg.train.seq_len):
+  for tp, cp in [(t, c) for t, c in _tp_cp(hw, cfg.train.seq_len) if cps is None or c in cps]:
     for pp in [p for p in _divisors(n // (tp * cp)) if m.n_layers % p == 0]:  # rule: pp divides the rest
       dp = n // (tp * cp * pp)  # rule: dp fills the rest
       for ga, mb in _batch_splits(cfg.train.global_batch_size, dp, pp):
@@ -189,23 +192,28 @@ def _one_f_one_b(o: dict, cfg: ml_collections.ConfigDict, hw: Hardware) -> Candi
   return Candidate(o | {'pipeline.schedule': '1f1b'}, estimate(cfg, plan, hw.memory_gb * GB, hw))
 
 
+# From this many tokens per row the sequence split over cp is searched even where layouts without it
+# fit (below, only where none does and it may make one fit, `_cp_may_fit`): it multiplies the
+# layouts to price by up to 2.5 on a node of 8.
+LONG_SEQ = 16384
+
+
 def search(
   cfg: ml_collections.ConfigDict,
   hw: Hardware,
   policies: Sequence[str] = POLICIES,
   zero: Sequence[str] = tuple(ZERO),
+  cps: Sequence[int] | None = None,
 ) -> list[Candidate]:
   """All valid layouts (`layouts`, narrowed to the remat `policies`), priced; fitting ones first,
-  fastest first (ties: more tp, less pp). For a layout that does not fit, its memory-saving
-  variants until one fits (`_savings`: the `zero` ways to hold the state over dp, loss chunks,
-  ZeRO-3's 'layer' gather), and for a pipelined one the 1F1B variant."""
-  out = []
-  for o, plan, c in layouts(cfg, hw, policies):
-    out.append(Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)))
-    if not out[-1].est.fits:
-      out += _savings(o, c, hw, out[-1].est, zero)
-    if plan.pp > 1 and not out[-1].est.fits and (alt := _one_f_one_b(out[-1].overrides, c, hw)) is not None:
-      out.append(alt)
+  fastest first (ties: more tp, less pp, less cp). For a layout that does not fit, its
+  memory-saving variants until one fits (`_savings`: the `zero` ways to hold the state over dp,
+  loss chunks, ZeRO-3's 'layer' gather), and for a pipelined one the 1F1B variant. mesh.cp among
+  `cps`; None: 1, and the rest where a row has LONG_SEQ tokens or more, or no layout with cp=1
+  fits and splitting the sequence may make one fit."""
+  out = _priced(cfg, hw, policies, zero, (1,) if cps is None else cps)
+  if cps is None and (cfg.train.seq_len >= LONG_SEQ or _cp_may_fit(out, hw)):
+    out += _priced(cfg, hw, policies, zero, range(2, hw.gpus_per_node + 1))
   if not out:
     m = cfg.model
     raise ConfigError(
@@ -224,6 +232,35 @@ def search(
       c.est.total_bytes,
     )
   )
+  return out
+
+
+def _cp_may_fit(ranked: list[Candidate], hw: Hardware) -> bool:
+  """Whether none of `ranked` (layouts without cp) fits, and splitting the sequence over a node's
+  GPUs may make one: the least memory of them, less all but 1/c of its activations and head (what
+  cp divides), within a GPU's memory."""
+  if not ranked or any(c.est.fits for c in ranked):
+    return False
+  least = min(ranked, key=lambda c: c.est.total_bytes).est
+  split = (least.breakdown['activations'] + least.breakdown['head']) * (1 - 1 / hw.gpus_per_node)
+  return least.total_bytes - split <= hw.memory_gb * GB
+
+
+def _priced(
+  cfg: ml_collections.ConfigDict,
+  hw: Hardware,
+  policies: Sequence[str],
+  zero: Sequence[str],
+  cps: Sequence[int],
+) -> list[Candidate]:
+  """The layouts with mesh.cp among `cps`, priced, with their variants (`search`)."""
+  out = []
+  for o, plan, c in layouts(cfg, hw, policies, cps):
+    out.append(Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)))
+    if not out[-1].est.fits:
+      out += _savings(o, c, hw, out[-1].est, zero)
+    if plan.pp > 1 and not out[-1].est.fits and (alt := _one_f_one_b(out[-1].overrides, c, hw)) is not None:
+      out.append(alt)
   return out
 
 
