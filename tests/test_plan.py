@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 from jax3d import config
 from jax3d.planning import costmodel, explain, planner as plan
 
-CPU = costmodel.Hardware(flash_attention=False)
+CPU = costmodel.Hardware(flash_attention=False, gpu=False)  # priced as XLA:CPU compiles
 
 
 def cli(*args, timeout=240):

@@ -12,7 +12,7 @@ from jax3d import assemble, config  # noqa: E402
 from jax3d.analysis import dp_comm  # noqa: E402
 from jax3d.planning import costmodel, explain, oom, planner  # noqa: E402
 
-CPU = costmodel.Hardware(flash_attention=False)
+CPU = costmodel.Hardware(flash_attention=False, gpu=False)  # priced as XLA:CPU compiles
 NODE = costmodel.Hardware(nodes=1, gpus_per_node=8, memory_gb=80)
 LAYER = 786944 * 4  # tiny: one layer's parameters (tp=1), fp32 bytes
 SHARED = (2 * 256 * 256 + 256) * 4  # embedding, head, final norm
@@ -156,7 +156,9 @@ def test_search_tries_step_then_layer():
     (step * 1.001, ('off', 'zero3'), 'step'),
     (step * 1.001, ('off', 'zero1', 'zero3'), None),
   ):
-    hw = costmodel.Hardware(nodes=1, gpus_per_node=8, memory_gb=memory / 1e9, flash_attention=False)
+    hw = costmodel.Hardware(
+      nodes=1, gpus_per_node=8, memory_gb=memory / 1e9, flash_attention=False, gpu=False
+    )
     ranked = planner.search(cfg, hw, policies=('full',), zero=zero)
     pick = [c for c in ranked if c.est.fits and c.plan.dp == 8 and c.plan.grad_accum == 1]
     assert pick and pick[0].est.zero3 == want, [c.row() for c in pick]
