@@ -68,11 +68,15 @@ def _fake_devices(hosts: int, per_host: int) -> list:
   return devs[::-1]
 
 
-@pytest.mark.parametrize('hosts,per_host', [(2, 8), (4, 4)])
-def test_cp_groups_stay_inside_a_host(hosts, per_host):
-  """Every (dp, pp, cp, tp) of the devices with cp*tp <= devices per host: each cp group and each
-  tp group is one host's, tp varies fastest (neighbouring ids of the host); cp*tp above a host's
-  devices is refused."""
+def test_cp_groups_stay_inside_a_host():
+  """2 hosts of 8 and 4 of 4, every (dp, pp, cp, tp) with cp*tp <= devices per host: each cp group
+  and each tp group is one host's, tp varies fastest (neighbouring ids of the host); cp*tp above a
+  host's devices is refused."""
+  for hosts, per_host in ((2, 8), (4, 4)):
+    _check_placement(hosts, per_host)
+
+
+def _check_placement(hosts: int, per_host: int) -> None:
   n = hosts * per_host
   for cp in (2, 4):
     for tp in (1, 2, 4):
