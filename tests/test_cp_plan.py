@@ -11,7 +11,7 @@ import pytest
 from jax3d import config as config_lib
 from jax3d.config import ConfigError
 from jax3d.parallel import gpu_target, mesh as mesh_lib
-from jax3d.planning import planner
+from jax3d.planning import explain, planner
 from jax3d.planning.hardware import Hardware
 
 from helpers import small_cfg
@@ -50,6 +50,10 @@ def test_planner_splits_the_sequence_only_where_nothing_else_fits():
   assert not any(c.est.fits for c in long if c.plan.cp == 1)
   assert long[0].est.fits and long[0].plan.cp == 2 and long[0].overrides['mesh.cp'] == 2
   assert long[0].est.times['cp'] > 0
+  hw = Hardware(gpus_per_node=2, memory_gb=0.04, attention='blockwise')
+  why = '\n'.join(explain.explain(_tiny(4096), long[0], long, hw))
+  assert 'cp = 2: each sequence of 4096 tokens split over 2 GPUs' in why and 'does not fit' in why
+  assert 'dp = 2/(tp*cp*pp) = 2/(1*2*1) = 1' in why
   assert not any(c.plan.cp > 1 for c in search(64, 80))  # layouts without cp fit: cp not searched
   short = search(64, 80, cps=(1, 2))
   assert short[0].est.fits and short[0].plan.cp == 1

@@ -32,7 +32,7 @@ def explain(
     f'  tp = {p.tp}: at most the {hw.gpus_per_node} GPUs per node, so its 4 all-reduces per layer '
     f"stay {where}; each GPU holds 1/{p.tp} of every layer's width "
     f'({m.n_heads // p.tp} of {m.n_heads} heads, {m.d_ff // p.tp} of {m.d_ff} ffw units).',
-    f'  pp = {p.pp}: a divisor of the {n}/{tc} = {n // inner} GPUs that remain'
+    f'  pp = {p.pp}: a divisor of the {n}/{f"({tc})" if p.cp > 1 else tc} = {n // inner} GPUs that remain'
     f'{" (across nodes)" if inner * p.pp > hw.gpus_per_node else ""}; {m.n_layers} layers -> '
     f'{m.n_layers // p.pp} per stage; bubble (p-1)/(v*m+p-1) = {p.pp - 1}/({p.repeats}*'
     f'{p.microbatches}+{p.pp - 1}) = {p.bubble:.1%}.',

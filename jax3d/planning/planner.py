@@ -237,9 +237,11 @@ def search(
 
 def _cp_may_fit(ranked: list[Candidate], hw: Hardware) -> bool:
   """Whether none of `ranked` (layouts without cp) fits, and splitting the sequence over a node's
-  GPUs may make one: the least memory of them, less all but 1/c of its activations and head (what
-  cp divides), within a GPU's memory."""
-  if not ranked or any(c.est.fits for c in ranked):
+  GPUs may make one: none is valid, or the least memory of them, less all but 1/c of its
+  activations and head (what cp divides), is within a GPU's memory."""
+  if not ranked:
+    return True
+  if any(c.est.fits for c in ranked):
     return False
   least = min(ranked, key=lambda c: c.est.total_bytes).est
   split = (least.breakdown['activations'] + least.breakdown['head']) * (1 - 1 / hw.gpus_per_node)
