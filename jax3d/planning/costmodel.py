@@ -116,7 +116,7 @@ def _visible_hardware(cfg: ml_collections.ConfigDict) -> Hardware:
     if choice in ('cudnn', 'pallas')
     else attention.resolve(choice, devices, cfg.train.compute_dtype, head_dim)
   )
-  return Hardware(flash_attention=kernel != 'xla', attention=kernel)
+  return Hardware(flash_attention=kernel != 'xla', attention=kernel, gpu=devices[0].platform == 'gpu')
 
 
 def estimate(
@@ -129,7 +129,7 @@ def estimate(
   Without `hw` (the trainer's call) the devices are the ones jax sees (`_visible_hardware`)."""
   hw = _visible_hardware(cfg) if hw is None else hw
   return Estimate(
-    breakdown=memory_model.breakdown(cfg, plan, PRICED_AS.get(hw.kernel, hw.kernel)),
+    breakdown=memory_model.breakdown(cfg, plan, PRICED_AS.get(hw.kernel, hw.kernel), hw.gpu),
     times=time_model.step_times(cfg, plan, hw),
     plan=plan,
     remat=cfg.train.remat,
