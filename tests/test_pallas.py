@@ -17,6 +17,7 @@ memory at head size 256 (bf16) and 128 (float32).
 """
 
 import dataclasses
+import functools
 import re
 
 import chex
@@ -92,9 +93,9 @@ def test_layer_equals_xla_on_documents(kernel, monkeypatch):
   init = lambda kernel: llama.init_params(
     jax.random.key(0), dataclasses.replace(s.dims, attention=kernel), s.layer_order
   )
-  with jax.set_mesh(s.mesh), sharding.use_rules(s.rules):  # as make_init: the kernel's dims, the mesh
-    params = init(kernel)
-  chex.assert_trees_all_equal(params, init('xla'))  # the dummy-token trace is XLA's whatever the kernel
+  with jax.set_mesh(s.mesh), sharding.use_rules(s.rules):  # as make_init: jitted, the kernel's dims, the mesh
+    params, params_xla = (jax.jit(functools.partial(init, k))() for k in (kernel, 'xla'))
+  chex.assert_trees_all_equal(params, params_xla)  # the dummy-token trace is XLA's whatever the kernel
   layer = jax.tree.map(lambda a: a[0], params['layers'])
   rows = weighted_batches(1)[0]
   seg, pos = jnp.asarray(rows['segment_ids']), jnp.asarray(rows['positions'])
