@@ -96,7 +96,7 @@ def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> ja
 def _block_fn(s: Setup, seq_len: int) -> Callable:
   """One layer as the pipeline runs it: (layer params, x, side) -> x (rows [b*t, d] under SP), with
   its micro-batch's segment ids and positions from `side` when it has them."""
-  sp_len = seq_len if s.plan.sequence_parallel else None
+  sp_len = seq_len // s.plan.cp if s.plan.sequence_parallel else None  # a cp rank's own tokens (cp manual)
 
   def layer(p, h, side):
     noise = (side[lora.NOISE], lora.layer_salt(p)) if lora.NOISE in side else None  # training only

@@ -29,6 +29,16 @@ LAYOUTS = {
   'dp4-cp2-loss-chunks2': {'mesh__dp': 4, 'mesh__cp': 2, 'train__loss_chunks': 2},
   'cp2-pp2-dp2-m2': {'mesh__dp': 2, 'mesh__cp': 2, 'mesh__pp': 2, 'pipeline__microbatches': 2},
   'cp2-pp2-tp2-m2': {'mesh__dp': 1, 'mesh__cp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2},
+  'cp2-tp2-dp2-sp': {'mesh__dp': 2, 'mesh__cp': 2, 'mesh__tp': 2, 'train__sequence_parallel': 'true'},
+  'cp2-tp2-pp2-sp-1f1b': {
+    'mesh__dp': 1,
+    'mesh__cp': 2,
+    'mesh__tp': 2,
+    'mesh__pp': 2,
+    'pipeline__microbatches': 2,
+    'pipeline__schedule': '1f1b',
+    'train__sequence_parallel': 'true',
+  },
   'cp2-pp2-1f1b-m4': {
     'mesh__dp': 2,
     'mesh__cp': 2,

@@ -160,7 +160,7 @@ def _blockwise(
   in their row. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
   device instead (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's
   shard_map on jax 0.10 (BUILD_NOTES.md)."""
-  if context.split(q_btnh.shape[1]) > 1:  # the sequence over 'cp' (jax3d/parallel/context.py)
+  if context.active(q_btnh.shape[1]):  # the sequence over 'cp' (jax3d/parallel/context.py)
     fwd = functools.partial(blockwise.forward, block=blockwise.BLOCK)
     bwd = functools.partial(blockwise.backward, block=blockwise.BLOCK)
     return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, fwd, bwd)

@@ -74,12 +74,26 @@ def cp_size() -> int:
   return dict(mesh.shape).get(CP, 1) if not mesh.empty else 1
 
 
+def manual() -> bool:
+  """Whether 'cp' is a manual axis here (the pipeline's loop, the explicit dp x cp reduction): each
+  device then holds its own tokens of every row, in the cp layout."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and CP in mesh.manual_axes
+
+
 def split(t: int) -> int:
-  """The cp ranks a sequence of length t is split over: the mesh's cp, or 1 where t does not divide
-  into 2*cp chunks (the parameters' initialisation traces a layer on one token; training's seq_len
-  always divides, train.seq_len's rule)."""
+  """The cp ranks a sequence of length t is split over by the compiler: the mesh's cp, or 1 where t
+  does not divide into 2*cp chunks (the parameters' initialisation traces a layer on one token;
+  training's seq_len always divides, train.seq_len's rule) or where cp is manual (`manual`: the t
+  tokens are this rank's own)."""
   cp = cp_size()
-  return cp if t % (2 * cp) == 0 else 1
+  return cp if t % (2 * cp) == 0 and not manual() else 1
+
+
+def active(t: int) -> bool:
+  """Whether attention over t tokens runs split over cp (`attend`): the compiler's split, or this
+  rank's own tokens where cp is manual."""
+  return split(t) > 1 or (manual() and cp_size() > 1)
 
 
 def rows(x_bt: jax.Array) -> jax.Array:
@@ -118,8 +132,8 @@ def attend(
   are the kernel's (jax3d/model/blockwise.py's, its block size bound): (q, k, v, q positions, k
   positions, q segments, k segments) -> (out, logsumexp), and the same + (out, logsumexp, dout) ->
   (dq, dk, dv)."""
-  t = q_btnh.shape[1]
-  cp = split(t)
+  cp = cp_size()
+  t = q_btnh.shape[1] * (cp if manual() else 1)  # the whole row's tokens
   natural_of = np.argsort(order(t, cp))  # gathered (rank-major) keys -> natural order
   c = t // (2 * cp)
 
