@@ -203,18 +203,8 @@ TABLE = [
   (T, ['--config.train.cp_strategy=spiral'], ["train.cp_strategy='spiral'", 'one of allgather, ring']),
   (
     T,
-    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.sequence_parallel=true'],
-    ["train.sequence_parallel='true'", 'not supported yet with mesh.cp=2', 'valid: false, auto (off)'],
-  ),
-  (
-    T,
     ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.cp_strategy=ring'],
     ["train.cp_strategy='ring'", 'not supported yet with mesh.cp=2', 'valid: allgather'],
-  ),
-  (
-    T,
-    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.grad_reduce_dtype=int8'],
-    ["train.grad_reduce_dtype='int8'", 'not supported yet with mesh.cp=2', 'valid: float32'],
   ),
   (
     T,

@@ -141,7 +141,9 @@ def run(
       one = remat.wrap_iteration(
         lambda _, xs: (None, run_layers(layer_fn, layers_local, xs[0], policy, side=xs[1])), policy
       )
-      return whole(jax.lax.scan(one, None, (x_mbtd.astype(dtype), side_m))[1].astype(jnp.float32)).reshape(shape)
+      return whole(jax.lax.scan(one, None, (x_mbtd.astype(dtype), side_m))[1].astype(jnp.float32)).reshape(
+        shape
+      )
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
     out_mbtd = gpipe.circulate(
       layer_fn, layers_local, sharding.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles, side_m
