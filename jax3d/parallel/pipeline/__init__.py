@@ -26,9 +26,9 @@ Stage placement. With v chunks per stage, chunk c = r*p + s (r = 0..v-1) runs on
 stacked weights are stored stage-major: position j holds canonical layer `layer_order(...)[j]`,
 and a plain P('pp') sharding of the layer axis gives each stage exactly its chunks.
 
-Gradients over dp. The loop is manual over dp too: the weights are marked dp-varying at its
-entry, so their gradient sum over dp (that mark's transpose) happens once per step, after the
-loop. Inside a caller's shard_map manual over dp and pp (the explicit reduction of
+Gradients over dp (and cp). The loop is manual over dp (and cp: each device its own tokens) too:
+the weights are marked varying at its entry, so their gradient sum (that mark's transpose) happens
+once per step, after the loop. Inside a caller's shard_map manual over dp and pp (the explicit reduction of
 jax3d/parallel/data_parallel.py, `manual=True`) it opens none of its own
 (`microbatch.local_rows`).
 """
@@ -80,9 +80,8 @@ def apply(
   side_mbt = {k: microbatch.stacked(a, plan, manual)[0] for k, a in (side_bt or {}).items()}
 
   def rows_over_tp(split):  # the loop's micro-batches with their rows over tp (the layers'), or whole
-    def annotate(x_mrd):
-      if split:  # [m, b, t, d] -> [m, b*t, d]: this device's rows (its tokens: cp is manual here)
-        x_mrd = x_mrd.reshape(x_mrd.shape[0], -1, x_mrd.shape[-1])
+    def annotate(x_mrd):  # split: [m, b, t, d] -> this device's rows [m, b*t, d] (cp is manual here)
+      x_mrd = x_mrd.reshape(x_mrd.shape[0], -1, x_mrd.shape[-1]) if split else x_mrd
       with sharding.use_rules(sharding.without_dp_pp(rules)):
         return sharding.constrain(x_mrd, ('micro', 'rows_sp' if split else 'batch', 'embed'))
 
@@ -181,8 +180,8 @@ def _over_stages(
   axes = tuple(a for a in (PP, DP, CP) if mesh.shape.get(a, 1) > 1)
   names = lambda *ns: tuple(n for n in ns if n in axes) or None
   seq = names(CP)  # mesh.cp > 1: each device its own tokens of the rows (jax3d/parallel/context.py)
-  rows = {None: P(None, names(DP), seq), 1: P(None, names(DP, PP), seq), 0: P(names(PP), names(DP), seq)}
-  rows = rows[scatter]
+  dp = names(DP)
+  rows = {None: P(None, dp, seq), 1: P(None, names(DP, PP), seq), 0: P(names(PP), dp, seq)}[scatter]
 
   stage_fn = layer_fn if gather is None else gather.layer(layer_fn, policy)
 
