@@ -48,8 +48,7 @@ def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.A
     batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
   elif s.zero3:  # ZeRO-3: the weights outside the loop (embedding, head, norm) gathered before use
     params = gathered_outside_loop(params, s)
-  if not manual:  # mesh.cp > 1: each row in the cp layout (the explicit path's arrive laid out)
-    batch = context.lay_out(batch, s.plan.cp)
+  batch = batch if manual else context.lay_out(batch, s.plan.cp)  # cp > 1: rows in the cp layout
   if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
     return _pipelined_loss_sum(params, batch, s, manual)
   y_btd = hidden(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
