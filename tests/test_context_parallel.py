@@ -183,3 +183,36 @@ def test_checkpoint_resumes_across_cp(tmp_path, src_cp, dst_cp):
   dst.train(steps=1)
   np.testing.assert_allclose(losses(str(tmp_path))[4], ref_loss, rtol=1e-5)
   dst.close()
+
+
+@pytest.mark.slow
+def test_zero1_checkpoint_resumes_across_cp(tmp_path):
+  """ZeRO-1 (moments sharded over dp x cp) saved at dp2 cp2 resumes at dp4 cp1 (4 devices): the
+  state after the save and after one more step equal the uninterrupted dp4 run's within 1e-6."""
+  from test_checkpoint import canonical_state, cfg_for
+
+  from jax3d.trainer.trainer import Trainer
+
+  devices = jax.devices()[:4]
+  run = lambda dp, cp, name: Trainer(
+    cfg_for(dp, 1, 1, mesh__cp=cp, train__shard_optimizer=True), str(tmp_path / name), devices, console=False
+  )
+  ref = run(4, 1, 'ref')
+  ref.train(steps=3)
+  ref_states = [canonical_state(ref)]
+  ref.train(steps=1)
+  ref_states.append(canonical_state(ref))
+  ref.close()
+  step = max(np.max(np.abs(a - b)) for a, b in zip(*map(jax.tree.leaves, ref_states), strict=True))
+  assert step > 1e-4, step  # one step moves the state far past the tolerance
+  src = run(2, 2, 'run')
+  src.train(steps=3)
+  moments = jax.tree.leaves(optax.tree.get(src.state['opt_state'], 'mu'))
+  assert all('cp' in str(a.sharding.spec) for a in moments)  # sharded over dp x cp when saved
+  src.close()
+  dst = run(4, 1, 'run')
+  assert 'resumed' in dst.init_state()
+  chex.assert_trees_all_close(canonical_state(dst), ref_states[0], rtol=0, atol=1e-6)
+  dst.train(steps=1)
+  chex.assert_trees_all_close(canonical_state(dst), ref_states[1], rtol=0, atol=1e-6)
+  dst.close()
