@@ -290,7 +290,7 @@ def plan_layouts(
   (Not called `plan`: `jax3d.plan` is the planner's module, which other modules import by that
   name; a package attribute of the same name would shadow it.)
   """
-  from jax3d.planning import costmodel, planner
+  from jax3d.planning import costmodel, explain, planner
 
   cfg = (
     load_config(config, overrides)
@@ -322,7 +322,7 @@ def plan_layouts(
     rows,
     dict(fit[0].row(), overrides=dict(fit[0].overrides)),
     ' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()),
-    planner.explain(cfg, fit[0], ranked, hw),
+    explain.explain(cfg, fit[0], ranked, hw),
     planner.table(fit),
   )
 

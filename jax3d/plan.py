@@ -20,11 +20,11 @@ from jax3d.config import ConfigError, validate
 from jax3d.parallel import gpu_target
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
+from jax3d.planning.explain import explain
 from jax3d.planning.oom import oom_ladder
 from jax3d.planning.planner import (
   LAYOUT_KEYS,
   Candidate,
-  explain,
   search,
   shortlist,
   table,
@@ -149,9 +149,9 @@ def _fixed(cfg: Any, hw: Hardware) -> list[Candidate]:
 
 def _misfits(ranked: list[Candidate]) -> list[Candidate]:
   """For each mesh where nothing fits: the variant that needs least memory (least first)."""
-  seen, misfits = {(c.plan.dp, c.plan.pp, c.plan.tp) for c in ranked if c.est.fits}, []
+  seen, misfits = {(c.plan.dp, c.plan.pp, c.plan.tp, c.plan.cp) for c in ranked if c.est.fits}, []
   for c in sorted(ranked, key=lambda c: c.est.total_bytes):
-    key = (c.plan.dp, c.plan.pp, c.plan.tp)
+    key = (c.plan.dp, c.plan.pp, c.plan.tp, c.plan.cp)
     if not c.est.fits and key not in seen:
       seen.add(key)
       misfits.append(c)
@@ -176,10 +176,11 @@ def _print_plan(
     print('\n' + '\n'.join(explain(cfg, fit[0], ranked, hw)))
     print(f'  Estimate: {fit[0].est.describe()}')
   if misfits:
-    print('\nLayouts that do not fit (least memory of each dp/pp/tp):')
+    print('\nLayouts that do not fit (least memory of each dp/pp/tp/cp):')
     for c in misfits[:12]:
       p = c.plan
-      print(f'  dp={p.dp} pp={p.pp} tp={p.tp} (m={p.microbatches}, remat={c.est.remat}): {c.est.reason}')
+      cp = f' cp={p.cp}' if p.cp > 1 else ''
+      print(f'  dp={p.dp} pp={p.pp} tp={p.tp}{cp} (m={p.microbatches}, remat={c.est.remat}): {c.est.reason}')
 
 
 def main(argv: list[str] | None = None) -> int:

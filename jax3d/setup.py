@@ -55,6 +55,7 @@ class Setup:
       'dp': p.dp,
       'pp': p.pp,
       'tp': p.tp,
+      'cp': p.cp,
       'microbatches': p.microbatches,
       'repeats': p.repeats,
       'n_layers': self.dims.n_layers,

@@ -1,10 +1,10 @@
-"""cuDNN's fused attention against XLA's on a real GPU, and the compile-only GPU figure against the
-real one: one table and JSON (issue 41).
+"""The fused attention kernels (cuDNN, Pallas) against XLA's on a real GPU, and the compile-only
+GPU figure against the real one: one table and JSON (issues 41, 42).
 
-  python scripts/bench_attention_gpu.py [--layers=4] [--seq=2048] [--batch=4] [--steps=10]
+  python scripts/bench_attention_gpu.py [--layers=4] [--seq=2048] [--batch=4] [--steps=10] [--kernels=...]
                                         [--target=h200x1] [--json=bench_attention_gpu.json]
 
-For each kernel (`train.attention` = xla, cudnn) on the first GPU, mesh 1x1x1, bf16 compute, rows
+For each kernel (`--kernels`: train.attention = xla, cudnn, pallas, blockwise, auto) on the first GPU, mesh 1x1x1, bf16 compute, rows
 of several documents (segment ids and positions): the first 3 losses and gradient norms from the
 same seed and batches (the kernels must agree to bf16's precision), the median step time after 2
 warm-ups, XLA's compiled bytes per device, and the device's peak bytes in use (memory_stats).
@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument('--batch', type=int, default=4)
   ap.add_argument('--steps', type=int, default=10)
   ap.add_argument('--target', default='h200x1')
+  ap.add_argument(
+    '--kernels',
+    default='xla,cudnn,pallas,blockwise,auto',
+    help='train.attention values; xla and auto required',
+  )
   ap.add_argument('--json', default='bench_attention_gpu.json')
   args = ap.parse_args(argv)
 
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
   rng = np.random.default_rng(0)
   batches = [document_rows(rng, args.batch, args.seq, 32000) for _ in range(3)]
   rows, out = [], {'device': dev.device_kind, 'jax': jax.__version__, 'args': vars(args), 'kernels': {}}
-  for kernel in ('xla', 'cudnn'):
+  for kernel in args.kernels.split(','):
     cfg = config_lib.load_config('tiny', dict(over, **{'train.attention': kernel}))
     s = assemble.build(cfg, [dev])
     compiled = assemble.compile_train_step(s)
@@ -117,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     'target': t.name,
     'kernel': s.dims.attention,
     'compiled_bytes': described.memory,
-    'real_cudnn_compiled_bytes': out['kernels']['cudnn']['compiled_bytes'],
+    'real_auto_compiled_bytes': out['kernels']['auto']['compiled_bytes'],
   }
-  x, c = out['kernels']['xla'], out['kernels']['cudnn']
-  out['loss_rel_diff'] = max(abs(a / b - 1) for a, b in zip(c['losses'], x['losses'], strict=True))
+  x, c = out['kernels']['xla'], out['kernels']['auto']
+  out['loss_rel_diff'] = {
+    k: max(abs(a / b - 1) for a, b in zip(r['losses'], x['losses'], strict=True)) for k, r in rows
+  }
   print(
     f'{dev.device_kind}, jax {jax.__version__}: {args.layers} layers d 2048, batch {args.batch} x seq {args.seq}, bf16'
   )
@@ -132,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
       f'{k:8s}{" ".join(f"{v:.5f}" for v in r["losses"]):>36s}{r["step_s_median"] * 1e3:10.1f}'
       f'{r["compiled_bytes"]["total"] / 2**30:14.3f}{(r["peak_bytes_in_use"] or 0) / 2**30:10.3f}  {r["kernel_in_program"]}'
     )
-  print(f'losses: cudnn vs xla max relative difference {out["loss_rel_diff"]:.2e}')
+  print(
+    'losses against xla, max relative difference: '
+    + ', '.join(f'{k} {v:.2e}' for k, v in out['loss_rel_diff'].items())
+  )
   print(
     f'compiled for {t.name} without a device: {described.memory["total"] / 2**30:.3f} GiB '
     f'(temp {described.memory["temp"] / 2**30:.3f}); on the device: {c["compiled_bytes"]["total"] / 2**30:.3f} '

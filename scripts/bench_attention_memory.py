@@ -14,8 +14,11 @@ programs in alternation, `--rounds` rounds of `--steps` steps (the first of a ro
 the figure is the median of the kept steps. Prints the tables and writes the JSON.
 
 With `--target` (needs the CUDA plugin, no GPU): the train step of a 1B-shaped model (16 layers,
-d_model 2048, 32/8 heads, d_ff 8192, vocab 32000, dp=8, 4 rows of documents per GPU, bf16, remat
-dots) compiled for the target's GPUs with each kernel (xla, cudnn, blockwise): bytes per GPU.
+d_model 2048, 32/8 heads, d_ff 8192, vocab 32000, dp=8, 32K tokens of documents per GPU: 4 rows of
+8K, 1 of 32K; bf16, remat dots) compiled for the target's GPUs with each train.attention (xla, cudnn, blockwise, pallas,
+auto): bytes per GPU, whether it fits, and the optimised HLO's arrays of [seq, seq] (the dense
+mask, cuDNN's bias, XLA's scores; at 8K also the MLP's [t, d_ff] activations of a row, d_ff being
+8192); then the Pallas kernel's GQA cost (K/V repeated per group).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -144,17 +148,75 @@ GPU_1B = {
 }
 
 
-def gpu_memory(target: str, seqs: list[int]) -> list[dict]:
-  from jax3d import api
+GPU_KERNELS = ('xla', 'cudnn', 'blockwise', 'pallas', 'auto')
+GPU_TOKENS = 32768  # tokens per GPU: 4 rows of 8K, 1 of 32K
 
+
+def square_buffers(hlo: str, seq: int) -> list[str]:
+  """The distinct array shapes of the optimised HLO whose last two dimensions are [seq, seq]."""
+  return sorted(set(re.findall(rf'\b[a-z]+[0-9]*\[[0-9,]*\b{seq},{seq}\]', hlo)))
+
+
+def gpu_memory(target: str, seqs: list[int]) -> list[dict]:
+  from jax3d.analysis import inspection
+  from jax3d.parallel import gpu_target
+
+  devices = gpu_target.devices(gpu_target.parse(target))
+  cap = gpu_target.parse(target).memory_bytes
   out = []
-  print(f'{target}, 1B-shaped model: {"seq":>6} {"kernel":>10} {"temp GiB":>9} {"total GiB":>10}  fits')
+  print(f'{target}, 1B-shaped model, rows of documents (bytes per GPU):')
+  print(
+    f'{"seq":>6} {"train.attention":>15} {"in program":>10} {"temp GiB":>9} {"total GiB":>10} {"fits":>5}  [t,t] buffers'
+  )
   for seq in seqs:
-    for impl in ('xla', 'cudnn', 'blockwise'):
-      over = GPU_1B | {'train.seq_len': seq, 'train.global_batch_size': 32, 'train.attention': impl}
-      m = api.compiled_memory(config_lib.load_config('tiny', over), target=target)
-      out.append({'seq': seq, 'kernel': impl, **{k: m[k] for k in ('temp', 'total', 'fits')}})
-      print(f'{"":>30}{seq:>6} {impl:>10} {m["temp"] / 2**30:>9.2f} {m["total"] / 2**30:>10.2f}  {m["fits"]}')
+    for impl in GPU_KERNELS:
+      rows = 8 * max(1, GPU_TOKENS // seq)  # the same tokens per GPU at every length (dp=8)
+      over = GPU_1B | {'train.seq_len': seq, 'train.global_batch_size': rows, 'train.attention': impl}
+      s = assemble.build(config_lib.load_config('tiny', over), devices)
+      c = assemble.compile_train_step(s, gpu_target.compiler_options())
+      hlo = c.executable.as_text()
+      m, sq = c.memory, square_buffers(hlo, seq)
+      row = {
+        'seq': seq,
+        'attention': impl,
+        'kernel': s.dims.attention,
+        'in_program': inspection.attention_kernel(hlo),
+      }
+      row |= {k: int(m[k]) for k in ('temp', 'total')} | {'fits': m['total'] <= cap, 'square_buffers': sq}
+      out.append(row)
+      print(
+        f'{seq:>6} {impl:>15} {row["in_program"]:>10} {m["temp"] / 2**30:>9.2f} {m["total"] / 2**30:>10.2f} '
+        f'{str(row["fits"]):>5}  {" ".join(sq) or "none"}'
+      )
+  return out
+
+
+def gqa_repeat_cost(target: str, seqs: list[int]) -> list[dict]:
+  """The Pallas kernel has no GQA: K/V are repeated per query group. One GPU's attention of the
+  1B shape (4 rows, 32 query heads of 64, bf16), forward and backward, compiled with its 8 K/V heads
+  repeated against K/V given at 32 heads (no repeat): the temp bytes the repeat adds."""
+  import jax.numpy as jnp
+
+  from jax3d.model import pallas
+  from jax3d.parallel import gpu_target
+
+  dev = gpu_target.devices(gpu_target.parse(target))[0]
+  sh = jax.sharding.SingleDeviceSharding(dev)
+  out = []
+  print(
+    f'GQA repeat (one GPU: 4 rows, 32 heads of 64, bf16): {"seq":>6} {"kv 8 temp MiB":>14} {"kv 32 temp MiB":>15}'
+  )
+  for seq in seqs:
+    row = {'seq': seq}
+    for kv in (8, 32):
+      spec = lambda heads, seq=seq: jax.ShapeDtypeStruct((4, seq, heads, 64), jnp.bfloat16, sharding=sh)
+      seg = jax.ShapeDtypeStruct((4, seq), jnp.int32, sharding=sh)
+      step = lambda q, k, v, s: pallas.backward(q, k, v, s, pallas.attention(q, k, v, s))
+      c = jax.jit(step).lower(spec(32), spec(kv), spec(kv), seg).compile(gpu_target.compiler_options())
+      row[f'kv{kv}_temp'] = int(c.memory_analysis().temp_size_in_bytes)
+    row['repeat_bytes'] = row['kv8_temp'] - row['kv32_temp']
+    out.append(row)
+    print(f'{"":>49}{seq:>6} {row["kv8_temp"] / 2**20:>14.1f} {row["kv32_temp"] / 2**20:>15.1f}')
   return out
 
 
@@ -169,9 +231,11 @@ def main() -> None:
   args = ap.parse_args()
   ints = lambda s: [int(x) for x in s.split(',') if x]
   if args.target:
+    mem = gpu_memory(args.target, ints(args.seqs))
+    gqa = gqa_repeat_cost(args.target, ints(args.seqs))
     with open(args.json, 'w') as f:
       json.dump(
-        {'shape': GPU_1B, 'target': args.target, 'memory': gpu_memory(args.target, ints(args.seqs))},
+        {'shape': GPU_1B, 'target': args.target, 'jax': jax.__version__, 'memory': mem, 'gqa_repeat': gqa},
         f,
         indent=1,
       )

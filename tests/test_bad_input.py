@@ -203,8 +203,13 @@ TABLE = [
   (T, ['--config.train.cp_strategy=spiral'], ["train.cp_strategy='spiral'", 'one of allgather, ring']),
   (
     T,
-    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.cp_strategy=ring'],
-    ["train.cp_strategy='ring'", 'not supported yet with mesh.cp=2', 'valid: allgather'],
+    [
+      '--config.mesh.cp=2',
+      '--config.mesh.pp=1',
+      '--config.train.cp_strategy=ring',
+      '--config.train.attention=xla',
+    ],
+    ["train.attention='xla'", 'not supported yet with mesh.cp=2', 'valid: auto, blockwise'],
   ),
   (
     T,

@@ -163,3 +163,10 @@ def test_memory_model_and_oom_ladder_price_the_kernel():
     rungs[kernel] = [x for x in lines if x.startswith('2b. attention implementation')]
   assert not rungs['auto']
   assert 'train.attention=auto: blockwise' in rungs['xla'][0] and 'saves' in rungs['xla'][0]
+  # the GPU kernels that take documents (pallas, auto's fused) are priced as blockwise: no bias
+  from jax3d.planning import costmodel
+
+  cfg = config_lib.load_config('tiny', over)
+  plan = config_lib.validate(cfg, 1)
+  acts = lambda k: costmodel.estimate(cfg, plan, hw=costmodel.Hardware(attention=k)).breakdown['activations']
+  assert acts('pallas') == acts('fused') == acts('blockwise') < acts('xla')

@@ -103,7 +103,9 @@ def test_plan_verify_compiles_the_imported_model(folder, trained_args):
   # The planner's own estimate is of the imported model too (not of the config's default model).
   cfg = assemble.resolve(H.jax3d_cfg(folder, LAYOUT))
   est = costmodel.estimate(
-    cfg, config.validate(cfg, 8), hw=costmodel.Hardware(flash_attention=True, attention='blockwise')
+    cfg,
+    config.validate(cfg, 8),
+    hw=costmodel.Hardware(flash_attention=True, attention='blockwise', gpu=False),
   )
   assert rows[0]['estimate_memory_gb'] == round(est.total_bytes / GB, 6)
 

@@ -5,8 +5,8 @@ except the ones that need no plugin: the error without it, and the per-device at
 numbers on CPU.
 
 What is checked: the compiled step's argument bytes equal the CPU compile's (the state and the
-batch are the same arrays whatever compiles them); cuDNN's fused attention is in the program under
-`auto` and `cudnn` on layouts that exercise every place attention runs (the pipeline's shard_map,
+batch are the same arrays whatever compiles them); the fused attention is in the program (cuDNN's
+under `cudnn`, Pallas's Triton kernel under `auto` on rows of documents) on layouts that exercise every place attention runs (the pipeline's shard_map,
 SP, 1F1B, ZeRO-3's gathers, circular, accumulation) and not under `xla`; the region that runs it
 per device (a custom VJP of two shard_maps) gives XLA's numbers when its kernel is XLA's; the 8B
 plan of docs/plan.md fits on 8 x H100 by XLA:GPU's figure, within 10% of the planner's (slow)."""
@@ -55,8 +55,8 @@ def test_inspect_target_h100x8(capsys, tmp_path):
   r = json.loads(capsys.readouterr().out)
   assert r['device_kind'] == 'NVIDIA H100 80GB HBM3' and r['n_devices'] == 8
   assert r['device_memory_bytes'] == 84978434048 and r['fits'] is True
-  assert r['attention_kernel'] == 'cudnn'
-  assert '__cudnn$fmhaScaleBiasSoftmaxBackward' in hlo.read_text()
+  assert r['attention_kernel'] == 'triton'  # auto on GPUs with documents: Pallas's Triton kernel
+  assert '__gpu$xla.gpu.triton' in hlo.read_text() and 'fmha' not in hlo.read_text()
   assert r['flops'] > 0.9 * r['model_flops'] > 0
   assert inspect_cmd.main(['--json', *TINY_BF16]) == 0  # the same step on 8 CPU devices
   cpu = json.loads(capsys.readouterr().out)
@@ -75,6 +75,9 @@ LAYOUTS = {
     pipeline__microbatches=1,
     train__shard_params=True,
     train__attention='cudnn',
+  ),
+  '8-1-1 zero3 auto': dict(
+    mesh__dp=8, mesh__pp=1, mesh__tp=1, pipeline__microbatches=1, train__shard_params=True
   ),
   '1-2-4 sp 1f1b': dict(
     mesh__dp=1,
@@ -106,10 +109,15 @@ DEFAULT_LAYOUTS = ('2-2-2 auto', '8-1-1 zero3 cudnn')  # the other two under -m 
   'name', [n if n in DEFAULT_LAYOUTS else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
 )
 def test_cudnn_attention_compiles_on_every_layout(name):
+  """`cudnn` (the documents as a bias) and `auto` (`fused`: Pallas's Triton kernel on these rows
+  of documents, no cuDNN) compile on every layout, the kernel in the program."""
   s, c = compile_for('h100x8', **LAYOUTS[name])
-  assert s.dims.attention == 'cudnn'
-  assert kernels(c) == {'__cudnn$fmhaScaleBiasSoftmax', '__cudnn$fmhaScaleBiasSoftmaxBackward'}
-  assert c.analysis()['attention_kernel'] == 'cudnn'
+  if s.dims.attention == 'cudnn':
+    assert kernels(c) == {'__cudnn$fmhaScaleBiasSoftmax', '__cudnn$fmhaScaleBiasSoftmaxBackward'}
+  else:
+    assert s.dims.attention == 'fused' and kernels(c) == set()
+    assert '__gpu$xla.gpu.triton' in c.executable.as_text()
+  assert c.analysis()['attention_kernel'] == ('cudnn' if s.dims.attention == 'cudnn' else 'triton')
 
 
 @needs_plugin
@@ -210,7 +218,7 @@ def test_llama3_8b_plan_fits_on_h100x8_within_10_percent():
     },
   )
   v = verify_memory(cfg, config_lib.validate(cfg, 8), gpu_target.parse('h100x8'))
-  assert v['attention_kernel'] == 'cudnn' and v['fits']
+  assert v['attention_kernel'] == 'fused' and v['fits']
   assert abs(v['estimate_bytes'] / v['compiled_bytes'] - 1) < 0.10, v
 
 
@@ -303,9 +311,18 @@ def test_plugin_without_a_gpu_runs_jax_on_cpu(monkeypatch):
 
 @needs_plugin
 @pytest.mark.slow
-def test_context_parallel_compiles_for_gpus():
+@pytest.mark.parametrize('strategy,collective', [('allgather', 'all-gather'), ('ring', 'collective-permute')])
+def test_context_parallel_compiles_for_gpus(strategy, collective):
   """mesh.cp=2 (dp2 cp2 tp2, bf16) through the h100x8 compile: the blockwise kernel (auto under cp,
-  not cuDNN) with K/V all-gathered over the cp axis."""
-  s, c = compile_for('h100x8', mesh__dp=2, mesh__cp=2, mesh__pp=1, mesh__tp=2, pipeline__microbatches=1)
+  not cuDNN) with K/V all-gathered over the cp axis, or passed round the ring (ppermute)."""
+  s, c = compile_for(
+    'h100x8',
+    mesh__dp=2,
+    mesh__cp=2,
+    mesh__pp=1,
+    mesh__tp=2,
+    pipeline__microbatches=1,
+    train__cp_strategy=strategy,
+  )
   assert s.dims.attention == 'blockwise' and dict(s.mesh.shape)['cp'] == 2
-  assert not kernels(c) and 'all-gather' in c.executable.as_text()
+  assert not kernels(c) and collective in c.executable.as_text()

@@ -100,18 +100,24 @@ def test_train_step_lowers_for_cuda(name):
   check_module(s, text, expect)
 
 
-def test_attention_kernel_resolved_for_the_devices():
-  """`auto` is cuDNN only where it runs (GPU, bf16/fp16, a head size it takes), blockwise elsewhere;
-  `cudnn` where it cannot run is a config error naming the setting (tests/test_gpu_compile.py
-  compiles both for GPUs)."""
+def test_attention_kernel_resolved_for_the_devices(monkeypatch):
+  """`auto` is `fused` (cuDNN / Pallas) only where cuDNN runs (GPU, bf16/fp16, a head size it
+  takes), blockwise elsewhere; `cudnn` or `pallas` where it cannot run is a config error naming the
+  setting (tests/test_gpu_compile.py compiles them for GPUs)."""
   cpu = jax.devices('cpu')
   assert attention.resolve('auto', cpu, 'bfloat16', 64) == 'blockwise'
   assert attention.resolve('blockwise', cpu, 'float32', 64) == 'blockwise'
   assert attention.resolve('xla', cpu, 'bfloat16', 64) == 'xla'
   with pytest.raises(ConfigError, match=r"train.attention='cudnn' cannot run here: it needs NVIDIA GPUs"):
     attention.resolve('cudnn', cpu, 'bfloat16', 64)
+  with pytest.raises(ConfigError, match=r"train.attention='pallas' cannot run here: it needs NVIDIA GPUs"):
+    attention.resolve('pallas', cpu, 'float32', 64)
   assert attention.cudnn_supported('gpu', 'bfloat16', 128, 9.0) == ''
   assert attention.cudnn_supported('gpu', 'bfloat16', 256, 9.0) == ''
   assert 'at most 128' in attention.cudnn_supported('gpu', 'bfloat16', 256, 8.0)
   assert 'multiple of 8' in attention.cudnn_supported('gpu', 'float16', 60, 9.0)
   assert 'train.compute_dtype=float32' in attention.cudnn_supported('gpu', 'float32', 64, 9.0)
+  monkeypatch.setattr(attention, 'device_facts', lambda devices: ('gpu', 9.0))
+  assert attention.resolve('auto', cpu, 'bfloat16', 128) == 'fused'
+  assert attention.resolve('auto', cpu, 'float32', 128) == 'blockwise'
+  assert attention.resolve('pallas', cpu, 'float32', 64) == 'pallas'

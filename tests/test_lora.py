@@ -84,6 +84,7 @@ def reference8():
   return _REF[8]
 
 
+@pytest.mark.slow  # default-suite budget (CI runs -m slow too)
 def test_only_adapters_train_and_base_is_frozen():
   losses, grads, base0, base1 = reference()
   chex.assert_trees_all_equal(base1, base0)
@@ -97,7 +98,7 @@ def test_only_adapters_train_and_base_is_frozen():
 @pytest.mark.parametrize(
   'over',
   [
-    # the 1F1B ZeRO-1 case covers 2-2-2 in the default suite; the plain 2-2-2 and SP under -m slow
+    # every layout under -m slow (default-suite budget); test_lora_peft's one-device case stays default
     pytest.param(
       {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}, marks=pytest.mark.slow
     ),
@@ -105,17 +106,21 @@ def test_only_adapters_train_and_base_is_frozen():
       {'mesh__pp': 2, 'mesh__tp': 4, 'pipeline__microbatches': 2, 'train__sequence_parallel': 'true'},
       marks=pytest.mark.slow,
     ),
-    {
-      'mesh__dp': 2,
-      'mesh__pp': 2,
-      'mesh__tp': 2,
-      'pipeline__microbatches': 2,
-      'pipeline__schedule': '1f1b',
-      'train__shard_optimizer': True,
-    },
+    pytest.param(
+      {
+        'mesh__dp': 2,
+        'mesh__pp': 2,
+        'mesh__tp': 2,
+        'pipeline__microbatches': 2,
+        'pipeline__schedule': '1f1b',
+        'train__shard_optimizer': True,
+      },
+      marks=pytest.mark.slow,  # default-suite budget (CI runs -m slow too)
+    ),
     pytest.param({'mesh__dp': 2, 'mesh__cp': 4}, marks=pytest.mark.slow),  # context parallel (issue 43)
+    pytest.param({'mesh__dp': 2, 'mesh__cp': 4, 'train__cp_strategy': 'ring'}, marks=pytest.mark.slow),
   ],
-  ids=['2-2-2', '1-2-4-sp', '2-2-2-1f1b-zero1', 'dp2-cp4'],
+  ids=['2-2-2', '1-2-4-sp', '2-2-2-1f1b-zero1', 'dp2-cp4', 'dp2-cp4-ring'],
 )
 def test_layouts_equal_one_device(over):
   check(over)

@@ -62,6 +62,7 @@ def test_dropout_layouts_equal_one_device(over):
   chex.assert_trees_all_close(grads, r_grads, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # default-suite budget (CI runs -m slow too)
 def test_training_drops_and_evaluation_does_not():
   """The first step's training loss (dropout 0.1) differs from the held-out loss of the same
   parameters on the same batch (no dropout in evaluation), and from one without dropout."""

@@ -24,6 +24,7 @@ def reference():
   return _REF['one']
 
 
+@pytest.mark.slow  # default-suite budget (CI runs -m slow too)
 def test_quantized_kernels_are_within_half_a_step_of_the_original():
   """Every projection: |W - q s| <= s / 2 per entry, q in [-127, 127], s = max|W| / 127 over the
   input features of each output channel (a whole-zero channel: scale 1, q 0); so is the model's

@@ -123,6 +123,7 @@ def test_three_adamw_steps_equal_peft_one_device(llama):
   compare(*llama, (1, 1, 1))
 
 
+@pytest.mark.slow  # default-suite budget (CI runs -m slow too)
 def test_qwen25_three_adamw_steps_equal_peft(tmp_path):
   """Qwen2.5 style (q/k/v biases, tied embeddings, GQA) on 2-2-2."""
   base, adapter = str(tmp_path / 'base'), str(tmp_path / 'adapter')
@@ -191,6 +192,7 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly(llama, tmp_path):
   moved.close()
 
 
+@pytest.mark.slow  # default-suite budget (CI runs -m slow too)
 def test_exported_adapter_and_merge_give_jax3d_logits(llama, tmp_path):
   """Train 2 steps on 2-2-2; the exported PEFT adapter loaded by peft onto the base, and the merged
   export loaded by transformers, give jax3d's logits; the merge is W + B A alpha/r. Both are staged

@@ -40,7 +40,10 @@ def groups(seed: str, over: dict) -> list[str]:
 @pytest.mark.parametrize(
   'over',
   [
-    {'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.schedule': '1f1b', 'model.n_layers': 2},
+    pytest.param(
+      {'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'pipeline.schedule': '1f1b', 'model.n_layers': 2},
+      marks=pytest.mark.slow,  # default-suite budget (CI runs -m slow too)
+    ),
     pytest.param({'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'model.n_layers': 2}, marks=pytest.mark.slow),
     pytest.param(
       {'mesh.dp': 2, 'mesh.pp': 2, 'mesh.tp': 2, 'model.n_layers': 2, 'train.shard_params': True},

@@ -10,9 +10,9 @@ import pytest  # noqa: E402
 
 from jax3d import assemble, config  # noqa: E402
 from jax3d.analysis import dp_comm  # noqa: E402
-from jax3d.planning import costmodel, oom, planner  # noqa: E402
+from jax3d.planning import costmodel, explain, oom, planner  # noqa: E402
 
-CPU = costmodel.Hardware(flash_attention=False)
+CPU = costmodel.Hardware(flash_attention=False, gpu=False)  # priced as XLA:CPU compiles
 NODE = costmodel.Hardware(nodes=1, gpus_per_node=8, memory_gb=80)
 LAYER = 786944 * 4  # tiny: one layer's parameters (tp=1), fp32 bytes
 SHARED = (2 * 256 * 256 + 256) * 4  # embedding, head, final norm
@@ -156,13 +156,15 @@ def test_search_tries_step_then_layer():
     (step * 1.001, ('off', 'zero3'), 'step'),
     (step * 1.001, ('off', 'zero1', 'zero3'), None),
   ):
-    hw = costmodel.Hardware(nodes=1, gpus_per_node=8, memory_gb=memory / 1e9, flash_attention=False)
+    hw = costmodel.Hardware(
+      nodes=1, gpus_per_node=8, memory_gb=memory / 1e9, flash_attention=False, gpu=False
+    )
     ranked = planner.search(cfg, hw, policies=('full',), zero=zero)
     pick = [c for c in ranked if c.est.fits and c.plan.dp == 8 and c.plan.grad_accum == 1]
     assert pick and pick[0].est.zero3 == want, [c.row() for c in pick]
     if want:
       assert f'3/{want}' in '\n'.join(planner.table(pick[:1]))
-      why = '\n'.join(planner.explain(cfg, pick[0], ranked, hw))
+      why = '\n'.join(explain.explain(cfg, pick[0], ranked, hw))
       assert ('once per step' if want == 'step' else 'gathered per layer') in why
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from jax3d.analysis.cp_comm import cp_attention_bytes
 from jax3d.analysis.dp_comm import dp_comm
 from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_hlo
 from jax3d.model import formulas
@@ -33,17 +34,24 @@ def expected_comm(s: Setup) -> dict:
              gradients are summed over dp once per step, after the loop.
   dp: 2(d-1)/d * P_local * bytes, P_local = parameters this device holds after tp/pp sharding;
       with train.grad_reduce_dtype bfloat16/int8 the reduce half moves 2/1 bytes per element (int8
-      scales not counted), and under ZeRO-1 the all-gather half moves the parameters' bytes."""
+      scales not counted), and under ZeRO-1 the all-gather half moves the parameters' bytes.
+  cp: per layer per micro-batch, K and V all-gathered forward and backward and dK, dV
+      reduce-scattered, 3 (c-1)/c * 2*b*s*(k/t)*d_head * bytes (jax3d/analysis/cp_comm.py)."""
   plan, dims, a = s.plan, s.dims, s.plan.grad_accum
   p, v, m, t, d = plan.pp, plan.repeats, plan.microbatches, plan.tp, plan.dp
   act = np.dtype(dims.dtype).itemsize
-  bsh = plan.micro_batch // d * plan.seq_len * dims.d_model * act  # one micro-batch on one dp shard
+  bsh = plan.micro_batch // d * (plan.seq_len // plan.cp) * dims.d_model * act  # one micro-batch, one device
   iters, layers_per_chunk = v * m + p - 1, dims.n_layers // (p * v)
   one_f = s.cfg.pipeline.schedule == '1f1b' and p > 1
   per_layer_mb = 4 * 2 * (t - 1) / t * bsh
   dp = dp_comm(s)
   scatter = plan.pp_batch_split is not None  # the loop's inputs gathered, outputs scattered over pp
-  edge_args = (p, m * (plan.micro_batch // d), plan.seq_len, dims.d_model)
+  edge_args = (
+    p,
+    m * (plan.micro_batch // d),
+    plan.seq_len,
+    dims.d_model,
+  )  # whole rows, also with cp (measured)
   edge = formulas.pipeline_edge_bytes(*edge_args, t if plan.sequence_parallel else 1, scatter) * a
   if one_f:  # no outputs leave the loop (the loss does): only the input's gather (or its gradient's sum)
     edge = edge / 2 if scatter else edge / ((t if plan.sequence_parallel else 1) + 1)
@@ -67,6 +75,7 @@ def expected_comm(s: Setup) -> dict:
       'spmd': 2 * iters * bsh * a / sp if p > 1 else 0.0,
     },
     'pp_edges': {'formula': edge, 'spmd': edge},
+    'cp': cp_attention_bytes(plan, dims.n_layers, dims.n_kv_heads, dims.head_dim, act),
     'dp': {'formula': dp['wire'], 'spmd': dp['wire']},
     'p_local_bytes': dp['p_local'],
     'dp_grad_bytes': dp['grads'],
@@ -93,9 +102,11 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   """Measured against expected, like for like (wire bytes per device per step):
   tp   the tp collectives of the layers (flax `Block`; embedding, head and loss are outside);
   pp   the pipeline ring's collective-permutes (entering and leaving the pipeline is extra);
-  dp   gradient bytes all-reduced over any group that includes dp, against P_local."""
+  dp   gradient bytes all-reduced over any group that includes dp, against P_local;
+  cp   the attention's K/V all-gathers and dK/dV reduce-scatters over cp in the layers."""
   total = lambda pred, key='wire_bytes': sum(c[key] for c in colls if pred(c))
   tp_layers = lambda c: c['axes'] == 'tp' and c['in_layers']
+  kv = lambda c: c['axes'] == 'cp' and c['in_layers'] and c['kind'] in ('all-gather', 'reduce-scatter')
   dp_grads = lambda c: (
     'dp' in c['axes'].split('+') and c['kind'] in ('all-reduce', 'reduce-scatter', 'all-to-all')
   )  # all-to-all: jax3d/parallel/compression.py
@@ -150,6 +161,10 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
       'spmd': e['dp']['spmd'],
     },
   ]
+  kv_cp = dict(
+    axis='cp', what='K/V all-gathers and dK/dV reduce-scatters (in the layers)', measured=total(kv)
+  )
+  out += [kv_cp | {k: e['cp'][k] for k in ('formula', 'spmd')}] if e['cp']['formula'] else []
   for c in out:
     c['ratio'] = c['measured'] / c['formula'] if c['formula'] else None
   return out
@@ -249,13 +264,14 @@ def _mb(x: float) -> str:
 def summary_lines(r: dict) -> list[str]:
   """A few lines for the trainer's start-up banner (Trainer.compile in jax3d/trainer/trainer.py)."""
   m, c = r['memory_bytes'], r['comm_bytes']
+  kv = {ch['axis']: f' (K/V {_mb(ch["measured"])})' for ch in r['checks'] if ch['what'].startswith('K/V')}
   lines = [
     f'per device: args {_mb(m["argument"])}, temp {_mb(m["temp"])}, out {_mb(m["output"])} '
     f'(aliased {_mb(m["alias"])}), peak ~{_mb(m["peak_estimate"])}',
     f'per device per step: {r["flops"] / 1e9:.2f} GFLOP executed (matmuls), {r["model_flops"] / 1e9:.2f} GFLOP model; '
     f'attention: {KERNEL_NAMES[r["attention_kernel"]]}',
     'comm per device per step (ring wire bytes): '
-    + ', '.join(f'{axis} {_mb(v)}' for axis, v in c.items() if v),
+    + ', '.join(f'{axis} {_mb(v)}{kv.get(axis, "")}' for axis, v in c.items() if v),
   ]
   for ch in r['checks']:
     if ch['formula'] and ch['spmd'] and abs(ch['measured'] / ch['spmd'] - 1) > 0.05:

@@ -149,11 +149,11 @@ def declared() -> Declared:
   c.train.shard_params_gather = 'auto', one_of(*GATHERS)
   # float32 | bfloat16 | int8 for the dp gradient reduction
   c.train.grad_reduce_dtype = 'float32', one_of(*GRAD_REDUCE_DTYPES)
-  # auto: cuDNN's fused attention on NVIDIA GPUs in bf16/fp16 (head size a multiple of 8, <= 256), else blockwise | xla (dense mask, the reference) | cudnn | blockwise (memory linear in seq)
+  # auto: on NVIDIA GPUs in bf16/fp16 (head size a multiple of 8, <= 256) fused = cuDNN for rows of one document, Pallas for rows of documents; else blockwise | xla (dense mask, the reference) | cudnn (documents as a [b,1,t,t] bias) | pallas (Pallas Triton flash attention with segment ids; GPUs only) | blockwise (memory linear in seq)
   c.train.attention = 'auto', one_of(*ATTENTION_IMPLS)
   # Megatron-SP with tp > 1: true | false | auto (on when rows divide)
   c.train.sequence_parallel = 'false', one_of(*SWITCH, fold_case=True)
-  # attention over mesh.cp > 1: allgather (K/V all-gathered over cp) | ring (not built yet: refused)
+  # attention over mesh.cp > 1: allgather (K/V all-gathered over cp) | ring (K/V passed round the cp ring, ppermute)
   c.train.cp_strategy = 'allgather', one_of(*CP_STRATEGIES)
 
   c.data.path = '', ANY  # '' = the Python standard library's own source, as bytes

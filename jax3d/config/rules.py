@@ -20,7 +20,7 @@ REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 SCHEDULES = ('gpipe', 'circular', '1f1b')  # jax3d/parallel/pipeline/schedule_1f1b.py for 1f1b
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 GATHERS = ('auto', 'layer', 'step')  # train.shard_params_gather (jax3d/parallel/zero3.py)
-ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'blockwise')
+ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'pallas', 'blockwise')
 CP_STRATEGIES = ('allgather', 'ring')  # train.cp_strategy (jax3d/parallel/context.py)
 PACKINGS = ('auto', 'concat', 'pack')  # data.packing (jax3d/data/packing.py)
 SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
@@ -254,8 +254,12 @@ def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
     return None
   not_yet = f'not supported yet with mesh.cp={cp} > 1'
   unsupported = (
-    ('train.cp_strategy', t.cp_strategy, t.cp_strategy == 'ring', f'{not_yet}; valid: allgather'),
-    ('train.attention', t.attention, t.attention in ('xla', 'cudnn'), f'{not_yet}; valid: auto, blockwise'),
+    (
+      'train.attention',
+      t.attention,
+      t.attention in ('xla', 'cudnn', 'pallas'),
+      f'{not_yet}; valid: auto, blockwise',
+    ),
   )
   for key, value, bad, valid in unsupported:
     if bad:

@@ -1,14 +1,21 @@
 """Training attention: which kernel (`train.attention`) and where it runs.
 
-  auto       cuDNN's fused (flash) attention where it runs: GPU devices, bf16/fp16 compute, a head
-             size cuDNN takes; the blockwise attention everywhere else (CPU, fp32). `resolve`
-             decides once, when the run is built (`assemble.build`); the start-up line names it.
+  auto       On NVIDIA GPUs in bf16/fp16 with a head size cuDNN takes: `fused` (below); everywhere
+             else (CPU, fp32) the blockwise attention. `resolve` decides once, when the run is
+             built (`assemble.build`); the start-up line names it.
   xla        XLA's attention (`jax.nn.dot_product_attention(implementation='xla')`) with a dense
              [b, 1, t, t] mask of the documents: the reference; memory grows with t^2.
   cudnn      cuDNN's fused kernel (`__cudnn$fmha*` custom calls); refused where it cannot run.
+             Documents reach it as a dense [b, 1, t, t] bias (jax 0.10's public API has no packed
+             layout), kept for the backward pass.
+  pallas     JAX's Pallas Triton flash attention (jax3d/model/pallas.py): segment ids, never a
+             [t, t] array; K/V repeated per query group. NVIDIA GPUs only (refused elsewhere).
   blockwise  jax3d/model/blockwise.py: blocks of queries and keys, online softmax, a backward that
              recomputes block scores; documents from segment ids and positions, never a mask;
              memory linear in t. Run per device like cuDNN's (no collective to skip a block).
+  fused      (`auto`'s on GPUs) per layer call: cuDNN with no mask where the rows hold one
+             document each (no segment ids), Pallas where they hold documents; so documents never
+             become a [b, 1, t, t] array (BUILD_NOTES.md: the GPU compile's numbers).
 
 cuDNN's kernel is called where the sharding is manual: a `shard_map` over every mesh axis not
 manual yet (`sharding.device_local`), so each device runs it on its own rows and heads. Left to
@@ -27,14 +34,13 @@ would not order the tokens). A row of one document (no segment ids) passes neith
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jax3d.errors import ConfigError
-from jax3d.model import blockwise
+from jax3d.model import blockwise, pallas
 from jax3d.parallel import context, sharding
 
 FUSED_DTYPES = ('bfloat16', 'float16')
@@ -69,15 +75,20 @@ def device_facts(devices: list[jax.Device]) -> tuple[str, float]:
 
 
 def resolve(choice: str, devices: list[jax.Device], compute_dtype: str, head_dim: int) -> str:
-  """The kernel train.attention=`choice` runs on these devices: 'xla', 'cudnn' or 'blockwise'.
-  `auto` is cuDNN wherever it runs, else blockwise; `cudnn` where it cannot run is a ConfigError
-  naming why."""
+  """The kernel train.attention=`choice` runs on these devices: 'xla', 'cudnn', 'pallas',
+  'blockwise' or 'fused'. `auto` is `fused` wherever cuDNN runs, else blockwise; `cudnn` or
+  `pallas` where it cannot run is a ConfigError naming why."""
   platform, cc = device_facts(devices)
   why = cudnn_supported(platform, compute_dtype, head_dim, cc)
   if choice == 'auto':
-    return 'blockwise' if why else 'cudnn'
+    return 'blockwise' if why else 'fused'
   if choice == 'cudnn' and why:
     raise ConfigError(f"train.attention='cudnn' cannot run here: {why}; use 'auto' or 'xla'")
+  if choice == 'pallas' and platform not in ('gpu', 'cuda'):
+    raise ConfigError(
+      f"train.attention='pallas' cannot run here: it needs NVIDIA GPUs (these devices are {platform}); "
+      "use 'auto' or 'blockwise'"
+    )
   return choice
 
 
@@ -90,12 +101,27 @@ def segment_mask(segment_ids_bt: jax.Array | None) -> jax.Array | None:
 
 
 def attend(
-  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt: jax.Array | None, kernel: str
+  q_btnh: jax.Array,
+  k_btkh: jax.Array,
+  v_btkh: jax.Array,
+  segment_ids_bt: jax.Array | None,
+  kernel: str,
+  cp_strategy: str = 'allgather',
 ) -> jax.Array:
   """Causal grouped-query attention [b, t, n, h] of the rows' own documents with `kernel` ('xla',
-  'cudnn' or 'blockwise'; 'auto' is resolved before, by `resolve`, and reads as 'xla' here)."""
+  'cudnn', 'pallas', 'blockwise' or 'fused': cuDNN for rows of one document, Pallas for rows of
+  documents; 'auto' is resolved before, by `resolve`, and reads as 'xla' here); a sequence split
+  over cp (blockwise only) by `cp_strategy` (train.cp_strategy)."""
+  if kernel == 'fused':
+    kernel = 'cudnn' if segment_ids_bt is None else 'pallas'
   if kernel == 'blockwise':
-    return _blockwise(q_btnh, k_btkh, v_btkh, segment_ids_bt)
+    return _blockwise(q_btnh, k_btkh, v_btkh, segment_ids_bt, cp_strategy)
+  names = (('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim'))
+  if kernel == 'pallas':
+    seg = () if segment_ids_bt is None else (segment_ids_bt,)
+    in_logical = (names[0], names[1], names[1]) + (('batch', 'seq'),) * len(seg)
+    run = _per_device_vjp(pallas.attention, in_logical, names[0], len(seg), pallas.backward)
+    return run(q_btnh, k_btkh, v_btkh, *seg)
   impl = 'cudnn' if kernel == 'cudnn' else 'xla'
 
   mask = segment_mask(segment_ids_bt)
@@ -111,7 +137,6 @@ def attend(
     if mask is None
     else jnp.where(mask, 0, CUDNN_NEG.get(q_btnh.dtype.name, CUDNN_NEG_DEFAULT)).astype(q_btnh.dtype)
   )
-  names = (('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim'))
   operands = (q_btnh, k_btkh, v_btkh) + (() if bias is None else (bias,))
   in_logical = (names[0], names[1], names[1]) + (() if bias is None else (('batch', None, 'seq', None),))
   return _per_device_vjp(_cudnn, in_logical, names[0], len(operands) - 3)(*operands)
@@ -121,49 +146,56 @@ def _cudnn(q, k, v, bias=None):
   return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation='cudnn')
 
 
-def _per_device_vjp(fn: Any, in_logical: tuple, out_logical: tuple, n_nondiff: int) -> Any:
+def _per_device_vjp(
+  fn: Any, in_logical: tuple, out_logical: tuple, n_nondiff: int, backward: Any = None
+) -> Any:
   """`fn` run on each device's own blocks (`sharding.device_local`), forward and backward as two
   separate per-device regions: the forward keeps its inputs, the backward runs `jax.vjp` of `fn`
   (its forward once more, then its backward kernel) and returns the inputs' cotangents (zeros for
   the last `n_nondiff`, made from integers). Differentiating one region instead makes its internal
   residuals (cuDNN's softmax statistics, the bias) outputs of a shard_map nested in the pipeline's,
-  which jax 0.10 gives the wrong global shape or an invalid sharding (BUILD_NOTES.md)."""
-  fwd_region = sharding.device_local(fn, in_logical, out_logical)
+  which jax 0.10 gives the wrong global shape or an invalid sharding (BUILD_NOTES.md).
+  `backward(*primals, g)`, where given, replaces `jax.vjp` (a Pallas kernel's: its calls' outputs
+  carry no manual-axis types, so both regions run without shard_map's check of them)."""
+  check = backward is None
+  fwd_region = sharding.device_local(fn, in_logical, out_logical, check)
 
   def bwd_local(*args):
     *primals, g = args
-    grads = jax.vjp(fn, *primals)[1](g)
+    grads = backward(*primals, g) if backward else jax.vjp(fn, *primals)[1](g)
     return tuple(grads[: len(primals) - n_nondiff])
 
   n_diff = len(in_logical) - n_nondiff
-  bwd_region = sharding.device_local(bwd_local, in_logical + (out_logical,), in_logical[:n_diff])
+  bwd_region = sharding.device_local(bwd_local, in_logical + (out_logical,), in_logical[:n_diff], check)
 
-  @jax.custom_vjp
-  def run(*operands):
-    return fwd_region(*operands)
+  # A region without the check returns values typed invariant over the enclosing shard_map's manual
+  # axes (the pipeline's): typed back as varying like the operands (out: q's; each gradient: its input's)
+  like = sharding.vary_like
+
+  forward = lambda *operands: like(fwd_region(*operands), operands[0])
+  run = jax.custom_vjp(forward)
 
   def run_fwd(*operands):
-    return fwd_region(*operands), operands
+    return forward(*operands), operands
 
   def run_bwd(operands, g):
     grads = bwd_region(*operands, g)
-    return tuple(grads) + tuple(jnp.zeros_like(x) for x in operands[n_diff:])
+    return tuple(map(like, grads, operands)) + tuple(jnp.zeros_like(x) for x in operands[n_diff:])
 
   run.defvjp(run_fwd, run_bwd)
   return run
 
 
 def _blockwise(
-  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None
+  q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None, cp_strategy: str
 ) -> jax.Array:
   """blockwise.attention of rows in their natural order: causal positions are the tokens' indices
-  in their row. Left to GSPMD (rows over dp, heads over tp; it partitions the block loops): run per
-  device instead (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's
-  shard_map on jax 0.10 (BUILD_NOTES.md)."""
+  in their row (with the sequence split over cp: `context.attend` by `cp_strategy`). Left to
+  GSPMD (rows over dp, heads over tp; it partitions the block loops): run per device instead
+  (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's shard_map on
+  jax 0.10 (BUILD_NOTES.md)."""
   if context.active(q_btnh.shape[1]):  # the sequence over 'cp' (jax3d/parallel/context.py)
-    fwd = functools.partial(blockwise.forward, block=blockwise.BLOCK)
-    bwd = functools.partial(blockwise.backward, block=blockwise.BLOCK)
-    return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, fwd, bwd)
+    return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, blockwise, blockwise.BLOCK, cp_strategy)
   b, t = q_btnh.shape[:2]
   pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt, blockwise.BLOCK)

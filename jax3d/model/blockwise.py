@@ -17,6 +17,10 @@ skipped), and each key block's backward likewise over query blocks. Not `lax.con
 differentiated scan (the layers' loop) jax 0.10's partial evaluation of a cond inside the custom
 VJP's forward kept every block's scores as residuals, t^2 again.
 
+Keys may also come in several calls (context parallelism's ring, jax3d/parallel/context.py):
+`start`, `accumulate` once per group of keys (the same online softmax, its running statistics
+carried between calls), `finish`; then `backward` once per group with the finished logsumexp.
+
 Grouped-query attention without repeating K/V: queries [b, t, n, h] are read as [b, t, kv, g, h].
 Shapes: b batch, t/s query/key length, n query heads, kv key/value heads, g = n / kv, h head size;
 the blocked layouts put the block index first: q [nq, b, bq, kv, g, h], k [nk, b, bk, kv, h].
@@ -123,11 +127,6 @@ class _Blocks:
     s = jnp.einsum('bqkgh,bskh->bkgqs', q_i, k_j, preferred_element_type=F32) * self.scale
     return s, self.visible(i, j)
 
-  def unblock(self, x: jax.Array, length: int) -> jax.Array:
-    """[n?, b, b?, ...] -> [b, length, ...]."""
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
-
 
 A = jax.Array
 OptA = jax.Array | None
@@ -137,11 +136,51 @@ def forward(
   q: A, k: A, v: A, qp: A, kp: A, qs: OptA = None, ks: OptA = None, block: int = BLOCK
 ) -> tuple[A, A]:
   """(out [b, t, n, h] in q's dtype, logsumexp [nq, b, kv, g, bq] fp32)."""
+  return _forward(q, k, v, qp, kp, qs, ks, block, None)
+
+
+def accumulate(q: A, k: A, v: A, qp: A, kp: A, qs: OptA, ks: OptA, block: int, state: Any) -> Any:
+  """The online softmax continued over more keys: `state` (the running max, sum and fp32 weighted
+  sum [nq, b, kv, g, bq(, h)] of the keys seen so far, `start`'s for none) updated with these keys,
+  block by block as `forward` does. `finish` turns it into `forward`'s (out, logsumexp): keys
+  given in several calls (a ring of K/V blocks) give the same numbers as one call with them all."""
+  return _forward(q, k, v, qp, kp, qs, ks, block, state)
+
+
+def start(q: A, kv: int, block: int = BLOCK) -> Any:
+  """The statistics of queries q [b, t, n, h] (kv key heads) that have seen no key yet."""
+  b, t, n, h = q.shape
+  bq = min(block, t)
+  lead = (-(-t // bq), b, kv, n // kv, bq)
+  axes = tuple(jax.typeof(q).manual_axis_type.varying)
+  return jax.tree.map(lambda a: sharding.vary(a, axes), _fresh(lead, h))
+
+
+def finish(state: Any, like: A) -> tuple[A, A]:
+  """`accumulate`'s statistics -> `forward`'s (out shaped and typed as `like`, the queries; lse)."""
+  out, lse = _finished(*state, like.dtype)
+  return _unblock(out, like.shape[1]).reshape(like.shape), lse
+
+
+def _fresh(shape: tuple, h: int) -> tuple[A, A, A]:
+  """(running max, sum, weighted sum) of no key: -inf, 0, 0 of `shape` (+ (h,) for the sum)."""
+  return jnp.full(shape, -jnp.inf, F32), jnp.zeros(shape, F32), jnp.zeros((*shape, h), F32)
+
+
+def _finished(m: A, l: A, acc: A, dtype: Any) -> tuple[A, A]:
+  """The statistics of a query block [..., kv, g, bq(, h)] -> (out [..., bq, kv, g, h], lse)."""
+  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), 0.0)
+  return jnp.moveaxis(out, -2, -4).astype(dtype), lse
+
+
+def _forward(q, k, v, qp, kp, qs, ks, block, state):
+  """`forward` (state None) or `accumulate`: each query block's loop over its needed key blocks."""
   z = _Blocks(q, k, qp, kp, qs, ks, block)
   qb = z.queries(q.reshape(z.b, z.t, z.kv, z.g, z.h), z.kv)
   kb, vb = z.keys(k), z.keys(v)
 
-  def one_query_block(i):
+  def one_query_block(i, carried):
     q_i = qb[i]
 
     def step(j, carry):
@@ -154,21 +193,34 @@ def forward(
       pv = jnp.einsum('bkgqs,bskh->bkgqh', p.astype(v.dtype), vb[j], preferred_element_type=F32)
       return m_new, l * c + p.sum(-1), acc * c[..., None] + pv
 
-    shape = (z.b, z.kv, z.g, z.bq)
-    init = z.vary((jnp.full(shape, -jnp.inf, F32), jnp.zeros(shape, F32), jnp.zeros((*shape, z.h), F32)))
-    m, l, acc = _over_blocks(z.needed[i], step, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), 0.0)
-    return jnp.moveaxis(out, 3, 1).astype(q.dtype), lse  # [b, bq, kv, g, h]
+    init = z.vary(_fresh((z.b, z.kv, z.g, z.bq), z.h) if carried is None else carried)
+    stats = _over_blocks(z.needed[i], step, init)
+    return stats if state is not None else _finished(*stats, q.dtype)
 
+  if state is not None:
+    return _map(one_query_block, z.nq, state)
   out, lse = _map(one_query_block, z.nq)
-  return z.unblock(out, z.t).reshape(z.b, z.t, z.n, z.h), lse
+  return _unblock(out, z.t).reshape(z.b, z.t, z.n, z.h), lse
 
 
 def backward(
-  q: A, k: A, v: A, qp: A, kp: A, qs: OptA, ks: OptA, out: A, lse: A, g: A, block: int = BLOCK
+  q: A,
+  k: A,
+  v: A,
+  qp: A,
+  kp: A,
+  qs: OptA,
+  ks: OptA,
+  out: A,
+  lse: A,
+  g: A,
+  block: int = BLOCK,
+  dtype: Any = None,
 ) -> tuple[A, A, A]:
-  """(dq, dk, dv) of `forward`'s out, recomputing each block's probabilities from lse."""
+  """(dq, dk, dv) of `forward`'s out, recomputing each block's probabilities from lse: in the
+  operands' dtypes, or all in `dtype` (fp32 for a caller that sums them over several calls).
+  Over some of the keys (a ring's visiting block) with the logsumexp of all of them: the
+  gradients of those keys, and their part of dq."""
   z = _Blocks(q, k, qp, kp, qs, ks, block)
   grouped = lambda x: z.queries(x.reshape(z.b, z.t, z.kv, z.g, z.h), z.kv)
   qb, gb = grouped(q), grouped(g)
@@ -200,8 +252,8 @@ def backward(
     dk, dv = dk[None], dv[None]
   else:
     dq, (dk, dv) = jax.lax.scan(one_key_block, dq0, jnp.arange(z.nk))
-  dq = z.unblock(dq, z.t).reshape(z.b, z.t, z.n, z.h).astype(q.dtype)
-  return dq, z.unblock(dk, z.s).astype(k.dtype), z.unblock(dv, z.s).astype(v.dtype)
+  dq = _unblock(dq, z.t).reshape(z.b, z.t, z.n, z.h).astype(dtype or q.dtype)
+  return dq, _unblock(dk, z.s).astype(dtype or k.dtype), _unblock(dv, z.s).astype(dtype or v.dtype)
 
 
 def _over_blocks(needed: jax.Array, step: Any, carry: Any) -> Any:
@@ -216,11 +268,18 @@ def _over_blocks(needed: jax.Array, step: Any, carry: Any) -> Any:
   return jax.lax.fori_loop(lo, hi, step, carry)
 
 
-def _map(fn: Any, n: int) -> Any:
-  """`fn` over block indices 0..n-1, stacked on a new leading axis (a loop, so blocks can skip)."""
+def _map(fn: Any, n: int, xs: Any = None) -> Any:
+  """`fn(i, xs[i])` (xs[i] None without xs) over block indices 0..n-1, stacked on a new leading
+  axis (a loop, so blocks can skip)."""
   if n == 1:
-    return jax.tree.map(lambda x: x[None], fn(0))
-  return jax.lax.map(fn, jnp.arange(n))
+    return jax.tree.map(lambda x: x[None], fn(0, jax.tree.map(lambda a: a[0], xs)))
+  return jax.lax.map(lambda a: fn(*a), (jnp.arange(n), xs))
+
+
+def _unblock(x: jax.Array, length: int) -> jax.Array:
+  """[n?, b, b?, ...] -> [b, length, ...]."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
 
 
 def _pad(x: jax.Array, length: int, value: int) -> jax.Array:

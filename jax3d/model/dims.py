@@ -27,6 +27,7 @@ class Dims:
   dtype: Any = jnp.float32  # compute
   param_dtype: Any = jnp.float32
   attention: str = 'auto'  # train.attention; assemble.build resolves it to the kernel: 'xla' | 'cudnn'
+  cp_strategy: str = 'allgather'  # train.cp_strategy: attention over a sequence split over mesh.cp
   head_size: int = 0  # model.head_dim; 0 = d_model // n_heads
   qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
   qk_norm: bool = False  # per-head RMSNorm of queries and keys before the rotation (Qwen3)
@@ -69,6 +70,7 @@ class Dims:
       dtype=jnp.dtype(cfg.train.compute_dtype),
       param_dtype=jnp.dtype(_base_dtype(cfg)),
       attention=cfg.train.attention,
+      cp_strategy=cfg.train.cp_strategy,
       head_size=m.head_dim,
       qkv_bias=m.qkv_bias,
       qk_norm=m.qk_norm,

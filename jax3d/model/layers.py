@@ -171,7 +171,9 @@ class Block(nn.Module):
 
     q_btnh, k_btkh, v_btkh = self._qkv(x_rd, b, t, positions_t, noise)
     if cache is None:
-      o_btnh = attention.attend(q_btnh, k_btkh, v_btkh, segment_ids, self.dims.attention)
+      o_btnh = attention.attend(
+        q_btnh, k_btkh, v_btkh, segment_ids, self.dims.attention, self.dims.cp_strategy
+      )
     else:
       positions_t = jnp.arange(t) if positions_t is None else positions_t
       cache = write_cache(cache, k_btkh, v_btkh, positions_t)

@@ -151,7 +151,7 @@ def init_params(key: jax.Array, dims: Dims, layer_order: np.ndarray) -> PyTree:
   x = jnp.zeros((1, 1, dims.d_model), dims.dtype)
   layer_keys = jax.random.split(k_layers, dims.n_layers)[jnp.asarray(layer_order)]
   embed = _unboxed_init(Embed(dims), k_embed, tok)
-  layers = jax.vmap(lambda k: _unboxed_init(Block(dims), k, x))(layer_keys)
+  layers = jax.vmap(lambda k: _unboxed_init(Block(_init_dims(dims)), k, x))(layer_keys)
   head = _unboxed_init(Head(dims), k_head, x, embed['embedding'])
   return {'embed': embed, 'layers': layers, 'head': head}
 

@@ -10,12 +10,13 @@ positions travel with the tokens, so RoPE is right in any order. The loss is a s
 divided by the batch's weight sum, so the order changes neither; `natural` puts per-token outputs
 (logits) back in the rows' own order.
 
-Attention (`attend`, train.cp_strategy=allgather): a shard_map manual over 'cp' alone (dp and tp
-stay with GSPMD, as for the blockwise attention without cp). Each rank all-gathers K, V and the
-key segment ids over cp, puts the keys back in their natural order (a static gather, so that the
-blockwise kernel's block skipping sees contiguous needed blocks), and runs blockwise attention of
-its own queries, whose causal positions are their tokens' indices in the row, against all keys.
-The all-gather's transpose is a reduce-scatter of dK and dV over cp. The parameters are
+Attention (`attend`): a shard_map manual over 'cp' alone (dp and tp stay with GSPMD, as for the
+blockwise attention without cp); each rank's queries have as causal positions their tokens'
+indices in the row. train.cp_strategy=allgather: each rank all-gathers K, V and the key segment
+ids over cp and runs the blockwise attention of its queries against all keys; the all-gather's
+transpose is a reduce-scatter of dK and dV. train.cp_strategy=ring: K, V and the key segments go
+round the cp ring (ppermute), one rank's block per step, the online softmax continued over each;
+the backward sends them round again with their dK/dV accumulators (`_ring`). The parameters are
 replicated over cp, so their gradients are summed over dp x cp by the compiler.
 """
 
@@ -120,44 +121,22 @@ def attend(
   k_btkh: jax.Array,
   v_btkh: jax.Array,
   seg_bt: jax.Array | None,
-  forward: Callable,
-  backward: Callable,
+  kernel: Any,
+  block: int,
+  strategy: str = 'allgather',
 ) -> jax.Array:
   """Causal attention [b, t, n, h] of rows in the cp layout, the sequence split over 'cp' (the
-  module docstring): K, V and the key segments all-gathered over cp. Forward and backward are two
+  module docstring), by `strategy` ('allgather' or 'ring'). Forward and backward are two
   per-device regions (`sharding.device_local`, a custom VJP, as attention._per_device_vjp):
   differentiating one region, or a region manual over cp alone, makes the kernel's residuals
   outputs split over a free axis (dp) before the manual one, which Shardy rejects. The backward
-  reuses the forward's logsumexp; dK and dV are reduce-scattered over cp. `forward` and `backward`
-  are the kernel's (jax3d/model/blockwise.py's, its block size bound): (q, k, v, q positions, k
-  positions, q segments, k segments) -> (out, logsumexp), and the same + (out, logsumexp, dout) ->
-  (dq, dk, dv)."""
+  reuses the forward's logsumexp. `kernel` is jax3d/model/blockwise.py (the module: forward,
+  backward, and the ring's start, accumulate, finish), run with blocks of `block`. Where cp is
+  manual already (`manual`: the pipeline's loop, the explicit reduction) the t tokens are this
+  rank's own: the whole row is t*cp, and the ranks' positions come from axis_index(cp) as ever."""
   cp = cp_size()
   t = q_btnh.shape[1] * (cp if manual() else 1)  # the whole row's tokens
-  natural_of = np.argsort(order(t, cp))  # gathered (rank-major) keys -> natural order
-  c = t // (2 * cp)
-
-  def positions(b: int) -> tuple[jax.Array, jax.Array]:  # this rank's queries', all keys' (in order)
-    i = jax.lax.axis_index(CP)
-    q_pos = jnp.concatenate([i * c + jnp.arange(c), (2 * cp - 1 - i) * c + jnp.arange(c)])
-    k_pos = jnp.arange(t)
-    return (jnp.broadcast_to(p.astype(jnp.int32), (b, p.shape[0])) for p in (q_pos, k_pos))
-
-  gather = lambda a: jax.lax.all_gather(a, CP, axis=1, tiled=True)[:, natural_of]
-
-  def operands(q, k, v, seg):
-    qp, kp = positions(q.shape[0])
-    ids = () if seg is None else (seg, gather(seg))
-    return q, gather(k), gather(v), qp, kp, *(ids or (None, None))
-
-  def fwd_local(q, k, v, *seg):
-    return forward(*operands(q, k, v, seg[0] if seg else None))
-
-  def bwd_local(q, k, v, out, lse, g, *seg):
-    dq, dk, dv = backward(*operands(q, k, v, seg[0] if seg else None), out, lse, g)
-    scatter = lambda d: jax.lax.psum_scatter(d[:, order(t, cp)], CP, scatter_dimension=1, tiled=True)
-    return dq, scatter(dk), scatter(dv)
-
+  fwd_local, bwd_local = (_ring if strategy == 'ring' else _allgather)(t, cp, kernel, block)
   segs: tuple[Any, ...] = () if seg_bt is None else (seg_bt,)
   q_names, kv_names = ('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim')
   lse_names = ('seq', 'batch', 'kv_heads', None, None)  # [nq, b, kv, g, bq]: this rank's query blocks
@@ -186,3 +165,92 @@ def attend(
 
   run.defvjp(run_fwd, run_bwd)
   return run(q_btnh, k_btkh, v_btkh, *segs)
+
+
+def _positions(rank: Any, b: int, t: int, cp: int) -> jax.Array:
+  """int [b, t/cp]: the row indices of the tokens cp rank `rank` holds (chunks rank and
+  2cp-1-rank), the causal positions of its queries and keys."""
+  c = t // (2 * cp)
+  p = jnp.concatenate([rank * c + jnp.arange(c), (2 * cp - 1 - rank) * c + jnp.arange(c)])
+  return jnp.broadcast_to(p.astype(jnp.int32), (b, 2 * c))
+
+
+def _allgather(t: int, cp: int, kernel: Any, block: int) -> tuple[Callable, Callable]:
+  """(forward, backward) per device: K, V and the key segments all-gathered over cp and put in
+  their natural order (a static gather, so that the kernel's block skipping sees contiguous needed
+  blocks), all keys at once; dK and dV reduce-scattered (the all-gather's transpose)."""
+  natural_of = np.argsort(order(t, cp))  # gathered (rank-major) keys -> natural order
+  gather = lambda a: jax.lax.all_gather(a, CP, axis=1, tiled=True)[:, natural_of]
+
+  def operands(q, k, v, seg):
+    qp = _positions(jax.lax.axis_index(CP), q.shape[0], t, cp)
+    kp = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (q.shape[0], t))
+    ids = () if seg is None else (seg, gather(seg))
+    return q, gather(k), gather(v), qp, kp, *(ids or (None, None))
+
+  def fwd_local(q, k, v, *seg):
+    return kernel.forward(*operands(q, k, v, seg[0] if seg else None), block=block)
+
+  def bwd_local(q, k, v, out, lse, g, *seg):
+    dq, dk, dv = kernel.backward(*operands(q, k, v, seg[0] if seg else None), out, lse, g, block=block)
+    scatter = lambda d: jax.lax.psum_scatter(d[:, order(t, cp)], CP, scatter_dimension=1, tiled=True)
+    return dq, scatter(dk), scatter(dv)
+
+  return fwd_local, bwd_local
+
+
+def _ring(t: int, cp: int, kernel: Any, block: int) -> tuple[Callable, Callable]:
+  """(forward, backward) per device: each rank's K, V and key segments passed round the cp ring
+  (rank r -> r+1, `ppermute`), cp steps; at step s rank i holds rank i-s's keys, whose positions
+  it computes (`_positions`). The forward continues the online softmax of its queries over each
+  visiting block (kernel.accumulate: one softmax, as if all keys came at once). The backward
+  (with the finished logsumexp) passes the K/V round again with each block's fp32 dK/dV
+  accumulator: every rank adds its part, and after the last step one more rotation brings each
+  accumulator home. Each step issues the next transfer before its block computation, so that XLA
+  can overlap them; no rank holds more than its own, the visiting and the arriving K/V."""
+  perm = [(r, (r + 1) % cp) for r in range(cp)]
+  rotate = lambda tree: jax.tree.map(lambda a: jax.lax.ppermute(a, CP, perm), tree)
+
+  def keys(q, s, kv):  # the operands of step s: the visiting block's K, V, positions, segments
+    src = (jax.lax.axis_index(CP) - s) % cp
+    k, v, *ks = kv
+    return k, v, _positions(src, q.shape[0], t, cp), (ks[0] if ks else None)
+
+  def fwd_local(q, k, v, *seg):
+    qp, qs = _positions(jax.lax.axis_index(CP), q.shape[0], t, cp), (seg[0] if seg else None)
+
+    def visit(s, kv, state):
+      k_s, v_s, kp, ks = keys(q, s, kv)
+      return kernel.accumulate(q, k_s, v_s, qp, kp, qs, ks, block, state)
+
+    def step(s, carry):  # the transfer for step s+1 first, then step s's blocks
+      kv, state = carry
+      return rotate(kv), visit(s, kv, state)
+
+    kv, state = jax.lax.fori_loop(0, cp - 1, step, ((k, v, *seg), kernel.start(q, k.shape[2], block)))
+    return kernel.finish(visit(cp - 1, kv, state), q)
+
+  def bwd_local(q, k, v, out, lse, g, *seg):
+    qp, qs = _positions(jax.lax.axis_index(CP), q.shape[0], t, cp), (seg[0] if seg else None)
+
+    def grads(s, kv):  # (dq part, (dk, dv) of the visiting block's keys), fp32
+      k_s, v_s, kp, ks = keys(q, s, kv)
+      dq, dk, dv = kernel.backward(q, k_s, v_s, qp, kp, qs, ks, out, lse, g, block, jnp.float32)
+      return dq, (dk, dv)
+
+    def step(s, carry):  # both transfers first: the next K/V, and the visiting block's accumulator
+      kv, acc, dq = carry
+      nxt, acc_in = rotate(kv), rotate(acc)
+      dq_s, d = grads(s, kv)
+      return nxt, jax.tree.map(jnp.add, acc_in, d), dq + dq_s
+
+    own = (k, v, *seg)
+    nxt = rotate(own)
+    dq, acc = grads(0, own)  # step 0: the own block, its accumulator started here
+    kv, acc, dq = jax.lax.fori_loop(1, cp - 1, step, (nxt, acc, dq))
+    acc_in = rotate(acc)
+    dq_s, d = grads(cp - 1, kv)
+    dk, dv = rotate(jax.tree.map(jnp.add, acc_in, d))  # each block's accumulator home to its owner
+    return (dq + dq_s).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+  return fwd_local, bwd_local

@@ -2,8 +2,9 @@
 
 Placement maps ranks to the topology: `tp` varies fastest, so a tensor-parallel group is a set of
 neighbouring devices (one host's NVLink domain), `cp` next (inside a node too), `pp` next, and `dp`
-outermost, across hosts. On several hosts `create_hybrid_device_mesh` keeps `tp` (and `cp`) inside a
-host. The `cp` axis exists only when mesh.cp > 1, so a run without it keeps its three-axis mesh.
+outermost, across hosts. On several hosts `create_hybrid_device_mesh` keeps `tp` inside a host;
+with cp, blocks of cp*tp neighbouring devices of one host (`device_grid`). The `cp` axis exists
+only when mesh.cp > 1, so a run without it keeps its three-axis mesh.
 """
 
 from __future__ import annotations
@@ -34,10 +35,20 @@ def use_fake_cpu_devices(n: int = FAKE_CPU_DEVICES) -> None:
 def build_mesh(
   plan: RunPlan, devices: Sequence[jax.Device] | None = None, allow_tp_across_hosts: bool = False
 ) -> Mesh:
-  """Mesh(('dp','pp','tp')) of `devices` (default: all) with tp inside hosts, pp next, dp outermost.
-  Axis types are Auto. Raises ConfigError when the layout does not fit the devices, or when tp
-  would span hosts without `allow_tp_across_hosts`."""
+  """Mesh(('dp','pp','tp')) of `devices` (default: all) with tp inside hosts, pp next, dp outermost
+  (('dp','pp','cp','tp') with mesh.cp > 1: `device_grid`). Axis types are Auto. Raises ConfigError
+  when the layout does not fit the devices, or when tp would span hosts without
+  `allow_tp_across_hosts`."""
   devices = list(devices if devices is not None else jax.devices())
+  grid = device_grid(plan, devices, allow_tp_across_hosts)
+  axes = CP_AXES if plan.cp > 1 else AXES
+  return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def device_grid(plan: RunPlan, devices: list, allow_tp_across_hosts: bool = False) -> np.ndarray:
+  """The devices as the mesh's array, [dp, pp, tp] (or [dp, pp, cp, tp]): placement by
+  `process_index` (the host) and `id` alone, the rule of the module docstring."""
+  devices = list(devices)
   if len(devices) != plan.n_devices:
     raise ConfigError(
       f'mesh dp*cp*pp*tp = {plan.dp}*{plan.cp}*{plan.pp}*{plan.tp} = {plan.n_devices}, but {len(devices)} devices are visible'
@@ -45,7 +56,7 @@ def build_mesh(
   n_hosts = len({d.process_index for d in devices})
   per_host = len(devices) // n_hosts
   if plan.cp > 1:
-    return _cp_mesh(plan, devices, per_host)
+    return _cp_grid(plan, devices, per_host)
   if n_hosts > 1:
     if plan.tp > per_host or per_host % plan.tp:
       if not allow_tp_across_hosts:
@@ -77,22 +88,23 @@ def build_mesh(
         process_is_granule=True,
       )
   else:
-    devices.sort(key=lambda d: d.id)
+    devices = sorted(devices, key=lambda d: d.id)
     grid = np.array(devices).reshape(plan.dp, plan.pp, plan.tp)
-  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+  return grid
 
 
-def _cp_mesh(plan: RunPlan, devices: list[jax.Device], per_host: int) -> Mesh:
-  """Mesh(('dp','pp','cp','tp')): cp and tp inside a host (one block of cp*tp neighbours)."""
+def _cp_grid(plan: RunPlan, devices: list, per_host: int) -> np.ndarray:
+  """[dp, pp, cp, tp]: tp innermost, then cp, both inside a host (cp's K/V all-gathers are the
+  heaviest traffic after tp's), then pp and dp, across hosts where the hosts' devices run out: the
+  devices host by host, in id order, cut into blocks of cp*tp neighbours."""
   block = plan.cp * plan.tp
   if block > per_host or per_host % block:
     raise ConfigError(
       f'mesh.cp={plan.cp} with mesh.tp={plan.tp} would span hosts ({per_host} devices per host): '
-      f'not supported yet; valid: cp*tp dividing the devices of one host'
+      f'cp and tp stay inside a host; valid: cp*tp dividing {per_host}'
     )
-  devices.sort(key=lambda d: (d.process_index, d.id))
-  grid = np.array(devices).reshape(plan.dp, plan.pp, plan.cp, plan.tp)
-  return Mesh(grid, CP_AXES, axis_types=(AxisType.Auto,) * 4)
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return np.array(devices).reshape(plan.dp, plan.pp, plan.cp, plan.tp)
 
 
 def describe_placement(mesh: Mesh, hosts: Sequence[str] | None = None) -> list[str]:

@@ -136,6 +136,12 @@ def vary(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return jax.lax.pcast(a, missing, to='varying') if missing else a
 
 
+def vary_like(a: jax.Array, x: jax.Array) -> jax.Array:
+  """`a` marked varying over the manual axes `x` varies over (`vary`): a value a region without the
+  vma check (or a Pallas kernel) returned, typed as the operand it stands for."""
+  return vary(a, tuple(jax.typeof(x).manual_axis_type.varying))
+
+
 def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
   """`fn` on each tp rank's own blocks: a shard_map manual over tp (and over cp where the mesh
   has it automatic: the rows of sequence parallelism are split over cp, then tp), nested in the

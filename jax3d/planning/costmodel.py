@@ -36,6 +36,13 @@ __all__ = [
 ]
 
 
+# Kernels priced as another whose residuals they match: Pallas keeps q, k, v (and the documents'
+# segment ids, no bias) and recomputes its forward in the backward, no [s, s] array, as blockwise
+# (whose trace adds a logsumexp [b, heads, s], small); `fused` (auto on GPUs) is Pallas on rows of
+# documents and cuDNN without a mask on rows of one document (no bias either).
+PRICED_AS = {'pallas': 'blockwise', 'fused': 'blockwise'}
+
+
 @dataclasses.dataclass
 class Estimate:
   """Bytes per device (`breakdown`, `total_bytes`) and seconds per step (`times`) of one layout."""
@@ -103,11 +110,13 @@ def _visible_hardware(cfg: ml_collections.ConfigDict) -> Hardware:
 
   devices = jax.devices()
   head_dim = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
-  choice = cfg.train.attention  # `cudnn` is priced as cuDNN's on any devices (planning for GPUs)
+  choice = cfg.train.attention  # GPU kernels are priced as theirs on any devices (planning for GPUs)
   kernel = (
-    choice if choice == 'cudnn' else attention.resolve(choice, devices, cfg.train.compute_dtype, head_dim)
+    choice
+    if choice in ('cudnn', 'pallas')
+    else attention.resolve(choice, devices, cfg.train.compute_dtype, head_dim)
   )
-  return Hardware(flash_attention=kernel != 'xla', attention=kernel)
+  return Hardware(flash_attention=kernel != 'xla', attention=kernel, gpu=devices[0].platform == 'gpu')
 
 
 def estimate(
@@ -120,7 +129,7 @@ def estimate(
   Without `hw` (the trainer's call) the devices are the ones jax sees (`_visible_hardware`)."""
   hw = _visible_hardware(cfg) if hw is None else hw
   return Estimate(
-    breakdown=memory_model.breakdown(cfg, plan, hw.kernel),
+    breakdown=memory_model.breakdown(cfg, plan, PRICED_AS.get(hw.kernel, hw.kernel), hw.gpu),
     times=time_model.step_times(cfg, plan, hw),
     plan=plan,
     remat=cfg.train.remat,

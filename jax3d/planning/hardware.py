@@ -22,6 +22,9 @@ class Hardware:
   overlap: float = 0.5  # share of the backward pass the dp gradient all-reduce can hide behind
   flash_attention: bool = True  # cuDNN fused attention (bf16 on GPU) keeps no s x s scores
   attention: str = ''  # the kernel priced ('xla' | 'cudnn' | 'blockwise'); '' = by flash_attention
+  gpu: bool = (
+    True  # XLA:GPU's program (its optimizer update's peak, memory_model._update_peak); False: XLA:CPU's
+  )
 
   @property
   def kernel(self) -> str:

@@ -102,13 +102,14 @@ class _Ladder:
 
 
 def _attention_rung(ladder: _Ladder) -> str:
-  """train.attention=xla keeps s x s scores per head: `auto` (cuDNN's fused kernel on a GPU in
-  bf16/fp16, blockwise elsewhere) keeps a logsumexp instead; priced on the GPU's kernel."""
+  """train.attention=xla keeps s x s scores per head: `auto` (`fused` on a GPU in bf16/fp16: cuDNN
+  without documents, Pallas with them; blockwise elsewhere) keeps a logsumexp instead; priced on the
+  GPU's kernel."""
   from jax3d.model import attention
 
   cfg, m = ladder.cfg, ladder.cfg.model
   why = attention.cudnn_supported('gpu', cfg.train.compute_dtype, m.head_dim or m.d_model // m.n_heads, 9.0)
-  hw = dataclasses.replace(ladder.hw, attention='blockwise' if why else 'cudnn')
+  hw = dataclasses.replace(ladder.hw, attention='blockwise' if why else 'fused')
   c = with_overrides(cfg, {'train.attention': 'auto'})
   e = estimate(c, ladder.plan, ladder.device_memory_bytes, hw)
   return (

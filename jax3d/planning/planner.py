@@ -34,6 +34,7 @@ LAYOUT_KEYS = (
   'train.shard_params',
   'train.shard_params_gather',
   'train.loss_chunks',
+  'mesh.cp',
 )
 # How dp > 1 holds the training state: replicated, ZeRO-1 (Adam's moments over dp) or ZeRO-3 (the
 # parameters, gradients and moments over dp; gathered once per step: 'layer' is the fallback).
@@ -59,6 +60,7 @@ class Candidate:
       'dp': p.dp,
       'pp': p.pp,
       'tp': p.tp,
+      'cp': p.cp,
       'microbatches': p.microbatches,
       'repeats': p.repeats,
       'schedule': e.schedule,
@@ -95,29 +97,47 @@ def _batch_splits(batch: int, dp: int, pp: int) -> list[tuple[int, int]]:
 
 
 def layouts(
-  cfg: ml_collections.ConfigDict, hw: Hardware, policies: Sequence[str] = POLICIES
+  cfg: ml_collections.ConfigDict,
+  hw: Hardware,
+  policies: Sequence[str] = POLICIES,
+  cps: Sequence[int] | None = None,
 ) -> Iterator[tuple[dict, RunPlan, ml_collections.ConfigDict]]:
   """Every layout the rules allow that config.validate accepts: (overrides, plan, config) triples,
-  with the state replicated over dp (ZERO['off']; `search` tries the others). The config is one
-  working copy of `cfg`, set to the next layout's values on the next iteration."""
+  with the state replicated over dp (ZERO['off']; `search` tries the others), mesh.cp among `cps`
+  (None: all the rules allow). The config is one working copy of `cfg`, set to the next layout's
+  values on the next iteration."""
   n, m = hw.n_devices, cfg.model
   work = copy.deepcopy(cfg)
-  for tp in [t for t in _divisors(hw.gpus_per_node) if n % t == 0]:  # rule: tp <= GPUs per node
-    for pp in [p for p in _divisors(n // tp) if m.n_layers % p == 0]:  # rule: pp divides the rest
-      dp = n // (tp * pp)  # rule: dp fills the rest
+  for tp, cp in [(t, c) for t, c in _tp_cp(hw, cfg.train.seq_len) if cps is None or c in cps]:
+    for pp in [p for p in _divisors(n // (tp * cp)) if m.n_layers % p == 0]:  # rule: pp divides the rest
+      dp = n // (tp * cp * pp)  # rule: dp fills the rest
       for ga, mb in _batch_splits(cfg.train.global_batch_size, dp, pp):
         reps = [1] + ([r for r in _divisors(m.n_layers // pp) if 1 < r <= 8] if mb >= pp > 1 else [])
         for v in reps:
           for remat in policies:
             schedule = 'circular' if v > 1 else 'gpipe'
             o = dict(zip(LAYOUT_KEYS, (dp, pp, tp, mb, v, schedule, remat), strict=False))
-            o |= {'train.grad_accum': ga, 'train.loss_chunks': cfg.train.loss_chunks} | ZERO['off']
+            o |= {'train.grad_accum': ga, 'train.loss_chunks': cfg.train.loss_chunks, 'mesh.cp': cp}
+            o |= ZERO['off']
             for k, val in o.items():
               set_key(work, k, val)
             try:
               yield o, validate(work, n), work
             except ConfigError:
               continue
+
+
+def _tp_cp(hw: Hardware, seq_len: int) -> list[tuple[int, int]]:
+  """(tp, cp) pairs by the rules: tp <= GPUs per node; cp next inside the node (tp*cp <= GPUs per
+  node: its K/V gathers are the heaviest traffic after tp's), each row splitting into 2*cp chunks
+  (seq_len divisible by 2*cp, train.seq_len's rule)."""
+  per, n = hw.gpus_per_node, hw.n_devices
+  return [
+    (tp, cp)
+    for tp in _divisors(per)
+    for cp in _divisors(per // tp)
+    if n % (tp * cp) == 0 and seq_len % (2 * cp if cp > 1 else 1) == 0
+  ]
 
 
 def more_loss_chunks(seq: int, now: int) -> int | None:
@@ -172,23 +192,28 @@ def _one_f_one_b(o: dict, cfg: ml_collections.ConfigDict, hw: Hardware) -> Candi
   return Candidate(o | {'pipeline.schedule': '1f1b'}, estimate(cfg, plan, hw.memory_gb * GB, hw))
 
 
+# From this many tokens per row the sequence split over cp is searched even where layouts without it
+# fit (below, only where none does and it may make one fit, `_cp_may_fit`): it multiplies the
+# layouts to price by up to 2.5 on a node of 8.
+LONG_SEQ = 16384
+
+
 def search(
   cfg: ml_collections.ConfigDict,
   hw: Hardware,
   policies: Sequence[str] = POLICIES,
   zero: Sequence[str] = tuple(ZERO),
+  cps: Sequence[int] | None = None,
 ) -> list[Candidate]:
   """All valid layouts (`layouts`, narrowed to the remat `policies`), priced; fitting ones first,
-  fastest first (ties: more tp, less pp). For a layout that does not fit, its memory-saving
-  variants until one fits (`_savings`: the `zero` ways to hold the state over dp, loss chunks,
-  ZeRO-3's 'layer' gather), and for a pipelined one the 1F1B variant."""
-  out = []
-  for o, plan, c in layouts(cfg, hw, policies):
-    out.append(Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)))
-    if not out[-1].est.fits:
-      out += _savings(o, c, hw, out[-1].est, zero)
-    if plan.pp > 1 and not out[-1].est.fits and (alt := _one_f_one_b(out[-1].overrides, c, hw)) is not None:
-      out.append(alt)
+  fastest first (ties: more tp, less pp, less cp). For a layout that does not fit, its
+  memory-saving variants until one fits (`_savings`: the `zero` ways to hold the state over dp,
+  loss chunks, ZeRO-3's 'layer' gather), and for a pipelined one the 1F1B variant. mesh.cp among
+  `cps`; None: 1, and the rest where a row has LONG_SEQ tokens or more, or no layout with cp=1
+  fits and splitting the sequence may make one fit."""
+  out = _priced(cfg, hw, policies, zero, (1,) if cps is None else cps)
+  if cps is None and (cfg.train.seq_len >= LONG_SEQ or _cp_may_fit(out, hw)):
+    out += _priced(cfg, hw, policies, zero, range(2, hw.gpus_per_node + 1))
   if not out:
     m = cfg.model
     raise ConfigError(
@@ -203,9 +228,41 @@ def search(
       c.est.step_time_s if c.est.fits else c.est.total_bytes,
       -c.plan.tp,
       c.plan.pp,
+      c.plan.cp,
       c.est.total_bytes,
     )
   )
+  return out
+
+
+def _cp_may_fit(ranked: list[Candidate], hw: Hardware) -> bool:
+  """Whether none of `ranked` (layouts without cp) fits, and splitting the sequence over a node's
+  GPUs may make one: none is valid, or the least memory of them, less all but 1/c of its
+  activations and head (what cp divides), is within a GPU's memory."""
+  if not ranked:
+    return True
+  if any(c.est.fits for c in ranked):
+    return False
+  least = min(ranked, key=lambda c: c.est.total_bytes).est
+  split = (least.breakdown['activations'] + least.breakdown['head']) * (1 - 1 / hw.gpus_per_node)
+  return least.total_bytes - split <= hw.memory_gb * GB
+
+
+def _priced(
+  cfg: ml_collections.ConfigDict,
+  hw: Hardware,
+  policies: Sequence[str],
+  zero: Sequence[str],
+  cps: Sequence[int],
+) -> list[Candidate]:
+  """The layouts with mesh.cp among `cps`, priced, with their variants (`search`)."""
+  out = []
+  for o, plan, c in layouts(cfg, hw, policies, cps):
+    out.append(Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw)))
+    if not out[-1].est.fits:
+      out += _savings(o, c, hw, out[-1].est, zero)
+    if plan.pp > 1 and not out[-1].est.fits and (alt := _one_f_one_b(out[-1].overrides, c, hw)) is not None:
+      out.append(alt)
   return out
 
 
@@ -215,64 +272,6 @@ def with_overrides(cfg: ml_collections.ConfigDict, overrides: dict) -> ml_collec
   for k, v in overrides.items():
     set_key(cfg, k, v)
   return cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# Explanations
-# ---------------------------------------------------------------------------------------------
-def explain(
-  cfg: ml_collections.ConfigDict, best: Candidate, ranked: list[Candidate], hw: Hardware
-) -> list[str]:
-  """Why the winner: tp first (fill a node), then pp (a divisor of the rest), then dp = N/(tp*pp),
-  its memory, and what the best layout with less tp would cost."""
-  p, e, m, n = best.plan, best.est, cfg.model, hw.n_devices
-  where = 'on NVLink inside one node' if p.tp <= hw.gpus_per_node else 'ACROSS nodes'
-  weights = costmodel.param_count(cfg) * costmodel.BYTES[cfg.train.param_dtype] * 4
-  what = 'weights, gradients and Adam state'
-  if cfg.lora.rank:  # LoRA: the base alone in its dtype (the adapters and their state are small)
-    weights = costmodel.param_count(cfg) * costmodel.BYTES[cfg.lora.base_dtype or cfg.train.param_dtype]
-    what = "the frozen base (LoRA: the adapters' gradients and Adam state are small)"
-  lines = [
-    f'Why dp={p.dp}, pp={p.pp}, tp={p.tp} (the tutorial: fill a node with tp, give the rest to pp, fill with dp):',
-    f'  tp = {p.tp}: at most the {hw.gpus_per_node} GPUs per node, so its 4 all-reduces per layer '
-    f"stay {where}; each GPU holds 1/{p.tp} of every layer's width "
-    f'({m.n_heads // p.tp} of {m.n_heads} heads, {m.d_ff // p.tp} of {m.d_ff} ffw units).',
-    f'  pp = {p.pp}: a divisor of the {n}/{p.tp} = {n // p.tp} GPUs that remain'
-    f'{" (across nodes)" if p.tp * p.pp > hw.gpus_per_node else ""}; {m.n_layers} layers -> '
-    f'{m.n_layers // p.pp} per stage; bubble (p-1)/(v*m+p-1) = {p.pp - 1}/({p.repeats}*'
-    f'{p.microbatches}+{p.pp - 1}) = {p.bubble:.1%}.',
-    f'  dp = {n}/(tp*pp) = {n}/({p.tp}*{p.pp}) = {p.dp} fills the rest: each replica takes '
-    f'{p.global_batch // p.dp} of the {p.global_batch} sequences per step.',
-    f'  Memory: {what} ({weights / GB:.0f} GB in all) over tp*pp = '
-    f'{p.tp * p.pp} shards{_over_dp(e)}, activations with remat={e.remat}'
-    f'{f", the head and loss in {e.loss_chunks} pieces" if e.loss_chunks > 1 else ""}: '
-    f'{e.total_bytes / GB:.1f} of {hw.memory_gb:g} GB.',
-  ]
-  # "Few layers -> more tp": the best layout with less tp (hence more pp or dp) for comparison.
-  alt = next((c for c in ranked if c.est.fits and c.plan.tp < p.tp), None)
-  if alt is not None:
-    a = alt.plan
-    lines.append(
-      f'  Less tp costs more: the best with tp={a.tp} (dp={a.dp}, pp={a.pp}, bubble '
-      f'{a.bubble:.1%}) runs {alt.est.step_time_s / e.step_time_s - 1:.0%} slower; with '
-      f'{m.n_layers} layers, depth bought with pp pays a bubble, width bought with tp does not.'
-    )
-  return lines
-
-
-def _over_dp(e: costmodel.Estimate) -> str:
-  """How the winner holds its state over dp, for `explain` (the rule ZeRO-3's gather follows)."""
-  if e.zero3 == 'step':
-    return (
-      " and over dp too (ZeRO-3; gathered once per step: the stage's layers whole, "
-      f'{e.breakdown["gathered"] / GB:.1f} GB, fit, for the fewest collectives)'
-    )
-  if e.zero3 == 'layer':
-    return (
-      " and over dp too (ZeRO-3; gathered per layer where it runs: the stage's layers whole do not "
-      'fit, so one layer at a time, for a gather and a reduce-scatter per use)'
-    )
-  return ' and the optimizer over dp (ZeRO-1)' if e.shard_optimizer else ''
 
 
 SAVINGS = ('train.shard_optimizer', 'train.shard_params', 'train.shard_params_gather', 'train.loss_chunks')
@@ -293,14 +292,14 @@ def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
 def table(cands: list[Candidate]) -> list[str]:
   """The candidates as a text table, one numbered line each under a header line."""
   head = (
-    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"m":>4} {"v":>2} {"sched":>5} {"ga":>3} {"remat":>5} {"zero":>7} {"lc":>3} '
+    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"cp":>3} {"m":>4} {"v":>2} {"sched":>5} {"ga":>3} {"remat":>5} {"zero":>7} {"lc":>3} '
     f'{"GB/GPU":>7} {"step s":>8} {"bubble":>6} {"tokens/s":>10} {"MFU":>5}'
   )
   lines = [head]
   for i, c in enumerate(cands, 1):
     r = c.row()
     lines.append(
-      f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["microbatches"]:>4} '
+      f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["cp"]:>3} {r["microbatches"]:>4} '
       f'{r["repeats"]:>2} {r["schedule"]:>5} {r["grad_accum"]:>3} {r["remat"]:>5} '
       f'{_zero(r):>7} {r["loss_chunks"]:>3} '
       f'{r["memory_gb"]:>7.1f} {r["step_time_s"]:>8.3g} {r["bubble"]:>6.1%} '

@@ -1,5 +1,5 @@
-"""Step time of one layout: compute at `efficiency` of peak, the tp/pp/dp traffic over the links
-each axis is placed on (jax3d/parallel/mesh.py: tp inside a node, then pp, dp outermost), the dp
+"""Step time of one layout: compute at `efficiency` of peak, the tp/cp/pp/dp traffic over the links
+each axis is placed on (jax3d/parallel/mesh.py: tp inside a node, then cp, pp, dp outermost), the dp
 all-reduce partly hidden behind the backward pass, and the bubble as wasted compute:
 executed/useful = (v*m+p-1)/(v*m). Under 1F1B (jax3d/parallel/pipeline/schedule_1f1b.py) the loop
 computes forwards in v*m+p-1 of its ticks and backwards in v*m+p-1, each chunk once (its VJP
@@ -45,7 +45,7 @@ def compute_seconds(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware)
 
 
 def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
-  """Bytes each device sends per step over each mesh axis: {'tp', 'pp', 'dp'}."""
+  """Bytes each device sends per step over each mesh axis: {'tp', 'pp', 'dp', 'cp'}."""
   t, pp, tp = cfg.train, plan.pp, plan.tp
   act_mb = memory_model.micro_activation_bytes(cfg, plan)
   sp = tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
@@ -64,7 +64,23 @@ def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   )
   pp_bytes += edge * plan.grad_accum
   dp_bytes, exposed = dp_traffic(cfg, plan)
-  return {'tp': tp_bytes, 'pp': pp_bytes, 'dp': dp_bytes, 'dp_exposed': exposed}
+  return {'tp': tp_bytes, 'pp': pp_bytes, 'dp': dp_bytes, 'dp_exposed': exposed, 'cp': cp_traffic(cfg, plan)}
+
+
+def cp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+  """Bytes each device sends over cp per step (jax3d/analysis/cp_comm.py, docs/formulas.md): the
+  K/V all-gathers and dK/dV reduce-scatters of every layer the SPMD loop runs, and the weight
+  gradients' all-reduce over cp (the parameters are replicated over cp)."""
+  from jax3d.analysis import cp_comm
+
+  if plan.cp == 1:
+    return 0.0
+  m, t = cfg.model, cfg.train
+  hd = m.head_dim or m.d_model // m.n_heads
+  attention = cp_comm.cp_attention_bytes(plan, m.n_layers, m.n_kv_heads, hd, BYTES[t.compute_dtype])
+  local = memory_model.local_params(cfg, plan)
+  n_grads = memory_model.lora_local_params(cfg, plan) if cfg.lora.rank else sum(local.values())
+  return attention['spmd'] + cp_comm.cp_grad_bytes(n_grads, plan.cp, BYTES[t.grad_reduce_dtype])
 
 
 def dp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> tuple[float, float]:
@@ -108,8 +124,9 @@ def step_times(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> d
   traffic = traffic_bytes(cfg, plan)
   per_host = hw.gpus_per_node
   tp_in = plan.tp <= per_host
-  pp_in = plan.tp * plan.pp <= per_host
-  dp_in = plan.tp * plan.pp * plan.dp <= per_host
+  cp_in = plan.tp * plan.cp <= per_host  # cp next inside a node (jax3d/parallel/mesh.py)
+  pp_in = plan.tp * plan.cp * plan.pp <= per_host
+  dp_in = plan.n_devices <= per_host
   bw = lambda inside: (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
   t_dp = traffic['dp'] / bw(dp_in)
   t_exposed = traffic['dp_exposed'] / bw(dp_in)  # ZeRO-3's gathers before the loop
@@ -118,8 +135,9 @@ def step_times(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> d
     'tp': traffic['tp'] / bw(tp_in),
     'pp': traffic['pp'] / bw(pp_in),
     'dp': t_dp,
+    'cp': traffic['cp'] / bw(cp_in),  # exposed: the layer waits for its K and V
     'dp_hidden': min(t_dp - t_exposed, hw.overlap * compute * 2 / 3),
     'peak': hw.peak_tflops * 1e12,
   }
-  times['step'] = compute + times['tp'] + times['pp'] + t_dp - times['dp_hidden']
+  times['step'] = compute + times['tp'] + times['pp'] + times['cp'] + t_dp - times['dp_hidden']
   return times

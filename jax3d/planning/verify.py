@@ -38,7 +38,11 @@ def verify_memory(
     devices, options = gpu_target.devices(target), gpu_target.compiler_options()
   s = assemble.build(cfg, devices[: plan.n_devices])
   est = estimate(
-    cfg, plan, hw=Hardware(flash_attention=s.dims.attention != 'xla', attention=s.dims.attention)
+    cfg,
+    plan,
+    hw=Hardware(
+      flash_attention=s.dims.attention != 'xla', attention=s.dims.attention, gpu=target is not None
+    ),
   )
   m = assemble.compile_train_step(s, options).memory
   gb = lambda b: round(b / GB, 6)

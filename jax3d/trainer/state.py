@@ -116,7 +116,7 @@ def _restore(
   saved_layout = meta['layout']
   return state, (
     f'resumed from {checkpointer.directory}/{meta["step"]} (saved under dp={saved_layout["dp"]} '
-    f'pp={saved_layout["pp"]} tp={saved_layout["tp"]} repeats={saved_layout["repeats"]}), next step {meta["step"]}'
+    f'pp={saved_layout["pp"]} cp={saved_layout.get("cp", 1)} tp={saved_layout["tp"]} repeats={saved_layout["repeats"]}), next step {meta["step"]}'
   )
 
 
