@@ -1,7 +1,8 @@
 """Context parallelism (mesh.cp, issue 43): one sequence split over devices gives one device's
 numbers. Rows of packed documents with padding and fractional weights (test_documents'), first
 2 losses and the step-1 gradients within 1e-5 of one device, at dp2 cp4 (default) and, under
--m slow, cp8, cp2 tp2, accumulation, loss chunks, ZeRO-1/3, GPipe, pp+tp and 1F1B; the cp layout
+-m slow, cp8, cp2 tp2, accumulation, loss chunks, ZeRO-1/3 (over dp x cp), sequence parallelism,
+GPipe, pp+tp and 1F1B, with both train.cp_strategy values, and 16-/8-bit reductions; the cp layout
 itself (rank i holds chunks i and 2cp-1-i) and its inverse; the memory model and the OOM ladder's
 cp rung; a checkpoint resumed across cp."""
 
