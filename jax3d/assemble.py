@@ -96,10 +96,10 @@ def _with_state(s: Setup) -> Setup:
   shapes = jax.eval_shape(lambda: step_lib.init_state(jax.random.key(0), s))
   replicated = NamedSharding(s.mesh, P())
   compute = s.param_shardings  # the layers' own layout (tp, pp)
-  zero = data_parallel.zero_shardings(shapes['params'], compute, s.mesh, s.plan.dp)
+  zero = data_parallel.zero_shardings(shapes['params'], compute, s.mesh)
   gather = None
   if s.zero3:  # ZeRO-3: stored in the ZeRO layout, gathered where used (jax3d/parallel/zero3.py)
-    gather = data_parallel.layer_gather(shapes['params']['layers'], compute['layers'], s.cfg, s.plan)
+    gather = data_parallel.layer_gather(shapes['params']['layers'], compute['layers'], s.cfg, s.plan, s.mesh)
     s = dataclasses.replace(s, param_shardings=zero)
   # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
   moments = lora.trainable(s.dims, zero if s.zero1 else s.param_shardings)[0]  # LoRA: the adapters'

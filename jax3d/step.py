@@ -48,7 +48,7 @@ def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.A
     batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
   elif s.zero3:  # ZeRO-3: the weights outside the loop (embedding, head, norm) gathered before use
     params = gathered_outside_loop(params, s)
-  batch = context.lay_out(batch, s.plan.cp)  # mesh.cp > 1: each row in the cp layout
+  batch = batch if manual else context.lay_out(batch, s.plan.cp)  # cp > 1: rows in the cp layout
   if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
     return _pipelined_loss_sum(params, batch, s, manual)
   y_btd = hidden(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
@@ -96,7 +96,7 @@ def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> ja
 def _block_fn(s: Setup, seq_len: int) -> Callable:
   """One layer as the pipeline runs it: (layer params, x, side) -> x (rows [b*t, d] under SP), with
   its micro-batch's segment ids and positions from `side` when it has them."""
-  sp_len = seq_len if s.plan.sequence_parallel else None
+  sp_len = seq_len // s.plan.cp if s.plan.sequence_parallel else None  # a cp rank's own tokens (cp manual)
 
   def layer(p, h, side):
     noise = (side[lora.NOISE], lora.layer_salt(p)) if lora.NOISE in side else None  # training only
@@ -183,7 +183,7 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
   return data_parallel.value_and_grad(
     local_grads,
     params,
-    batch,
+    context.lay_out(batch, s.plan.cp),  # each device its rows' own tokens there (manual over cp)
     residual,
     norm,
     mesh=s.mesh,
@@ -207,7 +207,7 @@ def state_from_params(params: Any, s: Setup) -> State:
   train = lora.trainable(s.dims, params)[0]
   state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': s.tx.init(train)}
   if s.has_residual:  # int8 error feedback: one residual per dp rank (jax3d/parallel/data_parallel.py)
-    state['grad_residual'] = data_parallel.init_residual(train, s.plan.dp)
+    state['grad_residual'] = data_parallel.init_residual(train, s.plan.dp * s.plan.cp)
   return state
 
 

@@ -203,11 +203,6 @@ TABLE = [
   (T, ['--config.train.cp_strategy=spiral'], ["train.cp_strategy='spiral'", 'one of allgather, ring']),
   (
     T,
-    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.sequence_parallel=true'],
-    ["train.sequence_parallel='true'", 'not supported yet with mesh.cp=2', 'valid: false, auto (off)'],
-  ),
-  (
-    T,
     [
       '--config.mesh.cp=2',
       '--config.mesh.pp=1',
@@ -215,11 +210,6 @@ TABLE = [
       '--config.train.attention=xla',
     ],
     ["train.attention='xla'", 'not supported yet with mesh.cp=2', 'valid: auto, blockwise'],
-  ),
-  (
-    T,
-    ['--config.mesh.cp=2', '--config.mesh.pp=1', '--config.train.grad_reduce_dtype=int8'],
-    ["train.grad_reduce_dtype='int8'", 'not supported yet with mesh.cp=2', 'valid: float32'],
   ),
   (
     T,

@@ -47,34 +47,38 @@ def test_bf16_compute_runs_in_bf16_and_stays_near_float32():
 
 # ---------------------------------------------------------------------------------------- int8 feedback
 def int8_reduce_fn(mesh):
-  """compression.reduce with int8 over a dp=2 mesh, for one [rows, cols] leaf (zero_dim 0): per-rank
-  gradients in ([2, rows, cols], rank-major), the residual [rows, cols, 2]; the full sum and the new
-  residual out."""
+  """compression.reduce with int8 over all of `mesh`'s n ranks (dp, or dp and cp together as
+  context parallelism reduces), for one [rows, cols] leaf (zero_dim 0): per-rank gradients in
+  ([n, rows, cols], rank-major), the residual [rows, cols, n]; the full sum and the new residual out."""
+  axes = mesh.axis_names
 
   def local(g, r):
-    red, nr = compression.reduce({'w': g[0]}, {'w': r}, {'w': 0}, 'int8', 2, False)
+    red, nr = compression.reduce({'w': g[0]}, {'w': r}, {'w': 0}, 'int8', mesh.size, False, axes)
     return red['w'], nr['w']
 
   return jax.jit(
     jax.shard_map(
-      local, mesh=mesh, in_specs=(P('dp'), P(None, None, 'dp')), out_specs=(P(), P(None, None, 'dp'))
+      local, mesh=mesh, in_specs=(P(axes), P(None, None, axes)), out_specs=(P(), P(None, None, axes))
     )
   )
 
 
-def test_int8_error_feedback_bounds_the_accumulated_error():
+@pytest.mark.parametrize('shape,names', [((2,), ('dp',)), ((2, 2), ('dp', 'cp'))], ids=['dp2', 'dp2-cp2'])
+def test_int8_error_feedback_bounds_the_accumulated_error(shape, names):
   """The same per-rank gradients for 64 steps: with error feedback the delivered total stays within
   two int8 steps (absmax / 127) of the exact sum, while plain int8 (each step quantised alone, as
   compression.quantize does it, no residual) drifts by a multiple of that; one step alone already
-  loses something (the quantisation is real)."""
-  mesh = jax.make_mesh((2,), ('dp',), devices=jax.devices()[:2])
+  loses something (the quantisation is real). Over dp, and over dp x cp (context parallelism: each
+  rank owns its slice of the residual by its index over both axes)."""
+  mesh = jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+  n = mesh.size
   reduce_fn = int8_reduce_fn(mesh)
   rng = np.random.default_rng(0)
-  g = rng.standard_normal((2, 64, 512)).astype(np.float32)
+  g = rng.standard_normal((n, 64, 512)).astype(np.float32)
   g[:, :, ::37] *= 20  # outliers: large scales, so small entries round badly
   exact = g.astype(np.float64).sum(0)
-  r = jax.device_put(jnp.zeros((64, 512, 2), jnp.float32), NamedSharding(mesh, P(None, None, 'dp')))
-  g_dev = jax.device_put(g, NamedSharding(mesh, P('dp')))
+  r = jax.device_put(jnp.zeros((64, 512, n), jnp.float32), NamedSharding(mesh, P(None, None, names)))
+  g_dev = jax.device_put(g, NamedSharding(mesh, P(names)))
   step_q = np.abs(g).max() / 127  # one int8 step at the largest scale
   delivered, first_err = np.zeros_like(exact), None
   steps = 64
@@ -84,8 +88,8 @@ def test_int8_error_feedback_bounds_the_accumulated_error():
     if t == 0:
       first_err = np.abs(delivered - exact).max()
   fed_err = np.abs(delivered - steps * exact).max()
-  q, scale, _, restore = compression.quantize(jnp.asarray(g.reshape(128, 512)), None)
-  plain = np.asarray(restore(q.astype(jnp.float32) * scale), np.float64).reshape(2, 64, 512).sum(0)
+  q, scale, _, restore = compression.quantize(jnp.asarray(g.reshape(n * 64, 512)), None)
+  plain = np.asarray(restore(q.astype(jnp.float32) * scale), np.float64).reshape(n, 64, 512).sum(0)
   plain_err = steps * np.abs(plain - exact).max()
   assert first_err > 0.05 * step_q, (first_err, step_q)
   assert fed_err < 2 * step_q, (fed_err, step_q)

@@ -260,18 +260,6 @@ def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
       t.attention in ('xla', 'cudnn', 'pallas'),
       f'{not_yet}; valid: auto, blockwise',
     ),
-    (
-      'train.grad_reduce_dtype',
-      t.grad_reduce_dtype,
-      t.grad_reduce_dtype != 'float32',
-      f'{not_yet} (the 16-/8-bit reductions over dp); valid: float32',
-    ),
-    (
-      'train.sequence_parallel',
-      t.sequence_parallel,
-      str(t.sequence_parallel).lower() == 'true',
-      f'{not_yet}; valid: false, auto (off)',
-    ),
   )
   for key, value, bad, valid in unsupported:
     if bad:

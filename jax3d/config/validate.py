@@ -152,7 +152,7 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   t, p_ = cfg.train, cfg.pipeline
   rows = t.global_batch_size // (dp * p_.microbatches * t.grad_accum) * t.seq_len
   return RunPlan(
-    sequence_parallel=cfg.mesh.cp == 1 and _sequence_parallel(t.sequence_parallel, rows, tp),
+    sequence_parallel=_sequence_parallel(t.sequence_parallel, rows, tp, cfg.mesh.cp),
     cp=cfg.mesh.cp,
     dp=dp,
     pp=pp,
@@ -173,19 +173,22 @@ def _skip_bubbles(value: Any) -> bool | None:
   return None if value == 'auto' else value == 'true'
 
 
-def _sequence_parallel(value: Any, rows: int, tp: int) -> bool:
+def _sequence_parallel(value: Any, rows: int, tp: int, cp: int = 1) -> bool:
   """train.sequence_parallel resolved: the rows a layer sees (a micro-batch's rows on one dp shard
-  times seq_len) are split over tp, so tp must divide them; 'auto' is on when it does."""
+  times seq_len, over mesh.cp: each cp rank's tokens) are split over tp, so tp must divide them;
+  'auto' is on when it does."""
   value = str(value).lower()  # true | false | auto (its range)
   if value == 'false' or tp == 1:
     return False
+  per_cp = ' / mesh.cp' if cp > 1 else ''
+  rows //= cp
   if rows % tp:
     if value == 'auto':
       return False
     _fail(
       'train.sequence_parallel',
       value,
-      f'the rows of a layer (micro-batch rows per dp shard * train.seq_len = {rows}) must be '
+      f'the rows of a layer (micro-batch rows per dp shard * train.seq_len{per_cp} = {rows}) must be '
       f'divisible by mesh.tp={tp}; use a micro-batch or seq_len that tp divides, or false',
     )
   return True

@@ -194,7 +194,7 @@ def _blockwise(
   GSPMD (rows over dp, heads over tp; it partitions the block loops): run per device instead
   (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's shard_map on
   jax 0.10 (BUILD_NOTES.md)."""
-  if context.split(q_btnh.shape[1]) > 1:  # the sequence over 'cp' (jax3d/parallel/context.py)
+  if context.active(q_btnh.shape[1]):  # the sequence over 'cp' (jax3d/parallel/context.py)
     return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, blockwise, blockwise.BLOCK, cp_strategy)
   b, t = q_btnh.shape[:2]
   pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -1,6 +1,7 @@
 """The dp gradient sum written out, in 32, 16 or 8 bits on the wire (`train.grad_reduce_dtype`).
 
-`reduce` runs inside the explicit path's shard_map manual over dp (jax3d/parallel/data_parallel.py).
+`reduce` runs inside the explicit path's shard_map manual over dp (jax3d/parallel/data_parallel.py);
+with context parallelism over dp and cp together (n = dp*cp ranks, one collective over both).
 The reduction of one gradient leaf g (varying over dp, n = dp ranks, k its `zero_dim`):
 
   bfloat16  all-to-all of the bf16 chunks along k (each rank receives the n copies of its 1/n),
@@ -33,19 +34,21 @@ import jax.numpy as jnp
 
 from jax3d.parallel.sharding import DP
 
+Axis = str | tuple[str, ...]  # the reduction's mesh axes: dp, or (dp, cp) with context parallelism
+
 PyTree = Any  # nested dicts of arrays
 BLOCK = 256  # int8 block length (elements of one axis sharing a scale)
 
 
 def reduce(
-  grads: PyTree, residual: PyTree | None, dims: PyTree, dtype: str, n: int, shard: bool
+  grads: PyTree, residual: PyTree | None, dims: PyTree, dtype: str, n: int, shard: bool, axis: Axis = DP
 ) -> tuple[PyTree, PyTree | None]:
   """The dp sum of every gradient leaf (inside a shard_map manual over dp).
 
   grads: varying per-rank gradients; residual: the int8 error-feedback tree (local [..., 1]) or
   None; dims: a tree of `zero_dim`s (-1 for none, as `data_parallel.dims_tree` gives). Returns
   (reduced grads, new residual or None): full arrays, or under `shard` the rank's slice along its
-  zero_dim (the ZeRO-1 layout)."""
+  zero_dim (the ZeRO-1 layout). `axis`: the n ranks' mesh axes (dp, or dp and cp together)."""
   leaves, tdef = jax.tree.flatten(grads)
   dim_leaves = tdef.flatten_up_to(dims)
   res_leaves = tdef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
@@ -53,40 +56,40 @@ def reduce(
   for g, k, r in zip(leaves, dim_leaves, res_leaves, strict=True):
     k = None if k < 0 else k
     r_local = None if r is None else r[..., 0]
-    red, nr = _reduce_leaf(g.astype(jnp.float32), r_local, dtype, k, n, shard)
+    red, nr = _reduce_leaf(g.astype(jnp.float32), r_local, dtype, k, n, shard, axis)
     out.append(red.astype(g.dtype))  # the optimizer sees the parameters' dtype
     new_res.append(None if nr is None else nr[..., None])
   reduced = tdef.unflatten(out)
   return reduced, (tdef.unflatten(new_res) if residual is not None else None)
 
 
-def _reduce_leaf(g, r, dtype: str, k: int | None, n: int, shard: bool):
+def _reduce_leaf(g, r, dtype: str, k: int | None, n: int, shard: bool, axis: Axis):
   """Sum over dp of one varying gradient leaf. Returns (reduced, new_residual or None)."""
   if dtype == 'float32':
     if shard and k is not None:
-      return jax.lax.psum_scatter(g, DP, scatter_dimension=k, tiled=True), None
-    return jax.lax.psum(g, DP), None
+      return jax.lax.psum_scatter(g, axis, scatter_dimension=k, tiled=True), None
+    return jax.lax.psum(g, axis), None
   if dtype == 'bfloat16':
-    return _reduce_bf16(g, k, n, shard), None
-  return _reduce_int8(g, r, k, n, shard)
+    return _reduce_bf16(g, k, n, shard, axis), None
+  return _reduce_int8(g, r, k, n, shard, axis)
 
 
-def _reduce_bf16(g, k: int | None, n: int, shard: bool):
+def _reduce_bf16(g, k: int | None, n: int, shard: bool, axis: Axis):
   """The bf16 wire, summed in fp32. The bf16 bits travel as uint16: XLA would otherwise move the
   fp32 conversion across the (type-agnostic) all-to-all / all-gather and send fp32 (XLA:CPU does)."""
   gb = _to_u16(g)
   if k is None:
-    parts = jax.lax.all_gather(gb, DP, to='invarying')  # tiny leaves only
+    parts = jax.lax.all_gather(gb, axis, to='invarying')  # tiny leaves only
     return jnp.sum(_from_u16(parts), axis=0)
-  recv = _all_to_all_sum(gb, k, n)  # [.., n, S_k/n, ..]
+  recv = _all_to_all_sum(gb, k, n, axis)  # [.., n, S_k/n, ..]
   mine = jnp.sum(_from_u16(recv), axis=k)
   if shard:
     return mine
-  full = jax.lax.all_gather(_to_u16(mine), DP, axis=k, tiled=True, to='invarying')
+  full = jax.lax.all_gather(_to_u16(mine), axis, axis=k, tiled=True, to='invarying')
   return _from_u16(full)
 
 
-def _reduce_int8(g, r, k: int | None, n: int, shard: bool):
+def _reduce_int8(g, r, k: int | None, n: int, shard: bool, axis: Axis):
   """The int8 wire with error feedback. Returns (reduced, new residual)."""
   orig_shape, k_orig = g.shape, k
   if g.ndim == 1:  # one axis: view it as [n, S/n] (or [1, S]) so that blocks and chunks differ
@@ -97,29 +100,29 @@ def _reduce_int8(g, r, k: int | None, n: int, shard: bool):
   q, scale, kb, restore = quantize(h, k)
   new_r = h - restore(q.astype(jnp.float32) * scale)
   if k is None:
-    qs, ss = (jax.lax.all_gather(x, DP, to='invarying') for x in (q, scale))
+    qs, ss = (jax.lax.all_gather(x, axis, to='invarying') for x in (q, scale))
     total = restore(jnp.sum(qs.astype(jnp.float32) * ss, axis=0))
     return total.reshape(orig_shape), new_r.reshape(orig_shape)
-  recv_q, recv_s = _all_to_all_sum(q, kb, n), _all_to_all_sum(scale, kb, n)
+  recv_q, recv_s = _all_to_all_sum(q, kb, n, axis), _all_to_all_sum(scale, kb, n, axis)
   mine_b = jnp.sum(recv_q.astype(jnp.float32) * recv_s, axis=kb)
   mine = restore(mine_b)  # this rank's 1/n of the sum along k
   if shard:
     return mine.reshape(_shard_shape(orig_shape, k_orig, n)), new_r.reshape(orig_shape)
-  full, new_r = _gather_int8(mine, new_r, k)
+  full, new_r = _gather_int8(mine, new_r, k, axis)
   return full.reshape(orig_shape), new_r.reshape(orig_shape)
 
 
-def _gather_int8(mine, new_r, k: int):
+def _gather_int8(mine, new_r, k: int, axis: Axis):
   """This rank's summed shard `mine` quantised again and all-gathered as int8. Returns (the full
   sum, the residual `new_r` with the second rounding's error added where this rank owns it)."""
   q2, s2, kb2, restore2 = quantize(mine, k)
   sent = restore2(q2.astype(jnp.float32) * s2)
   delta = mine - sent  # the second rounding's error, owned by this rank
-  idx = jax.lax.axis_index(DP) * mine.shape[k]
+  idx = jax.lax.axis_index(axis) * mine.shape[k]
   own = jax.lax.dynamic_slice_in_dim(new_r, idx, mine.shape[k], axis=k)
   new_r = jax.lax.dynamic_update_slice_in_dim(new_r, own + delta, idx, axis=k)
-  full_q = jax.lax.all_gather(q2, DP, axis=kb2, tiled=True, to='invarying')
-  full_s = jax.lax.all_gather(s2, DP, axis=kb2, tiled=True, to='invarying')
+  full_q = jax.lax.all_gather(q2, axis, axis=kb2, tiled=True, to='invarying')
+  full_s = jax.lax.all_gather(s2, axis, axis=kb2, tiled=True, to='invarying')
   return restore2(full_q.astype(jnp.float32) * full_s), new_r
 
 
@@ -147,10 +150,10 @@ def quantize(h: jax.Array, k: int | None) -> tuple[jax.Array, jax.Array, int | N
   return q, scale, kb, restore
 
 
-def _all_to_all_sum(x, k: int, n: int):
+def _all_to_all_sum(x, k: int, n: int, axis: Axis):
   """Sends chunk i (along k) to rank i; returns the n received chunks [.., n, S_k/n, ..] at k."""
   xr = x.reshape(x.shape[:k] + (n, x.shape[k] // n) + x.shape[k + 1 :])
-  return jax.lax.all_to_all(xr, DP, split_axis=k, concat_axis=k, tiled=True)
+  return jax.lax.all_to_all(xr, axis, split_axis=k, concat_axis=k, tiled=True)
 
 
 def _to_u16(x):

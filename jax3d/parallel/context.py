@@ -75,12 +75,26 @@ def cp_size() -> int:
   return dict(mesh.shape).get(CP, 1) if not mesh.empty else 1
 
 
+def manual() -> bool:
+  """Whether 'cp' is a manual axis here (the pipeline's loop, the explicit dp x cp reduction): each
+  device then holds its own tokens of every row, in the cp layout."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and CP in mesh.manual_axes
+
+
 def split(t: int) -> int:
-  """The cp ranks a sequence of length t is split over: the mesh's cp, or 1 where t does not divide
-  into 2*cp chunks (the parameters' initialisation traces a layer on one token; training's seq_len
-  always divides, train.seq_len's rule)."""
+  """The cp ranks a sequence of length t is split over by the compiler: the mesh's cp, or 1 where t
+  does not divide into 2*cp chunks (the parameters' initialisation traces a layer on one token;
+  training's seq_len always divides, train.seq_len's rule) or where cp is manual (`manual`: the t
+  tokens are this rank's own)."""
   cp = cp_size()
-  return cp if t % (2 * cp) == 0 else 1
+  return cp if t % (2 * cp) == 0 and not manual() else 1
+
+
+def active(t: int) -> bool:
+  """Whether attention over t tokens runs split over cp (`attend`): the compiler's split, or this
+  rank's own tokens where cp is manual."""
+  return split(t) > 1 or (manual() and cp_size() > 1)
 
 
 def rows(x_bt: jax.Array) -> jax.Array:
@@ -117,9 +131,11 @@ def attend(
   differentiating one region, or a region manual over cp alone, makes the kernel's residuals
   outputs split over a free axis (dp) before the manual one, which Shardy rejects. The backward
   reuses the forward's logsumexp. `kernel` is jax3d/model/blockwise.py (the module: forward,
-  backward, and the ring's start, accumulate, finish), run with blocks of `block`."""
-  t = q_btnh.shape[1]
-  cp = split(t)
+  backward, and the ring's start, accumulate, finish), run with blocks of `block`. Where cp is
+  manual already (`manual`: the pipeline's loop, the explicit reduction) the t tokens are this
+  rank's own: the whole row is t*cp, and the ranks' positions come from axis_index(cp) as ever."""
+  cp = cp_size()
+  t = q_btnh.shape[1] * (cp if manual() else 1)  # the whole row's tokens
   fwd_local, bwd_local = (_ring if strategy == 'ring' else _allgather)(t, cp, kernel, block)
   segs: tuple[Any, ...] = () if seg_bt is None else (seg_bt,)
   q_names, kv_names = ('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim')

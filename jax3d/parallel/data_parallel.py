@@ -36,6 +36,7 @@ different dp cannot reuse it.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax3d.config import RunPlan
 from jax3d.parallel import compression, zero3
-from jax3d.parallel.sharding import DP, PP, TP, vary
+from jax3d.parallel.sharding import CP, DP, PP, TP, vary
 
 PyTree = Any  # nested dicts of arrays (or of their abstract shapes / shardings)
 
@@ -66,20 +67,38 @@ def zero_dim(shape: tuple[int, ...], spec: P, dp: int) -> int | None:
   return None
 
 
-def zero_spec(shape: tuple[int, ...], spec: P, dp: int) -> P:
-  """`spec` with dp added on the leaf's `zero_dim` (unchanged when it has none)."""
-  k = zero_dim(shape, spec, dp)
+def zero_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes ZeRO shards over and the gradients are reduced over: dp, and cp with context
+  parallelism (its ranks hold the same parameters: Megatron's and torchtitan's data x context
+  group); those of size > 1 (dp alone when none is)."""
+  return tuple(a for a in (DP, CP) if mesh.shape.get(a, 1) > 1) or (DP,)
+
+
+def zero_size(mesh: Mesh) -> int:
+  """The ranks of `zero_axes` (dp * cp)."""
+  return math.prod(mesh.shape[a] for a in zero_axes(mesh))
+
+
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+  return axes[0] if len(axes) == 1 else axes
+
+
+def zero_spec(shape: tuple[int, ...], spec: P, n: int, axes: tuple[str, ...] = (DP,)) -> P:
+  """`spec` with `axes` (n ranks) added on the leaf's `zero_dim` (unchanged when it has none)."""
+  k = zero_dim(shape, spec, n)
   t = list(_spec_tuple(spec, len(shape)))
   if k is not None:
-    t[k] = DP
+    t[k] = _entry(axes)
   return P(*t)
 
 
-def zero_shardings(abstract_params: PyTree, params_sh: PyTree, mesh: Mesh, dp: int) -> PyTree:
-  """Parameter shardings with dp added on each leaf's `zero_dim` (the ZeRO layout: ZeRO-1's
-  moments and gradients, ZeRO-3's parameters too). `params_sh`: the layers' own (tp, pp) layout."""
+def zero_shardings(abstract_params: PyTree, params_sh: PyTree, mesh: Mesh) -> PyTree:
+  """Parameter shardings with `zero_axes` added on each leaf's `zero_dim` (the ZeRO layout:
+  ZeRO-1's moments and gradients, ZeRO-3's parameters too). `params_sh`: the layers' own (tp, pp)
+  layout."""
+  n, axes = zero_size(mesh), zero_axes(mesh)
   return jax.tree.map(
-    lambda a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, dp)), abstract_params, params_sh
+    lambda a, sh: NamedSharding(mesh, zero_spec(a.shape, sh.spec, n, axes)), abstract_params, params_sh
   )
 
 
@@ -95,12 +114,12 @@ def dims_tree(abstract_params: PyTree, params_sh: PyTree, dp: int) -> PyTree:
 
 
 def residual_shardings(params_sh: PyTree, mesh: Mesh) -> PyTree:
-  """The int8 residual's shardings: each parameter's, with a trailing axis over dp."""
-  return jax.tree.map(lambda sh: NamedSharding(mesh, P(*sh.spec, DP)), params_sh)
+  """The int8 residual's shardings: each parameter's, with a trailing axis over `zero_axes`."""
+  return jax.tree.map(lambda sh: NamedSharding(mesh, P(*sh.spec, _entry(zero_axes(mesh)))), params_sh)
 
 
 def init_residual(params: PyTree, dp: int) -> PyTree:
-  """A zero int8 residual: each parameter's shape with a trailing axis of size dp, fp32."""
+  """A zero int8 residual: each parameter's shape with a trailing axis of size dp (dp * cp), fp32."""
   return jax.tree.map(lambda a: jnp.zeros((*a.shape, dp), jnp.float32), params)
 
 
@@ -108,20 +127,20 @@ def init_residual(params: PyTree, dp: int) -> PyTree:
 def shard_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """ZeRO-3: the parameters themselves stored sharded over dp (train.shard_params, with dp ranks);
   jax3d/parallel/zero3.py gathers them where the layers use them."""
-  return bool(cfg.train.shard_params) and plan.dp > 1
+  return bool(cfg.train.shard_params) and plan.dp * plan.cp > 1
 
 
 def zero1(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """Adam's moments and the reduced gradients in the ZeRO layout (train.shard_optimizer, or
   train.shard_params, which shards them with the parameters), when there are dp ranks."""
-  return (bool(cfg.train.shard_optimizer) or shard_params(cfg, plan)) and plan.dp > 1
+  return (bool(cfg.train.shard_optimizer) or shard_params(cfg, plan)) and plan.dp * plan.cp > 1
 
 
 def explicit(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """Whether the dp gradient sum is done here by hand rather than by the compiler: for a 16-/8-bit
   wire format, under ZeRO-1, and for bf16 parameters (summed in float32). ZeRO-3 alone is the
   compiler's: its reduce-scatter is the transpose of the gather (jax3d/parallel/zero3.py)."""
-  return plan.dp > 1 and (
+  return plan.dp * plan.cp > 1 and (
     cfg.train.grad_reduce_dtype != 'float32'
     or (zero1(cfg, plan) and not shard_params(cfg, plan))
     or cfg.train.param_dtype != 'float32'
@@ -142,17 +161,18 @@ def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
 
 
 def layer_gather(
-  layers: PyTree, layers_sh: PyTree, cfg: ml_collections.ConfigDict, plan: RunPlan
+  layers: PyTree, layers_sh: PyTree, cfg: ml_collections.ConfigDict, plan: RunPlan, mesh: Mesh
 ) -> zero3.Gather:
   """ZeRO-3's gather of the stacked layers (abstract `layers` in their tp/pp shardings
   `layers_sh`): each leaf's ZeRO dimension, the gather mode, and with tp > 1 the tp specs."""
   tp = manual_specs(layers, layers_sh, {TP}) if plan.tp > 1 else None
-  return zero3.Gather(dims_tree(layers, layers_sh, plan.dp), gather_mode(cfg, plan), tp)
+  dims = dims_tree(layers, layers_sh, zero_size(mesh))
+  return zero3.Gather(dims, gather_mode(cfg, plan), tp, _entry(zero_axes(mesh)))
 
 
 def has_residual(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """int8 error feedback keeps a residual per dp rank in the train state."""
-  return plan.dp > 1 and cfg.train.grad_reduce_dtype == 'int8'
+  return plan.dp * plan.cp > 1 and cfg.train.grad_reduce_dtype == 'int8'
 
 
 # --- the explicit path ---------------------------------------------------------------------------
@@ -184,8 +204,8 @@ def value_and_grad(
   each rank's whole gradient once per step). `frozen` (LoRA's base): (the parameters that get no
   gradient, their layers' layout, their ZeRO layout), passed to `local_grads(params, frozen, batch,
   scale)` as they are (gathered too under `gather`), never reduced."""
-  dp = mesh.shape[DP]
-  manual = {ax for ax in (DP, PP) if mesh.shape[ax] > 1}
+  dp, axes = zero_size(mesh), _entry(zero_axes(mesh))  # dp * cp ranks reduce together
+  manual = {ax for ax in (DP, PP, CP) if mesh.shape.get(ax, 1) > 1}
   dims = dims_tree(params, params_sh, dp)
   res_sh = None if residual is None else residual_shardings(params_sh, mesh)
   r_specs = None if residual is None else manual_specs(residual, res_sh, manual)
@@ -194,20 +214,20 @@ def value_and_grad(
     tp_params = manual_specs(params, params_sh, {TP})
     r_tp = None if residual is None else manual_specs(residual, res_sh, {TP})
     tp_specs = (tp_params, manual_specs(params, grads_sh, {TP}), r_tp)
-  reduce_dp = lambda g, r: compression.reduce(g, r, dims, dtype, dp, shard)
+  reduce_dp = lambda g, r: compression.reduce(g, r, dims, dtype, dp, shard, axes)
   reduce_fn = functools.partial(_reduce_own_tp_blocks, reduce_dp, tp_specs)
   fixed, fixed_sh, fixed_zero_sh = frozen if frozen is not None else ({}, {}, {})
   gathers = None
   if gather:
     tp_fixed = manual_specs(fixed, fixed_sh, {TP}) if mesh.shape[TP] > 1 else None
-    gathers = ((dims, tp_params), (dims_tree(fixed, fixed_sh, dp), tp_fixed))
+    gathers = ((dims, tp_params, axes), (dims_tree(fixed, fixed_sh, dp), tp_fixed, axes))
   fn = jax.shard_map(
     functools.partial(_local_value_and_grad, local_grads, reduce_fn, manual, gathers),
     mesh=mesh,
     in_specs=(
       manual_specs(params, grads_sh if gather else params_sh, manual),
       manual_specs(fixed, fixed_zero_sh if gather else fixed_sh, manual),
-      P(DP),
+      P(*(a if a in manual else None for a in (DP, CP))),  # the rows over dp, their tokens over cp
       r_specs,
       P(),
     ),
@@ -242,7 +262,8 @@ def _local_value_and_grad(
     params, frozen = zero3.gather_tree(params, *gather[0]), zero3.gather_tree(frozen, *gather[1])
   leaves, tdef = jax.tree.flatten(params)
   over_pp = [PP in manual and PP not in jax.typeof(a).manual_axis_type.varying for a in leaves]
-  varied = [vary(a, (DP, PP) if o else (DP,)) for a, o in zip(leaves, over_pp, strict=True)]
+  zero = tuple(a for a in (DP, CP) if a in manual)
+  varied = [vary(a, (*zero, PP) if o else zero) for a, o in zip(leaves, over_pp, strict=True)]
   loss, grads = local_grads(tdef.unflatten(varied), frozen, batch, scale)
   grads = tdef.unflatten(
     [
@@ -251,7 +272,7 @@ def _local_value_and_grad(
     ]
   )
   loss = jax.lax.psum(
-    loss, tuple(ax for ax in (DP, PP) if ax in manual and ax in jax.typeof(loss).manual_axis_type.varying)
+    loss, tuple(ax for ax in (DP, PP, CP) if ax in manual and ax in jax.typeof(loss).manual_axis_type.varying)
   )
   return (loss, *reduce_fn(grads, residual))
 

@@ -15,7 +15,8 @@
   layers     the stacked layer axis                         -> pp (one slab of layers per stage)
   rows_sp    the flattened rows b*t of a layer's residual stream (x, the RMSNorms, the residual
              adds) -> dp and, with sequence parallelism (Megatron-SP, train.sequence_parallel),
-             tp: inside the pipeline the rows are local, so they split over tp alone; the
+             tp (cp-major rows split over cp, dp, tp with mesh.cp > 1: each cp rank's tokens
+             split over tp): inside the pipeline the rows are local, so they split over tp alone; the
              all-reduce after attention and after the MLP becomes a reduce-scatter, and an
              all-gather brings the rows back before the next column-parallel matmul
 
@@ -59,7 +60,7 @@ def logical_rules(
   return (
     ('batch', DP),
     ('rows', rows),
-    ('rows_sp', (DP, TP) if sequence_parallel else rows),
+    ('rows_sp', ((CP, DP, TP) if context else (DP, TP)) if sequence_parallel else rows),
     ('batch_all', batch_all),
     ('seq', CP if context else None),
     ('embed', None),
@@ -102,8 +103,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def without_dp_pp(rules: Rules) -> Rules:
   """The rules inside a shard_map manual over dp and pp (the pipeline's loop, data_parallel's
-  explicit reduction): each device holds its own rows and its own stage, and only tp is named."""
-  return without(rules, (DP, PP))
+  explicit reduction): each device holds its own rows and its own stage, and only tp (and an
+  automatic cp) is named; nor is any other axis manual where this is called (cp in the explicit
+  reduction: each device holds its own tokens)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return without(rules, {DP, PP, *(() if mesh.empty else mesh.manual_axes)})
 
 
 _RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar('jax3d_logical_rules', default=None)
@@ -139,11 +143,14 @@ def vary_like(a: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
-  """`fn` on each tp rank's own blocks: a shard_map manual over tp alone, nested in the context
-  (the step is traced under `jax.set_mesh`; dp and pp may be manual already), its specs the
+  """`fn` on each tp rank's own blocks: a shard_map manual over tp (and over cp where the mesh
+  has it automatic: the rows of sequence parallelism are split over cp, then tp), nested in the
+  context (the step is traced under `jax.set_mesh`; dp and pp may be manual already), its specs the
   logical names resolved by the rules in force. For collectives the compiler would not choose
   itself: XLA:CPU keeps an all-reduce and a slice where a reduce-scatter is meant."""
-  return _manual(fn, in_logical, out_logical, {TP})
+  mesh = jax.sharding.get_abstract_mesh()
+  cp = CP in mesh.axis_names and CP not in mesh.manual_axes
+  return _manual(fn, in_logical, out_logical, {TP, CP} if cp else {TP})
 
 
 def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, check_vma: bool = True) -> Any:
@@ -164,7 +171,8 @@ def _manual(
   fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axes: set[str], check_vma: bool = True
 ) -> Any:
   """A shard_map manual over `axes`; `out_logical` is one output's names or a tuple of them."""
-  rules = _RULES.get()
+  mesh = jax.sharding.get_abstract_mesh()
+  rules = without(_RULES.get(), set(mesh.axis_names) - axes)  # specs name the manual axes alone
   several = bool(out_logical) and all(isinstance(n, tuple) for n in out_logical)
   return jax.shard_map(
     fn,

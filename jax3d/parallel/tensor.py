@@ -44,8 +44,9 @@ def sequence_parallel_dense(
     y = jax.lax.dot_general(x, w, ((axes, tuple(range(n_in))), ((), ())))
     return jax.lax.psum_scatter(y, TP, scatter_dimension=0, tiled=True) if row else y
 
-  x_names = ('batch' if row else 'rows_sp',) + names[:n_in]
-  out_names = ('rows_sp', 'embed') if row else ('batch',) + names[n_in:]
+  # whole rows over tp ('rows': split over cp where the mesh has it), or split over tp ('rows_sp')
+  x_names = ('rows' if row else 'rows_sp',) + names[:n_in]
+  out_names = ('rows_sp', 'embed') if row else ('rows',) + names[n_in:]
   # Nothing inside is a residual (a policy's residual inside a nested shard_map fails to lower);
   # the output is named, so remat 'dots' still keeps the projections.
   fn = jax.checkpoint(local, prevent_cse=False)

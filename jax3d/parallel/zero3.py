@@ -1,4 +1,5 @@
-"""ZeRO-3 (train.shard_params): the parameters stored sharded over dp, gathered where they are used.
+"""ZeRO-3 (train.shard_params): the parameters stored sharded over dp (over dp x cp with context
+parallelism), gathered where they are used.
 
 Every parameter leaf is stored in the ZeRO layout (jax3d/parallel/data_parallel.py `zero_shardings`:
 dp added on its first replicated dimension divisible by dp, never the stacked layer axis), and so
@@ -38,17 +39,18 @@ from jax3d.parallel.pipeline.chunk import LayerFn
 from jax3d.parallel.sharding import DP, TP
 
 
-def gather_leaf(a: jax.Array, k: int) -> jax.Array:
-  """The whole of leaf `a` from its dp slices on dimension `k` (-1: it is not sharded over dp)."""
-  return a if k < 0 else jax.lax.all_gather(a, DP, axis=k, tiled=True)
+def gather_leaf(a: jax.Array, k: int, axes: str | tuple[str, ...] = DP) -> jax.Array:
+  """The whole of leaf `a` from its slices over `axes` (dp, or dp and cp: `zero_axes`) on
+  dimension `k` (-1: it is not sharded)."""
+  return a if k < 0 else jax.lax.all_gather(a, axes, axis=k, tiled=True)
 
 
-def gather_tree(tree: Any, dims: Any, tp_specs: Any = None) -> Any:
+def gather_tree(tree: Any, dims: Any, tp_specs: Any = None, axes: str | tuple[str, ...] = DP) -> Any:
   """`gather_leaf` of every leaf of `tree`, `dims` its tree of sharded dimensions. `tp_specs`
   (tp > 1): each leaf's PartitionSpec over tp; the gathers then run in a `shard_map` nested over
   tp, so each device gathers its own tp block over dp (left to the partitioner, the tp-sharded
   weights were gathered whole over tp first: twice the dp bytes at tp=2)."""
-  gather = lambda t: jax.tree.map(gather_leaf, t, dims)
+  gather = lambda t: jax.tree.map(lambda a, k: gather_leaf(a, k, axes), t, dims)
   if tp_specs is None:
     return gather(tree)
   return jax.shard_map(gather, in_specs=(tp_specs,), out_specs=tp_specs, axis_names={TP}, check_vma=True)(
@@ -65,6 +67,7 @@ class Gather:
   dims: Any
   mode: str
   tp_specs: Any = None
+  axes: str | tuple[str, ...] = DP  # the mesh axes of the slices: dp, or (dp, cp) (data_parallel.zero_axes)
 
   def specs(self, pp: str | None) -> Any:
     """The layers' in_specs over the loop's manual axes: the layer axis over `pp` (None: pp is
@@ -73,14 +76,14 @@ class Gather:
     def spec(k):
       t = [pp] + [None] * max(k, 0)
       if k > 0:
-        t[k] = DP
+        t[k] = self.axes
       return P(*t)
 
     return jax.tree.map(spec, self.dims)
 
   def stage(self, layers: Any) -> Any:
     """The stage's layers as the loop runs them: gathered here ('step') or left as slices."""
-    return gather_tree(layers, self.dims, self.tp_specs) if self.mode == 'step' else layers
+    return gather_tree(layers, self.dims, self.tp_specs, self.axes) if self.mode == 'step' else layers
 
   def layer(self, layer_fn: LayerFn, policy: str) -> LayerFn:
     """`layer_fn` gathering its layer's weights first ('layer'; unchanged under 'step'). One
@@ -103,7 +106,7 @@ class Gather:
       # around the layers' scan (pp=1) would otherwise have JAX compute every layer's gather
       # once, before it, and keep them all for the backward pass.
       p, h = jax.lax.optimization_barrier((p, h))
-      return layer_fn(gather_tree(p, one, one_tp), h, side)
+      return layer_fn(gather_tree(p, one, one_tp, self.axes), h, side)
 
     if policy != 'none':
       return gathered

@@ -26,9 +26,9 @@ Stage placement. With v chunks per stage, chunk c = r*p + s (r = 0..v-1) runs on
 stacked weights are stored stage-major: position j holds canonical layer `layer_order(...)[j]`,
 and a plain P('pp') sharding of the layer axis gives each stage exactly its chunks.
 
-Gradients over dp. The loop is manual over dp too: the weights are marked dp-varying at its
-entry, so their gradient sum over dp (that mark's transpose) happens once per step, after the
-loop. Inside a caller's shard_map manual over dp and pp (the explicit reduction of
+Gradients over dp (and cp). The loop is manual over dp (and cp: each device its own tokens) too:
+the weights are marked varying at its entry, so their gradient sum (that mark's transpose) happens
+once per step, after the loop. Inside a caller's shard_map manual over dp and pp (the explicit reduction of
 jax3d/parallel/data_parallel.py, `manual=True`) it opens none of its own
 (`microbatch.local_rows`).
 """
@@ -46,7 +46,7 @@ from jax3d.config import RunPlan
 from jax3d.parallel import microbatch, remat, sharding, zero3
 from jax3d.parallel.pipeline import gpipe, one_f_one_b, schedule_1f1b
 from jax3d.parallel.pipeline.chunk import LayerFn, run_layers
-from jax3d.parallel.sharding import DP, PP
+from jax3d.parallel.sharding import CP, DP, PP
 
 
 # --- the pipeline ---------------------------------------------------------------------------
@@ -78,12 +78,10 @@ def apply(
 
   x_mbtd, blocks = microbatch.stacked(x_btd, plan, manual)
   side_mbt = {k: microbatch.stacked(a, plan, manual)[0] for k, a in (side_bt or {}).items()}
-  shape = x_mbtd.shape
-  if plan.sequence_parallel:  # [m, b, t, d] -> [m, b*t, d]: the b-major rows split as the batch does
-    x_mbtd = x_mbtd.reshape(shape[0], shape[1] * shape[2], shape[3])
 
   def rows_over_tp(split):  # the loop's micro-batches with their rows over tp (the layers'), or whole
-    def annotate(x_mrd):
+    def annotate(x_mrd):  # split: [m, b, t, d] -> this device's rows [m, b*t, d] (cp is manual here)
+      x_mrd = x_mrd.reshape(x_mrd.shape[0], -1, x_mrd.shape[-1]) if split else x_mrd
       with sharding.use_rules(sharding.without_dp_pp(rules)):
         return sharding.constrain(x_mrd, ('micro', 'rows_sp' if split else 'batch', 'embed'))
 
@@ -103,9 +101,7 @@ def apply(
     side_mbt=side_mbt,
     gather=gather,
   )
-  return sharding.constrain(
-    microbatch.merge_microbatches(y_mbtd.reshape(shape), blocks), ('batch_all', 'seq', 'embed')
-  )
+  return sharding.constrain(microbatch.merge_microbatches(y_mbtd, blocks), ('batch_all', 'seq', 'embed'))
 
 
 def run(
@@ -138,18 +134,21 @@ def run(
   p, v, dtype = mesh.shape[PP], repeats, x_mbtd.dtype
 
   def stage_loop(layer_fn, layers_local, _, x_mbtd, side_m):
+    shape = x_mbtd.shape
     x_mbtd = split(x_mbtd)
     if p == 1:  # no ring: the micro-batches simply run one after another
       one = remat.wrap_iteration(
         lambda _, xs: (None, run_layers(layer_fn, layers_local, xs[0], policy, side=xs[1])), policy
       )
-      return whole(jax.lax.scan(one, None, (x_mbtd.astype(dtype), side_m))[1].astype(jnp.float32))
+      return whole(jax.lax.scan(one, None, (x_mbtd.astype(dtype), side_m))[1].astype(jnp.float32)).reshape(
+        shape
+      )
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
     out_mbtd = gpipe.circulate(
       layer_fn, layers_local, sharding.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles, side_m
     )
     # Only stage 0 holds the outputs (the others hold zeros): a sum over pp hands them on.
-    out_mbtd = whole(out_mbtd)
+    out_mbtd = whole(out_mbtd).reshape(shape)
     if scatter is not None:
       return jax.lax.psum_scatter(out_mbtd, PP, scatter_dimension=scatter, tiled=True)
     return jax.lax.psum(out_mbtd, PP)
@@ -178,9 +177,11 @@ def _over_stages(
   # Only axes of size > 1 are made manual (XLA rejects collectives over size-1 manual groups).
   # a tuple, in mesh order: a set's order follows the hash seed, and the collectives' device groups
   # with it, so two processes of one run could compile different programs (issue 44)
-  axes = tuple(a for a in (PP, DP) if mesh.shape[a] > 1)
+  axes = tuple(a for a in (PP, DP, CP) if mesh.shape.get(a, 1) > 1)
   names = lambda *ns: tuple(n for n in ns if n in axes) or None
-  rows = {None: P(None, names(DP)), 1: P(None, names(DP, PP)), 0: P(names(PP), names(DP))}[scatter]
+  seq = names(CP)  # mesh.cp > 1: each device its own tokens of the rows (jax3d/parallel/context.py)
+  dp = names(DP)
+  rows = {None: P(None, dp, seq), 1: P(None, names(DP, PP), seq), 0: P(names(PP), dp, seq)}[scatter]
 
   stage_fn = layer_fn if gather is None else gather.layer(layer_fn, policy)
 
@@ -190,7 +191,7 @@ def _over_stages(
     # The weights are the same on every dp rank; marking them as varying here, in their stored
     # dtype, puts the transpose (the gradient sum over dp) here too: once per step, after the
     # loop, instead of once per micro-batch inside it.
-    layers_local = jax.tree.map(lambda a: sharding.vary(a, names(DP) or ()), layers_local)
+    layers_local = jax.tree.map(lambda a: sharding.vary(a, names(DP, CP) or ()), layers_local)
     if scatter is not None:
       over_pp = lambda a: jax.lax.all_gather(a, PP, axis=scatter, tiled=True)
       x_mbtd, side_m = over_pp(x_mbtd), jax.tree.map(over_pp, side_m)
