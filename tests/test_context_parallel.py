@@ -18,6 +18,7 @@ from test_documents import weighted_batches
 
 from jax3d.model import blockwise
 from jax3d.parallel import context
+from jax3d.planning import memory_model
 
 from helpers import run_steps, setup_for, small_cfg
 
@@ -165,12 +166,19 @@ def test_zero_state_is_sharded_over_dp_and_cp(key):
   s = setup_for(small_cfg(**MODEL, mesh__dp=2, mesh__cp=4, **{f'train__{key}': True}))
   trees = [optax.tree.get(s.abstract_state['opt_state'], 'mu')]
   trees += [s.abstract_state['params']] if key == 'shard_params' else []
+  shards = []
   for tree in trees:
     leaves = jax.tree.leaves(tree)
     total = sum(a.size * a.dtype.itemsize for a in leaves)
-    shard = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in leaves)
-    assert shard * 2 * 4 == total, (shard, total)
+    shards.append(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in leaves))
+    assert shards[-1] * 2 * 4 == total, (shards[-1], total)
     assert all('cp' in str(a.sharding.spec) for a in leaves)
+  # the memory model prices the same division (plan.zero_ranks = dp*cp): Adam's two moments, and
+  # under ZeRO-3 the parameters
+  priced = memory_model.breakdown(s.cfg, s.plan, 'blockwise', gpu=False)
+  assert priced['optimizer'] == pytest.approx(2 * shards[0], rel=1e-6)
+  if key == 'shard_params':
+    assert priced['params'] == pytest.approx(shards[1], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -69,6 +69,10 @@ class RunPlan:
     return 'micro' if micro else None
 
   @property
+  def zero_ranks(self) -> int:  # ranks ZeRO shards over and gradients are reduced over: dp * cp
+    return self.dp * self.cp
+
+  @property
   def iterations(self) -> int:  # pipeline loop trips: v*m + p - 1
     return self.repeats * self.microbatches + self.pp - 1
 

@@ -127,20 +127,20 @@ def init_residual(params: PyTree, dp: int) -> PyTree:
 def shard_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """ZeRO-3: the parameters themselves stored sharded over dp (train.shard_params, with dp ranks);
   jax3d/parallel/zero3.py gathers them where the layers use them."""
-  return bool(cfg.train.shard_params) and plan.dp * plan.cp > 1
+  return bool(cfg.train.shard_params) and plan.zero_ranks > 1
 
 
 def zero1(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """Adam's moments and the reduced gradients in the ZeRO layout (train.shard_optimizer, or
   train.shard_params, which shards them with the parameters), when there are dp ranks."""
-  return (bool(cfg.train.shard_optimizer) or shard_params(cfg, plan)) and plan.dp * plan.cp > 1
+  return (bool(cfg.train.shard_optimizer) or shard_params(cfg, plan)) and plan.zero_ranks > 1
 
 
 def explicit(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """Whether the dp gradient sum is done here by hand rather than by the compiler: for a 16-/8-bit
   wire format, under ZeRO-1, and for bf16 parameters (summed in float32). ZeRO-3 alone is the
   compiler's: its reduce-scatter is the transpose of the gather (jax3d/parallel/zero3.py)."""
-  return plan.dp * plan.cp > 1 and (
+  return plan.zero_ranks > 1 and (
     cfg.train.grad_reduce_dtype != 'float32'
     or (zero1(cfg, plan) and not shard_params(cfg, plan))
     or cfg.train.param_dtype != 'float32'
@@ -172,7 +172,7 @@ def layer_gather(
 
 def has_residual(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   """int8 error feedback keeps a residual per dp rank in the train state."""
-  return plan.dp * plan.cp > 1 and cfg.train.grad_reduce_dtype == 'int8'
+  return plan.zero_ranks > 1 and cfg.train.grad_reduce_dtype == 'int8'
 
 
 # --- the explicit path ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@ for activations), modelling what jax3d's step really does:
 
   - parameters, gradients and AdamW's m and v in `train.param_dtype`; layer weights split over
     pp (the stacked layer axis) and tp; embedding and head over tp only (replicated over dp, pp);
-    the vocabulary padded to `model.vocab_multiple`; Adam moments over dp too with
+    the vocabulary padded to `model.vocab_multiple`; Adam moments over dp (x cp) too with
     `train.shard_optimizer` (ZeRO-1).
   - gradients held twice for the stage's layers (three times with `grad_accum > 1`: the
     accumulator): the pipeline loop's carry, and each iteration's fresh gradient of the
@@ -201,7 +201,7 @@ def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str, 
     # of one iteration (pp = 1, one micro-batch) is no loop to XLA: held once (Llama 3 8B at
     # dp 32, tp 2 on 64 x H100: XLA:GPU 67.7 GB, 84.6 estimated with the second copy, 70.6 without).
     'grads': n_local * pb * (2 if plan.grad_accum > 1 else 1) + _loop_copy(plan) * local['layers'] * pb,
-    'optimizer': 2 * n_local * pb / (plan.dp if t.shard_optimizer else 1),
+    'optimizer': 2 * n_local * pb / (plan.zero_ranks if t.shard_optimizer else 1),
     'activations': activation_bytes(cfg, plan, flash),
     'head': head_bytes(cfg, plan),
   }
@@ -236,7 +236,7 @@ def _loop_copy(plan: RunPlan) -> int:
 def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str | None) -> dict:
   """LoRA (jax3d/model/lora.py): the base in lora.base_dtype with no gradient or moments; the
   adapters' parameters, gradients (the loop's carry and each iteration's, as above, and the
-  accumulator) and moments in train.param_dtype. Under ZeRO-3 everything stored is 1/dp and the
+  accumulator) and moments in train.param_dtype. Under ZeRO-3 everything stored is 1/(dp*cp) and the
   base gathered as `_zero3` gathers it."""
   t = cfg.train
   dims = model_dims(cfg, plan)
@@ -245,11 +245,11 @@ def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str 
   if dims.base_int8:  # int8 matrices and their scales (jax3d/model/quant.py)
     layers_b = dims.n_layers // plan.pp * formulas.int8_layer_bytes(dims, plan.tp)
   adapters = lora_local_params(cfg, plan) * pb
-  stored = (layers_b + local['embed_head'] * bb + adapters) / (plan.dp if mode else 1)
+  stored = (layers_b + local['embed_head'] * bb + adapters) / (plan.zero_ranks if mode else 1)
   out = {
     'params': stored,
     'grads': adapters * ((2 if plan.grad_accum > 1 else 1) + _loop_copy(plan)),
-    'optimizer': 2 * adapters / (plan.dp if t.shard_optimizer or mode else 1),
+    'optimizer': 2 * adapters / (plan.zero_ranks if t.shard_optimizer or mode else 1),
   }
   if mode:
     layers = layers_b / (dims.n_layers // plan.pp if mode == 'layer' else 1)
@@ -259,7 +259,7 @@ def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str 
 
 def _zero3(local: dict, pb: int, plan: RunPlan, mode: str, n_layers: int) -> dict:
   """ZeRO-3 (jax3d/parallel/zero3.py): parameters, their reduced gradients (and the accumulator)
-  and Adam's moments stored 1/dp; what exists whole during the step by gather mode:
+  and Adam's moments stored 1/(dp*cp) (`plan.zero_ranks`); what exists whole during the step by gather mode:
     'step'   the stage's layers and the embedding/head gathered ('gathered'); the gradients whole
              as without ZeRO-3 (the loop's carry and each iteration's fresh one), reduce-scattered
              to the slices after the loop.
@@ -268,12 +268,12 @@ def _zero3(local: dict, pb: int, plan: RunPlan, mode: str, n_layers: int) -> dic
              reduce-scatter, and the embedding/head's whole gradient.
   (Under remat 'none' the layer gather keeps what 'dots' keeps, zero3.Gather.layer; the
   activations count 'none''s residuals: an upper bound there.)"""
-  stored = sum(local.values()) * pb / plan.dp
+  stored = sum(local.values()) * pb / plan.zero_ranks
   layers, shared = local['layers'] * pb, local['embed_head'] * pb
   slices = stored * (2 if plan.grad_accum > 1 else 1)
   if mode == 'step':
     grads, gathered = slices + layers + shared + _loop_copy(plan) * layers, layers + shared
   else:
     one = layers / (n_layers // plan.pp)
-    grads, gathered = slices + layers / plan.dp + shared + one, one + shared
+    grads, gathered = slices + layers / plan.zero_ranks + shared + one, one + shared
   return {'params': stored, 'grads': grads, 'optimizer': 2 * stored, 'gathered': gathered}

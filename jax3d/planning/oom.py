@@ -60,9 +60,9 @@ def oom_ladder(
     )
   else:
     lines.append('5. bf16: weights, gradients and Adam state are already bf16')
-  if plan.dp > 1 and not cfg.train.shard_optimizer and not cfg.train.shard_params:
+  if plan.zero_ranks > 1 and not cfg.train.shard_optimizer and not cfg.train.shard_params:
     lines.append(ladder.rung('6. shard the optimizer over dp (ZeRO-1)', {'train.shard_optimizer': True}))
-  if plan.dp > 1:
+  if plan.zero_ranks > 1:
     lines += _zero3_rungs(ladder)
   if not cfg.lora.rank:
     lora = {'lora.rank': 16, 'lora.alpha': 32.0, 'lora.base_dtype': 'bfloat16'}

@@ -156,11 +156,11 @@ def _savings(
   in pieces where the head's fp32 logits outweigh the layers' activations (`more_loss_chunks`);
   then, under ZeRO-3, the 'layer' gather (one layer's weights and gradient whole at a time instead
   of the stage's, for a gather and a reduce-scatter per use of each layer)."""
-  steps = [ZERO[z] for z in zero if z != 'off' and est.plan.dp > 1]
+  steps = [ZERO[z] for z in zero if z != 'off' and est.plan.zero_ranks > 1]
   if est.breakdown['head'] > est.breakdown['activations']:
     chunks = more_loss_chunks(est.plan.seq_len, cfg.train.loss_chunks)
     steps += [{'train.loss_chunks': chunks}] if chunks else []
-  if 'zero3' in zero and est.plan.dp > 1:
+  if 'zero3' in zero and est.plan.zero_ranks > 1:
     steps.append({'train.shard_params_gather': 'layer'})
   out, over = [], dict(o)
   for step in steps:
