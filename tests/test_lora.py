@@ -241,6 +241,7 @@ def test_time_model_prices_lora_without_base_weight_gradients():
   assert dp_bytes < time_model.dp_traffic(full, plan)[0] / 100
 
 
+@pytest.mark.slow  # default-suite budget (CI runs -m slow too)
 def test_bf16_base_is_stored_bf16_frozen_and_trains_like_float32():
   """lora.base_dtype=bfloat16: the base's weights are bf16 (the adapters and their moments stay
   float32), unchanged by training, and the losses those of the float32 base within bf16 rounding."""
