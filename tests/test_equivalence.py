@@ -32,14 +32,14 @@ def check(cfg_over, ref_over=()):
   assert losses[2] < losses[0]  # the steps really train
 
 
-@pytest.mark.parametrize('dp,tp', [(8, 1), (4, 2), (2, 4), (1, 8)])
+@pytest.mark.parametrize('dp,tp', [(8, 1), pytest.param(4, 2, marks=pytest.mark.slow), (2, 4), (1, 8)])
 def test_data_and_tensor_parallel_equal_one_device(dp, tp):
   check({'mesh__dp': dp, 'mesh__tp': tp})
 
 
 LAYOUTS_3D = [(1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1), (4, 2, 1), (1, 4, 2)]
 # Every layout runs in the default suite with one micro-batch count; these run with `-m slow`.
-SLOW_3D = {(2, (1, 8, 1)), (2, (2, 4, 1)), (2, (4, 2, 1)), (2, (1, 4, 2))}
+SLOW_3D = {(2, (1, 8, 1)), (2, (2, 4, 1)), (2, (4, 2, 1)), (2, (1, 4, 2)), (2, (1, 2, 4)), (1, (2, 2, 2))}
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,8 @@ def test_3d_layouts_equal_one_device(dp, pp, tp, m_per_p):
   check({'mesh__dp': dp, 'mesh__pp': pp, 'mesh__tp': tp, 'pipeline__microbatches': m_per_p * pp})
 
 
-@pytest.mark.parametrize('policy', ['none', 'full', 'dots', 'attn', 'stage'])
+# 'none' at this layout and m is test_3d_layouts_equal_one_device[2-2-2-2]; 'attn' under -m slow (suite budget).
+@pytest.mark.parametrize('policy', ['full', 'dots', pytest.param('attn', marks=pytest.mark.slow), 'stage'])
 def test_remat_policies_equal_one_device(policy):
   check({'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4, 'train__remat': policy})
 
@@ -173,8 +174,8 @@ SP = {'train__sequence_parallel': 'true'}
 
 @pytest.mark.parametrize(
   'dp,pp,tp',
-  [(1, 1, 8), (2, 1, 4), (4, 1, 2), (2, 2, 2)]
-  + [pytest.param(*l, marks=pytest.mark.slow) for l in ((1, 2, 4), (1, 4, 2))],
+  [(1, 1, 8), (4, 1, 2), (2, 2, 2)]
+  + [pytest.param(*l, marks=pytest.mark.slow) for l in ((2, 1, 4), (1, 2, 4), (1, 4, 2))],
 )
 def test_sequence_parallel_equals_one_device(dp, pp, tp):
   check(
@@ -182,7 +183,9 @@ def test_sequence_parallel_equals_one_device(dp, pp, tp):
   )
 
 
-@pytest.mark.parametrize('policy', ['full', 'dots', pytest.param('attn', marks=pytest.mark.slow), 'stage'])
+@pytest.mark.parametrize(
+  'policy', ['full', *(pytest.param(p, marks=pytest.mark.slow) for p in ('dots', 'attn')), 'stage']
+)
 def test_sequence_parallel_remat_policies_equal_one_device(policy):
   check(
     {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 4, 'train__remat': policy, **SP}
