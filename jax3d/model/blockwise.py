@@ -152,8 +152,7 @@ def start(q: A, kv: int, block: int = BLOCK) -> Any:
   b, t, n, h = q.shape
   bq = min(block, t)
   lead = (-(-t // bq), b, kv, n // kv, bq)
-  axes = tuple(jax.typeof(q).manual_axis_type.varying)
-  return jax.tree.map(lambda a: sharding.vary(a, axes), _fresh(lead, h))
+  return jax.tree.map(lambda a: sharding.vary_like(a, q), _fresh(lead, h))
 
 
 def finish(state: Any, like: A) -> tuple[A, A]:

@@ -148,7 +148,7 @@ def attend(
   bwd = sharding.device_local(bwd_local, bwd_in, (q_names, kv_names, kv_names), check_vma=False)
 
   # unchecked regions return values varying over no manual axis: marked as their inputs were
-  like = lambda a, x: sharding.vary(a, tuple(jax.typeof(x).manual_axis_type.varying))
+  like = sharding.vary_like
 
   @jax.custom_vjp
   def run(q, k, v, *seg):
@@ -170,9 +170,8 @@ def attend(
 def _positions(rank: Any, b: int, t: int, cp: int) -> jax.Array:
   """int [b, t/cp]: the row indices of the tokens cp rank `rank` holds (chunks rank and
   2cp-1-rank), the causal positions of its queries and keys."""
-  c = t // (2 * cp)
-  p = jnp.concatenate([rank * c + jnp.arange(c), (2 * cp - 1 - rank) * c + jnp.arange(c)])
-  return jnp.broadcast_to(p.astype(jnp.int32), (b, 2 * c))
+  p = jnp.asarray(order(t, cp).reshape(cp, t // cp), jnp.int32)[rank]  # the layout, from `order`
+  return jnp.broadcast_to(p, (b, t // cp))
 
 
 def _allgather(t: int, cp: int, kernel: Any, block: int) -> tuple[Callable, Callable]:

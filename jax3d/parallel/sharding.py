@@ -131,8 +131,9 @@ def constrain(x: jax.Array, logical: tuple) -> jax.Array:
 
 def vary(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """Marks `a` as varying over the manual `axes` it is not yet varying over (shard_map's vma):
-  inside a shard_map, a value that differs per rank; its transpose sums the gradient over them."""
-  missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
+  inside a shard_map, a value that differs per rank; its transpose sums the gradient over them.
+  Sorted: a caller's axes may come from a set, whose order follows the hash seed (issue 44)."""
+  missing = tuple(sorted(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying))
   return jax.lax.pcast(a, missing, to='varying') if missing else a
 
 
