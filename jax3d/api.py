@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jax3d.analysis.tables import format_table, sharding_table  # light: no jax at import
+from jax3d.analysis.sharding_table import format_table, sharding_table  # light: no jax at import
 from jax3d.trainer.workdir import sample  # the API function `sample` (light: no jax at import)
 
 if TYPE_CHECKING:  # at run time `Trainer` is imported on first use (module __getattr__ below)
@@ -160,14 +160,14 @@ def export_hf(
   merged model). `out` is written whole or not at all, never over a folder the run reads nor, unless
   `overwrite`, over a non-empty folder that is not an earlier export (jax3d/hf/outdir.py).
   Importing is `build(load_config(..., checkpoint__init_from='hf:PATH'))`."""
-  from jax3d.hf import export, outdir
+  from jax3d.hf import outdir, writer
   from jax3d.trainer import workdir
 
   if isinstance(source, str | os.PathLike):
     kw = {'max_shard_bytes': max_shard_bytes, 'overwrite': overwrite, 'merge': merge}
     return workdir.export_workdir(os.fspath(source), out, **kw)
   outdir.check(out, outdir.reads_of(source.cfg, source.workdir), overwrite)
-  return export.export_run(source.state['params'], source.setup, out, merge, max_shard_bytes, 'here')
+  return writer.export_run(source.state['params'], source.setup, out, merge, max_shard_bytes, 'here')
 
 
 def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:
@@ -176,11 +176,11 @@ def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:
   and weights (float32): rows of `data.packing` in the epoch order of train.seed (docs/data.md).
   Reads the data only: nothing is compiled and no device is used."""
   from jax3d import assemble
-  from jax3d.data import corpus as data_lib, mixture as mixture_lib, tokenizer as tok_lib
+  from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, tokenizer as tok_lib
 
   cfg = assemble.resolve(cfg)  # the tokenizer of token shards or an import, as a run takes it
   corpus = mixture_lib.for_config(cfg, tok_lib.load(cfg.data.tokenizer))
-  return data_lib.batch_at(corpus, cfg.train.seed, step, cfg.train.global_batch_size, cfg.train.seq_len)
+  return corpus_lib.batch_at(corpus, cfg.train.seed, step, cfg.train.global_batch_size, cfg.train.seq_len)
 
 
 def placement(trainer: Trainer) -> list[str]:
@@ -228,7 +228,7 @@ def compiled_memory(
   then also has the GPU's `device_memory` and whether the step `fits`.
   """
   from jax3d import assemble
-  from jax3d.parallel import gpu_target
+  from jax3d.devices import gpu_target
 
   cfg = getattr(source, 'cfg', source)
   if cfg is not source and not overrides and target is None:  # a Trainer: its own compiled step

@@ -29,12 +29,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import config as config_lib, optim, step as step_lib
 from jax3d.analysis import inspection
-from jax3d.data import corpus as data_lib, packing, schedule as sched_lib, shards, tokenizer as tok_lib
+from jax3d.data import apportion, corpus as corpus_lib, packing, shards, tokenizer as tok_lib
+from jax3d.devices import cpu_heap
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config, peft
 from jax3d.model import attention, llama, lora
 from jax3d.parallel import (
-  cpu,
   data_parallel,
   mesh as mesh_lib,
   microbatch,
@@ -62,7 +62,7 @@ def build(
       raise
     raise ConfigError(f'{e} (model.* from {hf.path}/config.json)') from None
   mesh = mesh_lib.build_mesh(plan, devices, cfg.mesh.allow_tp_across_hosts)
-  cpu.retain_freed_memory(devices)  # XLA:CPU only: no page faults on every step's buffers
+  cpu_heap.retain_freed_memory(devices)  # XLA:CPU only: no page faults on every step's buffers
   dims = llama.Dims.from_config(cfg, plan)
   choice = 'blockwise' if plan.cp > 1 else cfg.train.attention  # cp's attention is blockwise's
   dims = dataclasses.replace(
@@ -77,7 +77,7 @@ def build(
     mesh=mesh,
     dims=dims,
     tx=optim.make_optimizer(cfg),
-    schedule=optim.schedule(cfg),
+    lr_schedule=optim.lr_schedule(cfg),
     rules=rules,
     layer_order=placement.layer_order(dims.n_layers, plan.pp, plan.repeats),
     zero1=data_parallel.zero1(cfg, plan),
@@ -119,7 +119,7 @@ def _with_state(s: Setup) -> Setup:
   shape = (s.plan.global_batch, s.plan.seq_len)
   batch = {
     k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == 'weights' else jnp.int32, sharding=s.batch_sharding)
-    for k in data_lib.STEP_KEYS
+    for k in corpus_lib.STEP_KEYS
   }
   return dataclasses.replace(
     s,
@@ -174,7 +174,7 @@ def _resolve(
     config_lib.set_key(cfg, 'lora.init_from', os.path.abspath(cfg.lora.init_from))
     peft.with_lora(cfg, cfg.lora.init_from)
   if cfg.data.mixture:  # its paths absolute (recorded in checkpoints); its first source's tokenizer
-    spec = sched_lib.parse(cfg.data.mixture, cfg.data.mixture_stages)
+    spec = apportion.parse(cfg.data.mixture, cfg.data.mixture_stages)
     for key, value in zip(('data.mixture', 'data.mixture_stages'), spec.canonical(), strict=True):
       config_lib.set_key(cfg, key, value)
   shard_path = cfg.data.path or (spec.paths[0] if cfg.data.mixture else '')
@@ -228,7 +228,7 @@ def inspect(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None
 def compile_train_step(s: Setup, compiler_options: dict | None = None) -> CompiledStep:
   """The one compile path: the real train step lowered for the abstract state and batch (nothing
   is allocated) and compiled ahead of time. `compiler_options`: XLA options for this compile
-  alone (a compile-only GPU target's, jax3d/parallel/gpu_target.py)."""
+  alone (a compile-only GPU target's, jax3d/devices/gpu_target.py)."""
   t0 = time.perf_counter()
   lowered = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch)
   options = dict(compiler_options or {})

@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _batch(args: cli.Args) -> int:
   from jax3d import assemble
-  from jax3d.data import corpus as data_lib, mixture as mixture_lib, tokenizer as tok_lib
+  from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, tokenizer as tok_lib
 
   step, cfg = args.flags['step'], assemble.resolve(args.cfg)
   t, tok = cfg.train, tok_lib.load(cfg.data.tokenizer)
   corpus = mixture_lib.for_config(cfg, tok)
-  b = data_lib.batch_at(corpus, t.seed, step, t.global_batch_size, t.seq_len)  # = jax3d.batch(cfg, step)
-  epoch = data_lib.epoch_at(corpus, t.seed, step, t.global_batch_size, t.seq_len)
+  b = corpus_lib.batch_at(corpus, t.seed, step, t.global_batch_size, t.seq_len)  # = jax3d.batch(cfg, step)
+  epoch = corpus_lib.epoch_at(corpus, t.seed, step, t.global_batch_size, t.seq_len)
   print(f'step {step}: epoch {epoch}; {corpus.layout(t.seq_len).describe()}')
   if 'source' in b:  # a mixture: each source's rows so far (its cursor) and its rows in this batch
     done = corpus.per_source(t.seed, step, t.global_batch_size, t.seq_len)

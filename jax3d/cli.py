@@ -48,7 +48,7 @@ def key_range(key: str) -> ranges.Range:
 
 
 def _target_check() -> ranges.Range:
-  from jax3d.parallel import gpu_target  # no jax: the GPU target descriptions and their form
+  from jax3d.devices import gpu_target  # no jax: the GPU target descriptions and their form
 
   return ranges.Range(lambda v: v == '' or gpu_target.is_target(v), gpu_target.FORM)
 
@@ -113,7 +113,7 @@ def run_command(body: Callable[[Args], int], args: Args | int, *also: type[Excep
   becomes its one `error:` line on stderr and the exit status of its type (`fail`)."""
   if isinstance(args, int):
     return args
-  from jax3d.parallel import gpu_target
+  from jax3d.devices import gpu_target
 
   gpu_target.hide_unusable_plugin()  # before the body imports jax, which reads JAX_PLATFORMS once
   try:
@@ -249,12 +249,12 @@ def _scan(argv: list[str], flags: dict[str, Flag], config: bool, positional: dic
 def prepare_devices(n: int = 8) -> None:
   """Call before jax starts its backend. On a machine without an accelerator, exposes n fake CPU
   devices unless XLA_FLAGS is set; on a GPU machine, adds the communication-overlap XLA flags
-  (jax3d/parallel/gpu.py; JAX3D_NO_GPU_FLAGS=1: off)."""
-  from jax3d.parallel import gpu
+  (jax3d/devices/gpu_flags.py; JAX3D_NO_GPU_FLAGS=1: off)."""
+  from jax3d.devices import gpu_flags
   from jax3d.parallel.mesh import use_fake_cpu_devices
 
   use_fake_cpu_devices(n)
-  gpu.apply_gpu_flags()
+  gpu_flags.apply_gpu_flags()
 
 
 def model_source(args: Args) -> tuple[str, dict[str, Any]]:

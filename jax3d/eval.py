@@ -55,27 +55,27 @@ def main(argv: list[str] | None = None) -> int:
 def _eval(args: cli.Args) -> int:
   f = args.flags
   source, overrides = cli.model_source(args)
-  from jax3d.harness import tasks as harness_tasks
+  from jax3d.harness import offline_tasks
 
-  names = harness_tasks.split_names(f['tasks'])
+  names = offline_tasks.split_names(f['tasks'])
   if not names:
     raise errors.UsageError(f'--tasks={f["tasks"]!r}: no task name')
-  harness_tasks.require_lm_eval()
-  harness_tasks.go_offline()
+  offline_tasks.require_lm_eval()
+  offline_tasks.go_offline()
   cli.prepare_devices()  # before jax starts: 8 fake CPU devices unless XLA_FLAGS is set
   from jax3d.harness.model import JaxLM
-  from jax3d.trainer import tasks as run_tasks
+  from jax3d.trainer import task_eval
 
-  loaded = harness_tasks.load(names, f['include_path'])  # exit 2 here, before anything compiles
-  overrides |= run_tasks.batch_overrides(f['batch_rows'])
-  setup, params, step = run_tasks.load(source, overrides, config=args.config_path)
+  loaded = offline_tasks.load(names, f['include_path'])  # exit 2 here, before anything compiles
+  overrides |= task_eval.batch_overrides(f['batch_rows'])
+  setup, params, step = task_eval.load(source, overrides, config=args.config_path)
   lm = JaxLM(setup, params, f['max_length'])
-  results = harness_tasks.evaluate(lm, loaded, f['limit'], f['num_fewshot'])
-  print(harness_tasks.table(results))
-  out = f['out'] or (run_tasks.json_path(f['workdir'], step) if f['workdir'] else None)
+  results = offline_tasks.evaluate(lm, loaded, f['limit'], f['num_fewshot'])
+  print(offline_tasks.table(results))
+  out = f['out'] or (task_eval.json_path(f['workdir'], step) if f['workdir'] else None)
   if out:
     extra = {'source': source, 'step': step, 'layout': setup.layout, 'packing': lm.stats}
-    print(f'wrote {harness_tasks.write_json(results, out, extra)}')
+    print(f'wrote {offline_tasks.write_json(results, out, extra)}')
   return 0
 
 

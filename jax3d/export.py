@@ -8,7 +8,7 @@ index) and the run's tokenizer files, so that
   tokenizers.Tokenizer.from_file(HF_DIR + '/tokenizer.json')
 
 load it. Any layout the run was trained on; --config.mesh.* reads it onto another one (this
-machine's devices). One tensor at a time goes through the host (jax3d/hf/export.py). The folder is
+machine's devices). One tensor at a time goes through the host (jax3d/hf/writer.py). The folder is
 the architecture the run imported (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM) or the one its features need, tied where the run's embeddings are.
 

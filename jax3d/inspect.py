@@ -11,7 +11,7 @@ scanned model; we report it but multiply every op (matmul or collective) by the 
 loops around it.
 
 `--target=KINDxN` (h100, h200, a100; N GPUs in nodes of 8): the step compiled by XLA:GPU for that
-many GPUs, on this machine, with no GPU (jax3d/parallel/gpu_target.py; needs
+many GPUs, on this machine, with no GPU (jax3d/devices/gpu_target.py; needs
 `pip install 'jax3d[cuda12]'`): the program a GPU node runs, its memory against the GPU's, and
 whether it fits. `--hlo=FILE` writes the optimised HLO text.
 
@@ -25,7 +25,7 @@ import json
 import sys
 
 from jax3d import cli
-from jax3d.parallel import gpu_target
+from jax3d.devices import gpu_target
 
 FLAGS = {
   'json': cli.Flag(bool, False, 'print the result as one JSON object'),

@@ -14,7 +14,7 @@ import ml_collections
 import optax
 
 
-def schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
+def lr_schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
   """The learning rate by step: linear warmup from 0 to train.lr over train.warmup_steps, then
   cosine decay to train.lr * train.min_lr_ratio at train.steps."""
   t = cfg.train
@@ -50,18 +50,18 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW (with clipping when train.grad_clip > 0) under `schedule(cfg)`."""
+  """AdamW (with clipping when train.grad_clip > 0) under `lr_schedule(cfg)`."""
   t = cfg.train
   parts = []
   if t.grad_clip > 0:
     parts.append(clip_by_global_norm(t.grad_clip))
   parts.append(
-    optax.adamw(schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
+    optax.adamw(lr_schedule(cfg), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
   )
   return optax.chain(*parts)
 
 
-def schedule_count(opt_state: Any, default: jax.Array) -> jax.Array:
+def lr_schedule_count(opt_state: Any, default: jax.Array) -> jax.Array:
   """The step count the learning-rate schedule reads (optax's `ScaleByScheduleState.count`): it
   does not advance on a skipped (non-finite) step, unlike the train step.
   `default` where the optimizer has no schedule state."""

@@ -17,10 +17,11 @@ from typing import Any
 
 from jax3d import cli
 from jax3d.config import ConfigError, validate
-from jax3d.parallel import gpu_target
+from jax3d.devices import gpu_target
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
 from jax3d.planning.explain import explain
+from jax3d.planning.memory_check import render, verify_memory
 from jax3d.planning.oom import oom_ladder
 from jax3d.planning.planner import (
   LAYOUT_KEYS,
@@ -30,7 +31,6 @@ from jax3d.planning.planner import (
   table,
   with_overrides,
 )
-from jax3d.planning.verify import render, verify_memory
 
 FLAGS = {
   'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),

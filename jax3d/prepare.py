@@ -10,7 +10,7 @@ Turns text into the token shards jax3d trains on (`--config.data.path=DIR`):
                 Parquet and Arrow/Feather files (and folders of them), a folder written by
                 `datasets`' save_to_disk (a DatasetDict's --split), or hf:NAME[:CONFIG], a dataset
                 in the Hugging Face cache (offline: never downloaded), its column --field read
-                row group by row group (jax3d/data/tables.py, sources.py);
+                row group by row group (jax3d/data/arrow_tables.py, sources.py);
                 default: the Python standard library's own source (no download)
   --field       the column or JSON field of the documents (default text; messages for chat)
   --on_bad      a bad row or JSONL line (field missing, null, not text, not UTF-8, not a
@@ -31,7 +31,7 @@ documents separated by EOS; a document is wholly in one split), each with its do
 (.starts.bin) and, for chat, its weights (.weights.bin), and DIR/index.json, on --workers
 processes (default: every core) with a progress bar, then prints the throughput (and, for chat,
 the supervised fraction). Rerunning skips the shards already done for the same inputs, tokenizer
-and template (jax3d/data/prepare.py); over a complete dataset the new one is written beside it and
+and template (jax3d/data/shard_writer.py); over a complete dataset the new one is written beside it and
 swapped in only when complete, so a failed rerun leaves it as it was (jax3d/data/staging.py).
 
 Exit status: 0 done; 2 bad flags or input (one line on stderr naming the file, and the line of a
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args: cli.Args) -> int:
-  from jax3d.data import bpe, prepare, reading, staging, tokenizer as tok_lib
+  from jax3d.data import bpe, reading, shard_writer, staging, tokenizer as tok_lib
 
   f = args.flags
   f['field'] = f['field'] or ('messages' if f['format'] == 'chat' else 'text')
@@ -130,7 +130,7 @@ def _prepare(args: cli.Args) -> int:
       print(f'note: {note}', file=sys.stderr)
   except ValueError as e:  # a ConfigError too: named by this command's flag
     return cli.fail(str(e).replace('data.tokenizer=', '--tokenizer='))
-  r = prepare.tokenize(
+  r = shard_writer.tokenize(
     f['input'],
     f['out'],
     tok.path or tok_lib.BYTES,
@@ -171,7 +171,7 @@ def _prepare(args: cli.Args) -> int:
 def _check_chat(f: dict, tok: object) -> None:
   """ValueError unless chat data can be made: a Hugging Face tokenizer.json whose folder has a
   chat template, and JSONL input."""
-  from jax3d.data import chat, inputs, tables, tokenizer as tok_lib
+  from jax3d.data import arrow_tables, chat, inputs, tokenizer as tok_lib
   from jax3d.data.reading import JSONL_SUFFIXES
 
   if not isinstance(tok, tok_lib.HFTokenizer):
@@ -181,7 +181,7 @@ def _check_chat(f: dict, tok: object) -> None:
     )
   chat.load_template(os.path.dirname(tok.path))
   name = f['input']
-  if name and not (os.path.isdir(name) or name.startswith('hf:') or tables.is_table(name)):
+  if name and not (os.path.isdir(name) or name.startswith('hf:') or arrow_tables.is_table(name)):
     if not inputs.plain_name(name).endswith(JSONL_SUFFIXES):
       raise ValueError(
         f'--input={name}: --format=chat reads .jsonl files (one conversation a line) or tables'

@@ -16,7 +16,7 @@ import os
 import sys
 
 from jax3d import cli
-from jax3d.analysis.report import write_report
+from jax3d.analysis.run_report import write_report
 
 
 def main(argv: list[str] | None = None) -> int:

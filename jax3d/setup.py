@@ -30,7 +30,7 @@ class Setup:
   mesh: Mesh  # ('dp', 'pp', 'tp')
   dims: Any  # jax3d.model.dims.Dims: the model's shapes and dtypes
   tx: optax.GradientTransformation  # the optimizer chain
-  schedule: optax.Schedule  # the learning rate of each step
+  lr_schedule: optax.Schedule  # the learning rate of each step
   rules: Any  # jax3d.parallel.sharding.Rules: logical axis -> mesh axes
   layer_order: np.ndarray  # position j of the stacked layers holds canonical layer layer_order[j]
   zero1: bool  # Adam's moments and the reduced gradients sharded over dp (ZeRO-1, or under ZeRO-3)

@@ -256,7 +256,7 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
   if residual is not None:
     new_state['grad_residual'] = residual
   # The rate the optimizer used: its schedule count (frozen on skipped steps), not the step counter.
-  lr = s.schedule(optim.schedule_count(state['opt_state'], default=state['step']))
+  lr = s.lr_schedule(optim.lr_schedule_count(state['opt_state'], default=state['step']))
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'finite': ok}
   return new_state, metrics
 

@@ -54,14 +54,14 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument('--json', default='bench_attention_gpu.json')
   args = ap.parse_args(argv)
 
-  from jax3d.parallel import gpu
+  from jax3d.devices import gpu_flags
 
-  gpu.apply_gpu_flags()
+  gpu_flags.apply_gpu_flags()
   import jax
   import numpy as np
 
   from jax3d import assemble, config as config_lib, step as step_lib
-  from jax3d.parallel import gpu_target
+  from jax3d.devices import gpu_target
 
   over = {
     'model.n_layers': args.layers,

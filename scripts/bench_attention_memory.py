@@ -159,7 +159,7 @@ def square_buffers(hlo: str, seq: int) -> list[str]:
 
 def gpu_memory(target: str, seqs: list[int]) -> list[dict]:
   from jax3d.analysis import inspection
-  from jax3d.parallel import gpu_target
+  from jax3d.devices import gpu_target
 
   devices = gpu_target.devices(gpu_target.parse(target))
   cap = gpu_target.parse(target).memory_bytes
@@ -197,8 +197,8 @@ def gqa_repeat_cost(target: str, seqs: list[int]) -> list[dict]:
   repeated against K/V given at 32 heads (no repeat): the temp bytes the repeat adds."""
   import jax.numpy as jnp
 
+  from jax3d.devices import gpu_target
   from jax3d.model import pallas
-  from jax3d.parallel import gpu_target
 
   dev = gpu_target.devices(gpu_target.parse(target))[0]
   sh = jax.sharding.SingleDeviceSharding(dev)

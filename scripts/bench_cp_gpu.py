@@ -1,5 +1,5 @@
 """Context parallelism on GPUs that are not attached (issue 43): the train step of a 1B-shaped model
-at a long sequence compiled by XLA:GPU for `--target` (deviceless, jax3d/parallel/gpu_target.py),
+at a long sequence compiled by XLA:GPU for `--target` (deviceless, jax3d/devices/gpu_target.py),
 bytes per GPU from the executable's memory_analysis beside the memory model's estimate.
 
   python scripts/bench_cp_gpu.py [--target=h100x8] [--seq=65536] [--cps=8,4]
@@ -47,7 +47,7 @@ def shape(seq: int, cp: int, n_gpus: int) -> dict:
 def one(target: str, seq: int, cp: int) -> dict:
   """Compiled bytes per GPU and the memory model's estimate of one layout."""
   from jax3d import api
-  from jax3d.parallel import gpu_target
+  from jax3d.devices import gpu_target
   from jax3d.planning import costmodel
   from jax3d.planning.hardware import Hardware
 

@@ -28,9 +28,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, 'tests')]
-from jax3d.harness import tasks as harness_tasks  # noqa: E402
+from jax3d.harness import offline_tasks  # noqa: E402
 
-harness_tasks.go_offline()
+offline_tasks.go_offline()
 from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
 
 use_fake_cpu_devices(1)
@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     n_requests = stats = None
     for r in range(args.rounds + 1):
       for name, lm in (('jax3d', ours), ('hf', hf)):
-        loaded = harness_tasks.load([task], folder)
+        loaded = offline_tasks.load([task], folder)
         ours.stats = dict.fromkeys(ours.stats, 0)
         t0 = time.perf_counter()
-        out = harness_tasks.evaluate(lm, loaded, bootstrap_iters=0, log_samples=True)
+        out = offline_tasks.evaluate(lm, loaded, bootstrap_iters=0, log_samples=True)
         dt = time.perf_counter() - t0
         if r:  # round 0 warms up (compiles)
           times[name].append(dt)

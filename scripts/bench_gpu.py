@@ -52,10 +52,10 @@ def main(argv=None) -> int:
   ap.add_argument('--smoke', action='store_true', help='tiny model, 3 steps, runs on CPU')
   args = ap.parse_args(argv)
 
-  from jax3d.parallel import gpu
+  from jax3d.devices import gpu_flags
 
   if not args.smoke:
-    added = gpu.apply_gpu_flags()  # before jax starts its backend
+    added = gpu_flags.apply_gpu_flags()  # before jax starts its backend
   else:
     added = []
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')

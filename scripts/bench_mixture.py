@@ -31,15 +31,15 @@ PROBE = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from jax3d import config as config_lib
-from jax3d.data import corpus as data_lib, mixture, tokenizer as tok_lib
+from jax3d.data import corpus as corpus_lib, mixture, tokenizer as tok_lib
 t1 = time.perf_counter()
 cfg = config_lib.load_config('tiny', json.loads(sys.argv[1]))
 c = mixture.for_config(cfg, tok_lib.load('bytes'))
 c.order(cfg.train.seed, cfg.train.seq_len)
 t2 = time.perf_counter()
-data_lib.batch_at(c, cfg.train.seed, 0, cfg.train.global_batch_size, cfg.train.seq_len)
+corpus_lib.batch_at(c, cfg.train.seed, 0, cfg.train.global_batch_size, cfg.train.seq_len)
 t3 = time.perf_counter()
-data_lib.batch_at(c, cfg.train.seed, 100_000, cfg.train.global_batch_size, cfg.train.seq_len)
+corpus_lib.batch_at(c, cfg.train.seed, 100_000, cfg.train.global_batch_size, cfg.train.seq_len)
 t4 = time.perf_counter()
 print(json.dumps({'import_s': t1 - t0, 'load_s': t2 - t1, 'first_batch_s': t3 - t2, 'far_batch_s': t4 - t3}))
 """

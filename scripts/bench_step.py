@@ -15,7 +15,7 @@ tp = 2 and 4 (dp = pp = 1), remat none and full, SP off and on: compiled temp me
 and tp bytes from `jax3d.inspect`; then the median step time SP off / on at the reference shape
 (4x1x2) and at seq 1024 (1x1x4), one micro-batch. Use --layouts= to skip the layout table.
 
---malloc-sweep (jax3d/parallel/cpu.py): each of --layouts and --dtype in child processes with the
+--malloc-sweep (jax3d/devices/cpu_heap.py): each of --layouts and --dtype in child processes with the
 C allocator tuned (jax3d's default on CPU) and untuned (JAX3D_NO_MALLOC_TUNING=1), alternating,
 3 rounds: median step time and minor page faults per step, and the ratio tuned / untuned.
 """

@@ -35,9 +35,10 @@ COMMAND_MODULES = frozenset(
 RANK = (
   'jax3d.errors',  # error types and exit statuses
   'jax3d.config',  # keys, loading, validation into the run plan
+  'jax3d.devices',  # device descriptions: GPU flags, compile-only GPU targets, the CPU heap
   'jax3d.configs',  # the shipped configs (configs/*.py)
   'jax3d.setup',  # the built run (Setup)
-  'jax3d.parallel',  # mesh, shardings, collectives, pipeline, remat, device flags
+  'jax3d.parallel',  # mesh, shardings, collectives, pipeline, remat
   'jax3d.model',  # the decoder, its formulas, KV-cache decoding
   'jax3d.data',  # corpora, tokenizers, shards, batches
   'jax3d.hf',  # Hugging Face in and out
@@ -85,7 +86,9 @@ JAX_SRC_ALLOWED = {
 
 MAX_LINES = 330
 # Modules allowed over MAX_LINES, and why they are one module (line counts after `ruff format`).
-LONG_MODULES: dict[str, str] = {}
+LONG_MODULES: dict[str, str] = {
+  'jax3d/data/shard_writer.py': 'its renamed imports no longer fit one line; split by concern next (issue 54)',
+}
 
 
 def _module_files() -> dict[str, str]:

@@ -123,9 +123,9 @@ def _write_tables(d: str) -> None:
 def _shards(d: str) -> None:
   """Token shards with an id past the model's vocabulary (300 > 256 bytes): 'ids_recorded' as
   prepare records it, 'ids_scanned' as older shards are (no max_id: the shard is read)."""
-  from jax3d.data import prepare
+  from jax3d.data import shard_writer
 
-  prepare.tokenize(
+  shard_writer.tokenize(
     os.path.join(d, 'text.jsonl'), os.path.join(d, 'ids_recorded'), 'bytes', workers=1, progress=False
   )
   index_file = os.path.join(d, 'ids_recorded', 'index.json')

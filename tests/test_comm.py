@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jax3d import assemble, step as step_lib
-from jax3d.parallel import gpu
+from jax3d.devices import gpu_flags
 
 from helpers import canonical, fixed_batches, setup_for, small_cfg
 
@@ -204,19 +204,19 @@ def test_gpu_flags_not_set_on_cpu():
   )
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == '--xla_force_host_platform_device_count=8'
-  assert not gpu.gpu_present(env)
+  assert not gpu_flags.gpu_present(env)
 
 
 def test_gpu_flags_precedence(monkeypatch):
-  assert not gpu.gpu_present({'JAX_PLATFORMS': 'cpu'})
-  monkeypatch.setattr(gpu, 'gpu_present', lambda env=None: True)
+  assert not gpu_flags.gpu_present({'JAX_PLATFORMS': 'cpu'})
+  monkeypatch.setattr(gpu_flags, 'gpu_present', lambda env=None: True)
   env = {'XLA_FLAGS': '--xla_gpu_enable_latency_hiding_scheduler=false'}
-  added = gpu.apply_gpu_flags(env)
+  added = gpu_flags.apply_gpu_flags(env)
   assert '--xla_gpu_enable_latency_hiding_scheduler=false' in env['XLA_FLAGS']  # the user's wins
   assert 'xla_gpu_enable_latency_hiding_scheduler=true' not in env['XLA_FLAGS']
   assert added and all(f in env['XLA_FLAGS'] for f in added)
   off = {'JAX3D_NO_GPU_FLAGS': '1'}
-  assert gpu.apply_gpu_flags(off) == [] and 'XLA_FLAGS' not in off
+  assert gpu_flags.apply_gpu_flags(off) == [] and 'XLA_FLAGS' not in off
 
 
 def test_bench_gpu_smoke(tmp_path):

@@ -10,7 +10,8 @@ import pytest
 
 from jax3d import config as config_lib
 from jax3d.config import ConfigError
-from jax3d.parallel import gpu_target, mesh as mesh_lib
+from jax3d.devices import gpu_target
+from jax3d.parallel import mesh as mesh_lib
 from jax3d.planning import explain, planner
 from jax3d.planning.hardware import Hardware
 

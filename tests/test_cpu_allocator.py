@@ -1,4 +1,4 @@
-"""The CPU allocator tuning (jax3d/parallel/cpu.py): when it applies, and that it removes the page
+"""The CPU allocator tuning (jax3d/devices/cpu_heap.py): when it applies, and that it removes the page
 faults of a large buffer freed and allocated again (what XLA:CPU does with a step's temporaries)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from jax3d.parallel import cpu
+from jax3d.devices import cpu_heap
 
 # In a fresh process: a 64 MiB buffer written, freed, allocated and written again; prints the
 # minor page faults of the second round (the kernel zeroing fresh pages) and whether tuning applied.
@@ -17,8 +17,8 @@ from jax3d.parallel import cpu
 PROBE = """
 import ctypes, resource, sys
 import jax
-from jax3d.parallel import cpu
-applied = cpu.retain_freed_memory(jax.devices()) if sys.argv[1] == 'tuned' else False
+from jax3d.devices import cpu_heap
+applied = cpu_heap.retain_freed_memory(jax.devices()) if sys.argv[1] == 'tuned' else False
 libc, n = ctypes.CDLL('libc.so.6'), 64 * 2**20
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 p = libc.malloc(n); ctypes.memset(p, 1, n); libc.free(p)
@@ -45,8 +45,8 @@ def test_freed_buffers_come_back_without_page_faults():
 
 
 def test_not_applied_off_cpu_or_when_turned_off(monkeypatch):
-  monkeypatch.setattr(cpu, '_applied', False)
+  monkeypatch.setattr(cpu_heap, '_applied', False)
   gpu = types.SimpleNamespace(platform='gpu')
-  assert not cpu.retain_freed_memory([gpu])
+  assert not cpu_heap.retain_freed_memory([gpu])
   monkeypatch.setenv('JAX3D_NO_MALLOC_TUNING', '1')
-  assert not cpu.retain_freed_memory([types.SimpleNamespace(platform='cpu')])
+  assert not cpu_heap.retain_freed_memory([types.SimpleNamespace(platform='cpu')])

@@ -10,12 +10,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import assemble, config as config_lib
-from jax3d.data import corpus as data_lib, packing, prefetch
+from jax3d.data import corpus as corpus_lib, packing, prefetch
 
 
 @pytest.fixture(scope='module')
 def corpus():
-  return data_lib.load_corpus('', 0.05, 129)
+  return corpus_lib.load_corpus('', 0.05, 129)
 
 
 def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
@@ -33,9 +33,9 @@ def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
   )
   s = assemble.build(cfg, jax.devices()[:n])
   sh = s.batch_sharding
-  rows = data_lib.process_rows(sh, batch)
-  local = data_lib.batch_at(corpus, 0, step, batch, seq, rows)
-  return jax.device_get(data_lib.to_global(local, sh, batch))
+  rows = corpus_lib.process_rows(sh, batch)
+  local = corpus_lib.batch_at(corpus, 0, step, batch, seq, rows)
+  return jax.device_get(corpus_lib.to_global(local, sh, batch))
 
 
 @pytest.mark.parametrize('layout', [(8, 1, 1), (2, 2, 2), (1, 2, 4), (4, 2, 1), (1, 8, 1)])
@@ -52,12 +52,12 @@ def test_layout_never_changes_the_batch(corpus, layout):
 
 
 def test_steps_and_seeds_differ_and_repeat(corpus):
-  a = data_lib.batch_at(corpus, 0, 3, 8, 32)
-  assert (a['inputs'] == data_lib.batch_at(corpus, 0, 3, 8, 32)['inputs']).all()
-  assert (a['inputs'] != data_lib.batch_at(corpus, 0, 4, 8, 32)['inputs']).any()
-  assert (a['inputs'] != data_lib.batch_at(corpus, 1, 3, 8, 32)['inputs']).any()
+  a = corpus_lib.batch_at(corpus, 0, 3, 8, 32)
+  assert (a['inputs'] == corpus_lib.batch_at(corpus, 0, 3, 8, 32)['inputs']).all()
+  assert (a['inputs'] != corpus_lib.batch_at(corpus, 0, 4, 8, 32)['inputs']).any()
+  assert (a['inputs'] != corpus_lib.batch_at(corpus, 1, 3, 8, 32)['inputs']).any()
   rows = np.array([1, 2, 5, 6])  # a process holding two non-adjacent blocks of rows
-  part = data_lib.batch_at(corpus, 0, 3, 8, 32, rows)
+  part = corpus_lib.batch_at(corpus, 0, 3, 8, 32, rows)
   for k in packing.KEYS:
     np.testing.assert_array_equal(part[k], a[k][rows])
 
@@ -65,8 +65,8 @@ def test_steps_and_seeds_differ_and_repeat(corpus):
 def test_a_stream_of_one_sequence_gives_its_one_row():
   """A stream of exactly seq_len + 1 tokens (the smallest the validation accepts) is one row, in
   every batch row: inputs 0..31, targets 1..32."""
-  c = data_lib.Corpus(np.arange(33, dtype=np.uint16), np.arange(33, dtype=np.uint16), 33, 'x')
-  b = data_lib.batch_at(c, 0, 0, 4, 32)
+  c = corpus_lib.Corpus(np.arange(33, dtype=np.uint16), np.arange(33, dtype=np.uint16), 33, 'x')
+  b = corpus_lib.batch_at(c, 0, 0, 4, 32)
   np.testing.assert_array_equal(b['inputs'], np.tile(np.arange(32), (4, 1)))
   np.testing.assert_array_equal(b['targets'], np.tile(np.arange(1, 33), (4, 1)))
   assert (b['weights'] == 1).all() and (b['segment_ids'] == 1).all()
@@ -88,13 +88,22 @@ def test_process_rows_of_a_sharding():
   (also non-adjacent ones), and each block once however many pp/tp devices replicate it."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 1, 2), ('dp', 'pp', 'tp'))
   sh = NamedSharding(mesh, P('dp'))
-  assert data_lib.process_rows(sh, 16).tolist() == list(range(16))
+  assert corpus_lib.process_rows(sh, 16).tolist() == list(range(16))
   devs = mesh.devices
-  assert data_lib.process_rows(_OneProcess(sh, devs[1].flat), 16).tolist() == [4, 5, 6, 7]
-  assert data_lib.process_rows(_OneProcess(sh, devs[[0, 2]].flat), 16).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
-  assert data_lib.process_rows(_OneProcess(sh, devs[:, :, 1].flat), 16).tolist() == list(range(16))
+  assert corpus_lib.process_rows(_OneProcess(sh, devs[1].flat), 16).tolist() == [4, 5, 6, 7]
+  assert corpus_lib.process_rows(_OneProcess(sh, devs[[0, 2]].flat), 16).tolist() == [
+    0,
+    1,
+    2,
+    3,
+    8,
+    9,
+    10,
+    11,
+  ]
+  assert corpus_lib.process_rows(_OneProcess(sh, devs[:, :, 1].flat), 16).tolist() == list(range(16))
   sh2 = NamedSharding(mesh, P(('dp', 'tp')))  # rows over dp and tp: device (1, 0, 1) holds block 3
-  rows = data_lib.process_rows(_OneProcess(sh2, [devs[1, 0, 1], devs[3, 0, 0]]), 16)
+  rows = corpus_lib.process_rows(_OneProcess(sh2, [devs[1, 0, 1], devs[3, 0, 0]]), 16)
   assert rows.tolist() == [6, 7, 12, 13]
 
 
@@ -107,15 +116,15 @@ def test_default_corpus_is_the_standard_library_split_by_file(corpus):
 def test_text_and_token_files(tmp_path):
   text = tmp_path / 'a.txt'
   text.write_bytes(b'hello world, ' * 2000)
-  c = data_lib.load_corpus(str(text), 0.1, 33)
+  c = corpus_lib.load_corpus(str(text), 0.1, 33)
   assert c.vocab_size == 256 and c.train.size == int(26000 * 0.9)
   tokens = np.arange(10000, dtype=np.uint16) % 1000
   tokens.tofile(tmp_path / 'train.bin')
   (tokens[:2000]).tofile(tmp_path / 'val.bin')
-  c = data_lib.load_corpus(str(tmp_path), 0.1, 33)
+  c = corpus_lib.load_corpus(str(tmp_path), 0.1, 33)
   assert c.vocab_size == 1000 and c.train.size == 10000 and c.held_out.size == 2000
   with pytest.raises(config_lib.ConfigError, match='model.vocab_size=256 is smaller'):
-    data_lib.check_vocab(c, 256)
+    corpus_lib.check_vocab(c, 256)
 
 
 def _records(arr: np.ndarray) -> set[bytes]:
@@ -137,7 +146,7 @@ def test_held_out_is_never_trained_on(tmp_path, monkeypatch, kind):
     np.arange(10_000, dtype=np.uint16).tofile(root / 'train.bin')
     if kind == 'bin_val':
       np.arange(10_000, 12_000, dtype=np.uint16).tofile(root / 'val.bin')
-    c = data_lib.load_corpus(str(root), 0.1, 33)
+    c = corpus_lib.load_corpus(str(root), 0.1, 33)
     assert np.intersect1d(np.asarray(c.train), np.asarray(c.held_out)).size == 0
     assert c.held_out.size == (2000 if kind == 'bin_val' else 1000)
     assert c.train.size + (0 if kind == 'bin_val' else c.held_out.size) == 10_000
@@ -153,9 +162,9 @@ def test_held_out_is_never_trained_on(tmp_path, monkeypatch, kind):
       _write_records(sub / f'f{j}.py', j * 1000, 1000)
     path = str(root)
     if kind == 'stdlib':
-      monkeypatch.setattr(data_lib.sysconfig, 'get_paths', lambda: {'stdlib': str(root)})
+      monkeypatch.setattr(corpus_lib.sysconfig, 'get_paths', lambda: {'stdlib': str(root)})
       path = ''
-  c = data_lib.load_corpus(path, 0.1, 33)
+  c = corpus_lib.load_corpus(path, 0.1, 33)
   train, held = _records(c.train), _records(c.held_out)
   assert held and train and not train & held
   assert len(train) + len(held) >= (3000 if kind == 'text_file' else 1000 * n_files) - 1
@@ -163,12 +172,12 @@ def test_held_out_is_never_trained_on(tmp_path, monkeypatch, kind):
 
 def test_corpus_cap_stops_the_whole_walk(tmp_path, monkeypatch):
   """The size cap ends the walk over all directories, not only the current one's files."""
-  monkeypatch.setattr(data_lib, 'MAX_CORPUS_BYTES', 1500)
+  monkeypatch.setattr(corpus_lib, 'MAX_CORPUS_BYTES', 1500)
   for d in 'abcd':
     (tmp_path / d).mkdir()
     for j in range(3):
       (tmp_path / d / f'{j}.txt').write_bytes(b'x' * 1000)
-  train, held = data_lib._read_files(str(tmp_path), 0.0)
+  train, held = corpus_lib._read_files(str(tmp_path), 0.0)
   assert held == []
   assert [len(raw) for _, raw in train] == [1000, 1000]  # the file that crossed the cap is the last one read
 
@@ -179,9 +188,9 @@ def test_prefetch_error_reaches_the_caller(monkeypatch):
   def broken(*args, **kwargs):
     raise ValueError('disk on fire')
 
-  monkeypatch.setattr(data_lib, 'batch_at', broken)
+  monkeypatch.setattr(corpus_lib, 'batch_at', broken)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ('dp', 'pp', 'tp'))
-  corpus = data_lib.Corpus(np.zeros(1000, np.uint16), np.zeros(1000, np.uint16), 1, 'zeros')
+  corpus = corpus_lib.Corpus(np.zeros(1000, np.uint16), np.zeros(1000, np.uint16), 1, 'zeros')
   pf = prefetch.Prefetcher(corpus, 0, 0, 5, 4, 8, NamedSharding(mesh, P('dp')))
   out = {}
 
@@ -197,7 +206,7 @@ def test_prefetch_error_reaches_the_caller(monkeypatch):
   pf.close()
   assert not t.is_alive(), 'Prefetcher.next hung after the prefetch thread failed'
   e = out['error']
-  assert isinstance(e, data_lib.DataError) and 'disk on fire' in str(e) and 'step 0' in str(e)
+  assert isinstance(e, corpus_lib.DataError) and 'disk on fire' in str(e) and 'step 0' in str(e)
   assert isinstance(e.__cause__, ValueError)
 
 
@@ -210,7 +219,7 @@ def test_train_cli_exits_3_when_the_prefetch_thread_fails(tmp_path, monkeypatch,
   def broken(*args, **kwargs):
     raise ValueError('disk on fire')
 
-  monkeypatch.setattr(data_lib, 'batch_at', broken)
+  monkeypatch.setattr(corpus_lib, 'batch_at', broken)
   argv = [
     '--config=configs/tiny.py',
     f'--workdir={tmp_path}',

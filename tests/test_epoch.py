@@ -9,24 +9,24 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d.data import corpus as data_lib, epochs, packing, prefetch
+from jax3d.data import corpus as corpus_lib, epochs, packing, prefetch
 
 
-def _docs_corpus(how: str, seed: int = 0, n_docs: int = 60) -> data_lib.Corpus:
+def _docs_corpus(how: str, seed: int = 0, n_docs: int = 60) -> corpus_lib.Corpus:
   """Documents of 1 to 70 tokens whose token ids are their positions in the stream (so a target
   names the token it is)."""
   lens = np.random.default_rng(seed).integers(1, 70, n_docs)
   starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
   tokens = np.arange(starts[-1], dtype=np.uint32)
-  return data_lib.Corpus(tokens, tokens, int(starts[-1]), 'hand-built', starts, starts, packing=how)
+  return corpus_lib.Corpus(tokens, tokens, int(starts[-1]), 'hand-built', starts, starts, packing=how)
 
 
-def _targets_of_one_epoch(c: data_lib.Corpus, batch: int, seq: int) -> np.ndarray:
+def _targets_of_one_epoch(c: corpus_lib.Corpus, batch: int, seq: int) -> np.ndarray:
   """Every weighted target of the first epoch's rows (the steps until n_rows rows are taken)."""
   n_rows = c.layout(seq).n_rows
   got = []
   for step in range(-(-n_rows // batch)):
-    b = data_lib.batch_at(c, 3, step, batch, seq)
+    b = corpus_lib.batch_at(c, 3, step, batch, seq)
     take = min(batch, n_rows - step * batch)  # the last step's later rows are the next epoch's
     got.append(b['targets'][:take][b['weights'][:take] > 0])
   return np.concatenate(got)
@@ -74,13 +74,13 @@ def test_every_layout_and_process_count_reads_the_same_batch(how, mesh_shape, pr
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(mesh_shape), ('dp', 'pp', 'tp'))
   sh = NamedSharding(mesh, P('dp'))
   batch, seq = 16, 16
-  ref = data_lib.batch_at(c, 0, 5, batch, seq)
+  ref = corpus_lib.batch_at(c, 0, 5, batch, seq)
   devices = list(mesh.devices.flat)
   per = len(devices) // processes
   got = {k: np.full_like(v, -7) for k, v in ref.items()}
   for p in range(processes):
-    rows = data_lib.process_rows(_OneProcess(sh, devices[p * per : (p + 1) * per]), batch)
-    local = data_lib.batch_at(c, 0, 5, batch, seq, rows)
+    rows = corpus_lib.process_rows(_OneProcess(sh, devices[p * per : (p + 1) * per]), batch)
+    local = corpus_lib.batch_at(c, 0, 5, batch, seq, rows)
     for k in got:
       got[k][rows] = local[k]
   for k in ref:
@@ -108,22 +108,22 @@ def test_resume_mid_epoch_gives_the_same_batches():
   whole, whole_epochs = _prefetched(c, 0, stop)
   resumed, resumed_epochs = _prefetched(_docs_corpus('concat', n_docs=20), start, stop)
   assert (
-    set(whole[0]) == set(data_lib.STEP_KEYS) == {'inputs', 'targets', 'weights', 'segment_ids', 'positions'}
+    set(whole[0]) == set(corpus_lib.STEP_KEYS) == {'inputs', 'targets', 'weights', 'segment_ids', 'positions'}
   )
   assert start * 4 % n_rows and whole_epochs[start] == 1 and max(whole_epochs) == 2
   for i in range(start, stop):
-    for k in data_lib.STEP_KEYS:
+    for k in corpus_lib.STEP_KEYS:
       np.testing.assert_array_equal(resumed[i][k], whole[i][k])
   assert resumed_epochs == whole_epochs[start:]
-  full = data_lib.batch_at(c, 11, start, 4, 16)
+  full = corpus_lib.batch_at(c, 11, start, 4, 16)
   np.testing.assert_array_equal(whole[start]['inputs'], full['inputs'])
 
 
 def test_packing_is_auto_by_weights_and_checked():
   assert packing.resolve('auto', weighted=True) == 'pack' and packing.resolve('auto', False) == 'concat'
   assert packing.resolve('concat', weighted=True) == 'concat'
-  with pytest.raises(data_lib.ConfigError, match="data.packing='rows' is invalid"):
-    data_lib.load_corpus('', 0.05, 129, packing='rows')
+  with pytest.raises(corpus_lib.ConfigError, match="data.packing='rows' is invalid"):
+    corpus_lib.load_corpus('', 0.05, 129, packing='rows')
 
 
 @pytest.mark.slow
@@ -149,9 +149,9 @@ def test_the_trainer_trains_on_the_epoch_order_and_records_the_epoch(tmp_path, m
     }
   )
   asked = []
-  real = data_lib.batch_at
+  real = corpus_lib.batch_at
   monkeypatch.setattr(
-    data_lib, 'batch_at', lambda *a, **k: asked.append((k.get('split', 'train'), a[2])) or real(*a, **k)
+    corpus_lib, 'batch_at', lambda *a, **k: asked.append((k.get('split', 'train'), a[2])) or real(*a, **k)
   )
   t = Trainer(cfg, devices=jax.devices()[:2], console=False)
   try:
@@ -195,11 +195,11 @@ def test_the_trainer_feeds_step_i_the_batch_of_jax3d_batch(tmp_path):
   finally:
     t.close()
   assert sorted(fed) == list(range(6))
-  epoch = lambda i: data_lib.epoch_at(t.corpus, cfg.train.seed, i, 8, cfg.train.seq_len)
+  epoch = lambda i: corpus_lib.epoch_at(t.corpus, cfg.train.seed, i, 8, cfg.train.seq_len)
   assert epoch(0) == 0 and epoch(5) >= 2  # the epoch order, reshuffled, is crossed
   for i in range(6):
     want = jax3d.batch(cfg, i)
-    assert set(fed[i]) == set(want) == set(data_lib.STEP_KEYS)
+    assert set(fed[i]) == set(want) == set(corpus_lib.STEP_KEYS)
     for k in want:
       np.testing.assert_array_equal(fed[i][k], want[k], err_msg=f'step {i}: {k}')
     if i:  # neighbouring steps differ: a batch one step off cannot pass

@@ -19,7 +19,7 @@ pytest.importorskip('lm_eval')
 import eval_helpers as eh  # noqa: E402
 
 from jax3d import assemble, config as config_lib  # noqa: E402
-from jax3d.harness import model as harness_model, tasks as harness_tasks  # noqa: E402
+from jax3d.harness import model as harness_model, offline_tasks  # noqa: E402
 from jax3d.hf import weights  # noqa: E402
 
 TASKS = [eh.MC_TASK, eh.GEN_TASK, eh.ROLL_TASK]
@@ -50,8 +50,8 @@ def reference(folders, tasks: tuple[str, ...], limit: int) -> dict:
   if (tasks, limit) not in _REFERENCE:
     model, folder = folders
     lm = HFLM(pretrained=model, device='cpu', dtype='float32', batch_size=1, max_length=eh.MAX_LENGTH)
-    loaded = harness_tasks.load(list(tasks), folder)
-    _REFERENCE[tasks, limit] = harness_tasks.evaluate(lm, loaded, limit, bootstrap_iters=0, log_samples=True)
+    loaded = offline_tasks.load(list(tasks), folder)
+    _REFERENCE[tasks, limit] = offline_tasks.evaluate(lm, loaded, limit, bootstrap_iters=0, log_samples=True)
   return _REFERENCE[tasks, limit]
 
 
@@ -95,8 +95,8 @@ def _check_equal(got: dict, ref: dict, tasks: tuple[str, ...]) -> None:
 def _run(folders, layout, tasks, limit):
   model, folder = folders
   lm = _jax_lm(model, layout)
-  loaded = harness_tasks.load(list(tasks), folder)
-  return lm, harness_tasks.evaluate(lm, loaded, limit, bootstrap_iters=0, log_samples=True)
+  loaded = offline_tasks.load(list(tasks), folder)
+  return lm, offline_tasks.evaluate(lm, loaded, limit, bootstrap_iters=0, log_samples=True)
 
 
 def test_multiple_choice_equals_lm_evals_hf_model_on_one_device(folders):
@@ -175,8 +175,8 @@ def test_missing_lm_eval_names_the_extra(monkeypatch):
   import sys
 
   monkeypatch.setitem(sys.modules, 'lm_eval', None)
-  with pytest.raises(harness_tasks.UsageError, match=r"pip install 'jax3d\[eval\]'"):
-    harness_tasks.require_lm_eval()
+  with pytest.raises(offline_tasks.UsageError, match=r"pip install 'jax3d\[eval\]'"):
+    offline_tasks.require_lm_eval()
 
 
 @pytest.mark.slow
@@ -234,7 +234,7 @@ def test_tasks_in_training_and_after_agree(folders, tmp_path):
 def test_the_report_plots_task_scores(tmp_path):
   """metrics.jsonl task records (as eval.tasks writes them) -> the report's task figure; a resumed
   run's later records replace the earlier ones of the same steps."""
-  from jax3d.analysis import report
+  from jax3d.analysis import run_report
 
   recs = [
     {'event': 'start', 'step': 0},
@@ -246,7 +246,7 @@ def test_the_report_plots_task_scores(tmp_path):
   ]
   with open(tmp_path / 'metrics.jsonl', 'w') as f:
     f.writelines(json.dumps(r) + '\n' for r in recs)
-  run = report.load(str(tmp_path / 'metrics.jsonl'))
+  run = run_report.load(str(tmp_path / 'metrics.jsonl'))
   assert [(r['step'], r['task/mc/acc']) for r in run['tasks']] == [(2, 0.25), (4, 0.75)]
-  page = open(report.write_report(str(tmp_path))).read()
+  page = open(run_report.write_report(str(tmp_path))).read()
   assert 'tasks.png' in page and (tmp_path / 'report' / 'tasks.png').exists()

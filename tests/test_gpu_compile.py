@@ -1,5 +1,5 @@
 """The GPU program compiled here, with no GPU (issue 41): `--target=KINDxN` compiles the real train
-step with XLA:GPU for a compile-only CUDA topology (jax3d/parallel/gpu_target.py). Needs JAX's CUDA
+step with XLA:GPU for a compile-only CUDA topology (jax3d/devices/gpu_target.py). Needs JAX's CUDA
 plugin (`pip install 'jax3d[cuda12]'`; the test extra has it on Linux x86-64), else these skip,
 except the ones that need no plugin: the error without it, and the per-device attention region's
 numbers on CPU.
@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from jax3d import assemble, inspect as inspect_cmd
+from jax3d.devices import gpu_target
 from jax3d.model import attention
-from jax3d.parallel import gpu_target, sharding
+from jax3d.parallel import sharding
 
 needs_plugin = pytest.mark.skipif(
   not gpu_target.plugin_installed(),
@@ -203,7 +204,7 @@ def test_llama3_8b_plan_fits_on_h100x8_within_10_percent():
   """docs/plan.md's 8B command on one node of 8 x H100: XLA:GPU's bytes per device fit, and the
   planner's estimate is within 10% of them."""
   from jax3d import config as config_lib
-  from jax3d.planning.verify import verify_memory
+  from jax3d.planning.memory_check import verify_memory
 
   cfg = config_lib.load_config(
     'llama3_8b',
@@ -262,7 +263,7 @@ def test_documented_64_gpu_plans_fit_on_h100x64_within_10_percent(name, over):
   estimate is within 10% of them (before the circular loop's fix and pricing: -28%; before the
   one-iteration rule: +24.9%)."""
   from jax3d import config as config_lib
-  from jax3d.planning.verify import verify_memory
+  from jax3d.planning.memory_check import verify_memory
 
   cfg = config_lib.load_config('llama3_70b' if name.startswith('70b') else 'llama3_8b', over)
   v = verify_memory(cfg, config_lib.validate(cfg, 64), gpu_target.parse('h100x64'))

@@ -3,7 +3,7 @@
 A tiny random LlamaForCausalLM (GQA 8/4 heads, vocabulary 300: not a multiple of 128) is written
 by transformers, imported with `checkpoint.init_from=hf:PATH` onto several layouts, and jax3d's
 logits are compared with transformers' (fp32, relative to the logits' scale). Round trips go
-through `jax3d.hf.export` and `from_pretrained`.
+through `jax3d.hf.writer` and `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jax3d import assemble, config as config_lib
-from jax3d.hf import config as hf_config, export as hf_export
+from jax3d.hf import config as hf_config, writer
 from jax3d.model import generate
 from jax3d.parallel import placement
 from jax3d.trainer import workdir
@@ -82,7 +82,7 @@ def test_import_export_round_trip(models, kind, tmp_path):
   same logits as the original model, and the exported tensors equal the original ones."""
   path, model = models[kind]
   s, params = H.imported(path, (1, 2, 4))
-  files = hf_export.export(params, s, str(tmp_path), max_shard_bytes=100_000)
+  files = writer.export(params, s, str(tmp_path), max_shard_bytes=100_000)
   assert 'model.safetensors.index.json' in files and sum(f.endswith('.safetensors') for f in files) > 1
   back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
   toks = H.tokens(2)

@@ -19,10 +19,10 @@ import pytest
 
 from jax3d import assemble
 from jax3d.config import ConfigError
-from jax3d.hf import export as hf_export
+from jax3d.hf import writer
 from jax3d.model import generate
 from jax3d.model.rope import RopeScaling
-from jax3d.trainer import verify as verify_lib
+from jax3d.trainer import export_parity
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -139,7 +139,7 @@ def test_greedy_generation_of_32_tokens_matches_transformers(families, family, l
 def test_import_export_round_trip_is_bit_identical(families, family, tmp_path):
   path, model = families[family]
   s, params = _imported(path, (2, 2, 2))
-  hf_export.export(params, s, str(tmp_path))
+  writer.export(params, s, str(tmp_path))
   with open(os.path.join(path, 'config.json')) as f:
     src = json.load(f)
   with open(tmp_path / 'config.json') as f:
@@ -221,12 +221,12 @@ def test_verify_fails_on_a_wrong_export(families, tmp_path):
   """verify's comparison can fail: an export whose one tensor was changed is reported (exit 3)."""
   path, _ = families['qwen3']
   s, params = _imported(path, (1, 1, 1))
-  hf_export.export(params, s, str(tmp_path))
+  writer.export(params, s, str(tmp_path))
   toks = H.tokens(seq=SEQ)
-  assert verify_lib.verify(s, params, str(tmp_path), toks) < TOL
+  assert export_parity.verify(s, params, str(tmp_path), toks) < TOL
   _scale_tensor(str(tmp_path), 'model.layers.1.self_attn.k_norm.weight', 1.01)
   with pytest.raises(Exception) as e:
-    verify_lib.verify(s, params, str(tmp_path), toks)
+    export_parity.verify(s, params, str(tmp_path), toks)
   assert getattr(e.value, 'exit_status', None) == 3 and 'above 0.0001' in str(e.value)
 
 
@@ -252,14 +252,14 @@ def test_export_command_verify_exits_3_on_a_wrong_export(tmp_path, monkeypatch, 
   assert export_cmd.main([f'--workdir={run}', f'--out={right}', '--verify']) == 0
   out = capsys.readouterr().out
   assert f'verified {right}: ' in out and f'wrote {right}: model.safetensors' in out, out
-  real = hf_export.export
+  real = writer.export
 
   def wrong(params, setup, folder, *args, **kwargs):
     files = real(params, setup, folder, *args, **kwargs)
     _scale_tensor(folder, 'model.norm.weight', 1.01)
     return files
 
-  monkeypatch.setattr(hf_export, 'export', wrong)
+  monkeypatch.setattr(writer, 'export', wrong)
   bad = str(tmp_path / 'bad')
   assert export_cmd.main([f'--workdir={run}', f'--out={bad}', '--verify']) == 3
   printed = capsys.readouterr()

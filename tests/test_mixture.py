@@ -1,4 +1,4 @@
-"""Weighted mixtures (data.mixture, data.mixture_stages; jax3d/data/mixture.py, schedule.py): the
+"""Weighted mixtures (data.mixture, data.mixture_stages; jax3d/data/mixture.py, apportion.py): the
 realised proportions against the weights, each source in its own epoch order, the same rows for
 every layout and process count, stage changes that keep the cursors, resume (the same mixture: the
 same losses; another: logged, the cursors go on), the per-source metrics and the bad inputs."""
@@ -14,28 +14,28 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d.config import ConfigError
-from jax3d.data import corpus as data_lib, mixture, schedule, tokenizer as tok_lib
+from jax3d.data import apportion, corpus as corpus_lib, mixture, tokenizer as tok_lib
 
 from helpers import small_cfg
 
 MIX = 'web=0.7:/d/web,code=0.2:/d/code,math=0.1:/d/math'
 
 
-def _source(seed: int, n_docs: int) -> data_lib.Corpus:
+def _source(seed: int, n_docs: int) -> corpus_lib.Corpus:
   """Documents whose token ids are `seed * 100_000` + their positions (a target names its source
   and its token)."""
   lens = np.random.default_rng(seed).integers(2, 60, n_docs)
   starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
   tokens = (seed * 100_000 + np.arange(starts[-1])).astype(np.uint32)
-  return data_lib.Corpus(tokens, tokens, 1 << 20, f'source {seed}', starts, starts, packing='concat')
+  return corpus_lib.Corpus(tokens, tokens, 1 << 20, f'source {seed}', starts, starts, packing='concat')
 
 
 def _mixture(spec: str = MIX, stages: str = '', docs=(400, 30, 8)) -> mixture.Mixture:
-  return mixture.Mixture(schedule.parse(spec, stages), [_source(i + 1, n) for i, n in enumerate(docs)])
+  return mixture.Mixture(apportion.parse(spec, stages), [_source(i + 1, n) for i, n in enumerate(docs)])
 
 
-def _draws(sched: schedule.Schedule, steps: range) -> tuple[np.ndarray, np.ndarray]:
-  got = [sched.draws(s) for s in steps]
+def _draws(appt: apportion.Apportionment, steps: range) -> tuple[np.ndarray, np.ndarray]:
+  got = [appt.draws(s) for s in steps]
   return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
 
 
@@ -43,8 +43,8 @@ def test_three_sources_give_their_weights_within_1pct_over_1000_steps():
   """Over 1,000 steps of 16 rows the realised shares are the weights (within 1%, in fact within a
   row); at every step each source's count is within 3 rows of its target, and its rows are its
   cursor 0, 1, 2, ... in turn (no row skipped or repeated)."""
-  sched = schedule.Schedule(schedule.parse(MIX), 16)
-  src, k = _draws(sched, range(1000))
+  appt = apportion.Apportionment(apportion.parse(MIX), 16)
+  src, k = _draws(appt, range(1000))
   share = np.bincount(src, minlength=3) / src.size
   np.testing.assert_allclose(share, [0.7, 0.2, 0.1], atol=0.01)
   np.testing.assert_allclose(share, [0.7, 0.2, 0.1], atol=1 / src.size)
@@ -53,8 +53,8 @@ def test_three_sources_give_their_weights_within_1pct_over_1000_steps():
   counts = np.cumsum(np.eye(3, dtype=np.int64)[src], axis=0)[15::16]  # after each step
   target = np.arange(1, 1001)[:, None] * 16 * np.array([0.7, 0.2, 0.1])
   assert np.abs(counts - target).max() < 3
-  np.testing.assert_array_equal(sched.cursors(1000), counts[-1])
-  np.testing.assert_array_equal(sched.cursors(437), counts[436])
+  np.testing.assert_array_equal(appt.cursors(1000), counts[-1])
+  np.testing.assert_array_equal(appt.cursors(437), counts[436])
 
 
 def test_each_source_reads_its_own_epoch_order():
@@ -74,7 +74,7 @@ def test_each_source_reads_its_own_epoch_order():
   epochs = m.per_source(5, 40, batch, seq)
   assert epochs['epoch/math'] >= 2 and epochs['epoch/web'] == 0  # small repeats, large not exhausted
   assert sum(epochs[f'tokens/{n}'] for n in m.names) == 40 * batch * seq
-  b = data_lib.batch_at(m, 5, 7, batch, seq)
+  b = corpus_lib.batch_at(m, 5, 7, batch, seq)
   np.testing.assert_array_equal(b['inputs'][:, 0] // 100_000 - 1, b['source'])  # the row's own source
 
 
@@ -99,11 +99,11 @@ def test_every_layout_and_process_count_reads_the_same_rows(mesh_shape, processe
   sh = NamedSharding(mesh, P('dp'))
   devices, per = list(mesh.devices.flat), n_dev // processes
   for step in (2, 3, 40):
-    ref = data_lib.batch_at(m, 0, step, 16, 16)
+    ref = corpus_lib.batch_at(m, 0, step, 16, 16)
     got = {k: np.full_like(v, -7) for k, v in ref.items()}
     for p in range(processes):
-      rows = data_lib.process_rows(_OneProcess(sh, devices[p * per : (p + 1) * per]), 16)
-      for k, v in data_lib.batch_at(m, 0, step, 16, 16, rows).items():
+      rows = corpus_lib.process_rows(_OneProcess(sh, devices[p * per : (p + 1) * per]), 16)
+      for k, v in corpus_lib.batch_at(m, 0, step, 16, 16, rows).items():
         got[k][rows] = v
     for k in ref:
       np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
@@ -112,8 +112,8 @@ def test_every_layout_and_process_count_reads_the_same_rows(mesh_shape, processe
 def test_stages_change_the_weights_and_keep_the_cursors():
   """From step 100 the shares are the new stage's (within 1%); each source's cursor runs on across
   the change (rows 0, 1, 2, ... with none skipped); a source left out of a stage gets no rows."""
-  sched = schedule.Schedule(schedule.parse(MIX, '100:web=0.2,code=0.8;300:math=1'), 16)
-  src, k = _draws(sched, range(400))
+  appt = apportion.Apportionment(apportion.parse(MIX, '100:web=0.2,code=0.8;300:math=1'), 16)
+  src, k = _draws(appt, range(400))
   for lo, hi, want in ((0, 100, [0.7, 0.2, 0.1]), (100, 300, [0.2, 0.8, 0]), (300, 400, [0, 0, 1])):
     part = src[lo * 16 : hi * 16]
     np.testing.assert_allclose(np.bincount(part, minlength=3) / part.size, want, atol=0.01)
@@ -249,7 +249,7 @@ def test_resume_keeps_the_schedule_and_a_changed_mixture_goes_on_from_the_cursor
 )
 def test_bad_mixtures_are_refused_naming_the_setting_and_the_valid_form(mix, stages, match):
   with pytest.raises(ConfigError, match=match):
-    schedule.parse(mix, stages)
+    apportion.parse(mix, stages)
 
 
 def test_a_mixture_of_sources_that_cannot_mix_is_refused(tmp_path):
@@ -341,8 +341,8 @@ def test_held_out_batches_are_shared_among_the_sources_by_weight():
   assert [n for n, _ in got] == ['web'] * 6 + ['code', 'math']
   for i, name in enumerate(m.names):
     mine = [b for n, b in got if n == name]
-    want = data_lib.eval_batches(m.sources[i], 3, len(mine), 16, 16)
+    want = corpus_lib.eval_batches(m.sources[i], 3, len(mine), 16, 16)
     for b, w in zip(mine, want, strict=True):
-      for k in data_lib.STEP_KEYS:
+      for k in corpus_lib.STEP_KEYS:
         np.testing.assert_array_equal(b[k], w[k])
   assert [n for n, _ in mixture.eval_batches(m, 3, 1, 16, 16)] == ['web', 'code', 'math']

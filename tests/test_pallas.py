@@ -28,8 +28,9 @@ import pytest
 from test_blockwise import _segments
 from test_documents import weighted_batches
 
+from jax3d.devices import gpu_target
 from jax3d.model import attention, llama, pallas
-from jax3d.parallel import gpu_target, sharding
+from jax3d.parallel import sharding
 
 from helpers import setup_for, small_cfg
 

@@ -1,4 +1,4 @@
-"""The 1F1B schedule (pipeline.schedule='1f1b'): the schedule as data (jax3d/parallel/pipeline/schedule_1f1b.py)
+"""The 1F1B schedule (pipeline.schedule='1f1b'): the schedule as data (jax3d/parallel/pipeline/timetable.py)
 and the loop with the loss inside it (one_f_one_b.py) against a plain scan over the same layers and
 loss, value and gradients (layers, head, input), for p in {2, 4, 8}, m in {p, 2p, 4p}, v in {1, 2},
 remat none / full / dots."""
@@ -12,7 +12,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from test_pipeline import D, close, layer_fn, make
 
 from jax3d.parallel import pipeline, placement
-from jax3d.parallel.pipeline import chunk, schedule_1f1b
+from jax3d.parallel.pipeline import chunk, timetable
 
 V = 5  # the toy head's vocabulary
 
@@ -112,11 +112,11 @@ def test_residuals_are_bounded_by_the_stages_not_the_microbatches(p, v):
   forward before its backward, each exactly once; the head in m ticks, forwards and backwards
   each in GPipe's v*m + p - 1 ticks (what the accelerator path computes)."""
   for m in (p, 2 * p, 4 * p):
-    s = schedule_1f1b.build(p, v, m)
-    assert s.residuals == schedule_1f1b.residual_slots(p, v, m) == min((v + 1) * p - 1, v * m)
+    s = timetable.build(p, v, m)
+    assert s.residuals == timetable.residual_slots(p, v, m) == min((v + 1) * p - 1, v * m)
     assert s.stash == s.grads == 1
-    assert s.ticks == schedule_1f1b.ticks(p, v, m) == v * m + 2 * p - 1 + (v - 1) * p
-    t, col = s.table, schedule_1f1b.COL
+    assert s.ticks == timetable.ticks(p, v, m) == v * m + 2 * p - 1 + (v - 1) * p
+    t, col = s.table, timetable.COL
     assert t[:, :, col['b_valid']].sum() == t[:, :, col['f_valid']].sum() == v * p * m
     for st in range(p):
       fw = [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jax3d import assemble, config as config_lib
-from jax3d.data import bpe as bpe_lib, corpus as data_lib, documents, prefetch, shards, tokenizer as tok_lib
+from jax3d.data import bpe as bpe_lib, corpus as corpus_lib, documents, prefetch, shards, tokenizer as tok_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB = sysconfig.get_paths()['stdlib']
@@ -161,23 +161,23 @@ def test_token_stream_batches_equal_the_concatenated_stream(bpe):
   flat = train[0 : train.size].copy()
   assert len(train.maps) > 3
   for how in ('concat', 'pack'):
-    mapped = data_lib.Corpus(train, train, 1000, 'shards', starts, starts, packing=how)
-    copied = data_lib.Corpus(flat, flat, 1000, 'array', starts, starts, packing=how)
+    mapped = corpus_lib.Corpus(train, train, 1000, 'shards', starts, starts, packing=how)
+    copied = corpus_lib.Corpus(flat, flat, 1000, 'array', starts, starts, packing=how)
     for step in range(5):
-      a = data_lib.batch_at(mapped, 7, step, 16, 64)
-      b = data_lib.batch_at(copied, 7, step, 16, 64)
+      a = corpus_lib.batch_at(mapped, 7, step, 16, 64)
+      b = corpus_lib.batch_at(copied, 7, step, 16, 64)
       for k in a:
         np.testing.assert_array_equal(a[k], b[k])
       rows = np.array([3, 9])
       np.testing.assert_array_equal(
-        data_lib.batch_at(mapped, 7, step, 16, 64, rows)['targets'], b['targets'][rows]
+        corpus_lib.batch_at(mapped, 7, step, 16, 64, rows)['targets'], b['targets'][rows]
       )
 
 
 def test_a_run_on_shards_takes_their_tokenizer_and_vocabulary(bpe):
   cfg = assemble.resolve(config_lib.load_config('tiny', {'data.path': bpe[1]}))
   assert cfg.data.tokenizer == os.path.join(bpe[1], 'tokenizer.json') and cfg.model.vocab_size == 1000
-  corpus = data_lib.load_corpus(cfg.data.path, 0.05, 129, tok_lib.load(cfg.data.tokenizer))
+  corpus = corpus_lib.load_corpus(cfg.data.path, 0.05, 129, tok_lib.load(cfg.data.tokenizer))
   assert corpus.vocab_size == 1000 and isinstance(corpus.train, shards.TokenStream)
 
 
@@ -225,14 +225,14 @@ def test_a_truncated_shard_is_a_data_error(bpe, tmp_path):
 
   out = tmp_path / 'shards'
   shutil.copytree(bpe[1], out)
-  corpus = data_lib.load_corpus(str(out), 0.05, 65)
+  corpus = corpus_lib.load_corpus(str(out), 0.05, 65)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ('dp', 'pp', 'tp'))
   pf = prefetch.Prefetcher(corpus, 0, 0, 100, 4, 64, NamedSharding(mesh, P('dp')), depth=1)
   try:
     pf.next(0)
     with open(out / 'train-00002.bin', 'r+b') as f:
       f.truncate(10)
-    with pytest.raises(data_lib.DataError, match='train-00002.bin was truncated'):
+    with pytest.raises(corpus_lib.DataError, match='train-00002.bin was truncated'):
       for i in range(1, 100):
         pf.next(i)
   finally:

@@ -78,8 +78,8 @@ def test_logged_lr_is_the_optimizers_after_a_skipped_step():
     finite.append(bool(m['finite']))
   assert finite == [True, False, True]
   # Step 2 was skipped: optax's count stayed at 1, so step 3 updated with schedule(1), not schedule(2).
-  assert lrs[2] == pytest.approx(float(s.schedule(1)))
-  assert lrs[2] != pytest.approx(float(s.schedule(2)))
+  assert lrs[2] == pytest.approx(float(s.lr_schedule(1)))
+  assert lrs[2] != pytest.approx(float(s.lr_schedule(2)))
 
 
 def test_a_batch_of_the_wrong_shape_is_refused_at_the_step_boundary():

@@ -73,10 +73,10 @@ def test_report_command(tmp_path):
 
 
 def test_resume_keeps_the_latest_record_of_each_step(tmp_path):
-  from jax3d.analysis import report
+  from jax3d.analysis import run_report
 
   _write_run(tmp_path)
-  run = report.load(str(tmp_path / 'metrics.jsonl'))
+  run = run_report.load(str(tmp_path / 'metrics.jsonl'))
   steps = [r['step'] for r in run['train']]
   assert steps == list(range(10, 310, 10))  # one record per step, in order
   by_step = {r['step']: r for r in run['train']}

@@ -17,7 +17,7 @@ from jax3d.config.ranges import Range
 
 DTYPES = ('float32', 'bfloat16')
 REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
-SCHEDULES = ('gpipe', 'circular', '1f1b')  # jax3d/parallel/pipeline/schedule_1f1b.py for 1f1b
+SCHEDULES = ('gpipe', 'circular', '1f1b')  # jax3d/parallel/pipeline/timetable.py for 1f1b
 GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
 GATHERS = ('auto', 'layer', 'step')  # train.shard_params_gather (jax3d/parallel/zero3.py)
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'pallas', 'blockwise')

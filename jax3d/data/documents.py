@@ -1,7 +1,7 @@
 """The documents of a text corpus: which files, in which order, and which are held out.
 
 Shared by the trainer's text corpora (jax3d/data/corpus.py) and `jax3d.prepare`
-(jax3d/data/prepare.py), so both split a corpus the same way. Imports no jax.
+(jax3d/data/shard_writer.py), so both split a corpus the same way. Imports no jax.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Weighted mixtures of corpora (`data.mixture`): several prepared folders, each step's rows drawn
-from them in proportion to their weights (jax3d/data/schedule.py decides which source each row
+from them in proportion to their weights (jax3d/data/apportion.py decides which source each row
 comes from), each source read in its own epoch order (jax3d/data/epochs.py; a small source
 repeats with a new permutation, a large one is read no further than the steps need). Imports no jax.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jax3d.data import corpus as corpus_lib, epochs, packing as packing_lib, schedule as sched_lib, shards
+from jax3d.data import apportion, corpus as corpus_lib, epochs, packing as packing_lib, shards
 from jax3d.data.corpus import Corpus
 from jax3d.data.tokenizer import Tokenizer
 from jax3d.errors import ConfigError
@@ -41,7 +41,7 @@ def for_config(cfg: Any, tok: Tokenizer | None = None) -> Corpus | Mixture:
       f'data.path={d.path!r} and data.mixture={d.mixture!r} are both set: give one (a single source is '
       'data.path; a mixture names each of its sources)'
     )
-  spec = sched_lib.parse(d.mixture, d.mixture_stages)
+  spec = apportion.parse(d.mixture, d.mixture_stages)
   sources = []
   for name, path in zip(spec.names, spec.paths, strict=True):
     try:
@@ -53,7 +53,7 @@ def for_config(cfg: Any, tok: Tokenizer | None = None) -> Corpus | Mixture:
   return Mixture(spec, sources)
 
 
-def _check_same_vocabulary(spec: sched_lib.Spec, sources: list[Corpus], made: list[dict]) -> None:
+def _check_same_vocabulary(spec: apportion.Spec, sources: list[Corpus], made: list[dict]) -> None:
   """ConfigError when two sources were tokenized differently (token shards that record other
   tokenizers, or other vocabularies)."""
   for i in range(1, len(sources)):
@@ -74,7 +74,7 @@ class Mixture:
   """Sources (Corpora) mixed by `spec`. `history` is the part of the run's schedule that the
   steps from here on use: (origin step, the spec in force from it, each source's cursor there)."""
 
-  def __init__(self, spec: sched_lib.Spec, sources: list[Corpus]):
+  def __init__(self, spec: apportion.Spec, sources: list[Corpus]):
     self.spec, self.sources, self.names = spec, sources, spec.names
     self.vocab_size = sources[0].vocab_size
     ids = [s.max_id for s in sources if s.max_id is not None]
@@ -113,7 +113,7 @@ class Mixture:
       if split == 'train':
         self._orders[key] = MixOrder(self.spec, orders, lay.offsets, self.origin, self.base)
       else:  # held out: the first stage's weights, from step 0
-        first = sched_lib.Spec(self.spec.names, self.spec.paths, self.spec.stages[:1])
+        first = apportion.Spec(self.spec.names, self.spec.paths, self.spec.stages[:1])
         self._orders[key] = MixOrder(first, orders, lay.offsets, 0, None)
     return self._orders[key]
 
@@ -187,19 +187,19 @@ class MixOrder:
 
   def __init__(
     self,
-    spec: sched_lib.Spec,
+    spec: apportion.Spec,
     orders: list[epochs.Order],
     offsets: np.ndarray,
     origin: int,
     base: np.ndarray | None,
   ):
     self.spec, self.orders, self.offsets, self.origin, self.base = spec, orders, offsets, origin, base
-    self._schedules: dict[int, sched_lib.Schedule] = {}
+    self._apportionments: dict[int, apportion.Apportionment] = {}
 
-  def schedule(self, batch: int) -> sched_lib.Schedule:
-    if batch not in self._schedules:
-      self._schedules[batch] = sched_lib.Schedule(self.spec, batch, self.origin, self.base)
-    return self._schedules[batch]
+  def apportionment(self, batch: int) -> apportion.Apportionment:
+    if batch not in self._apportionments:
+      self._apportionments[batch] = apportion.Apportionment(self.spec, batch, self.origin, self.base)
+    return self._apportionments[batch]
 
   def draws(self, step: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """(source, cursor) of each row of step `step`."""
@@ -208,7 +208,7 @@ class MixOrder:
         f'step {step} is before step {self.origin}, where this run changed data.mixture: '
         'its rows came from the mixture of then'
       )
-    return self.schedule(batch).draws(step)
+    return self.apportionment(batch).draws(step)
 
   def rows(self, step: int, batch: int, which: slice | np.ndarray = slice(None)) -> np.ndarray:
     """The row ids of batch rows `which` (default all `batch`) of step `step`."""
@@ -221,7 +221,7 @@ class MixOrder:
 
   def cursors(self, step: int, batch: int) -> np.ndarray:
     """The rows each source gave the steps before `step`."""
-    return self.schedule(batch).cursors(max(step, self.origin))
+    return self.apportionment(batch).cursors(max(step, self.origin))
 
   def epoch(self, step: int, batch: int) -> int:
     """The largest epoch among the sources' rows of step `step` (the most repeated source's)."""

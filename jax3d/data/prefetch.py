@@ -13,7 +13,7 @@ import threading
 
 import jax
 
-from jax3d.data import corpus as data_lib, mixture as mixture_lib
+from jax3d.data import corpus as corpus_lib, mixture as mixture_lib
 from jax3d.data.corpus import Corpus, DataError
 
 
@@ -37,7 +37,7 @@ class Prefetcher:
     sharding: jax.sharding.Sharding,
     depth: int = 2,
   ):
-    self.rows = data_lib.process_rows(sharding, batch)
+    self.rows = corpus_lib.process_rows(sharding, batch)
     self.corpus, self.args = corpus, (seed, batch, seq_len)
     corpus.order(seed, seq_len)  # the rows laid out here: a ConfigError is the caller's, before the thread
     self.sharding, self.batch = sharding, batch
@@ -71,7 +71,7 @@ class Prefetcher:
   def epoch(self, step: int) -> int:
     """The epoch (0-based) of the batch of step `step` (corpus.epoch_at)."""
     seed, batch, seq_len = self.args
-    return data_lib.epoch_at(self.corpus, seed, step, batch, seq_len)
+    return corpus_lib.epoch_at(self.corpus, seed, step, batch, seq_len)
 
   def per_source(self, step: int) -> dict[str, int]:
     """A mixture's tokens/NAME and epoch/NAME once the steps before `step` are done (none for one source)."""
@@ -93,8 +93,8 @@ class Prefetcher:
               f'data file {file} was truncated while the run reads it ({start_size} bytes at the '
               f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
             )
-        local = data_lib.step_batch(data_lib.batch_at(self.corpus, seed, i, batch, seq_len, self.rows))
-        if not self._put((i, data_lib.to_global(local, self.sharding, self.batch))):
+        local = corpus_lib.step_batch(corpus_lib.batch_at(self.corpus, seed, i, batch, seq_len, self.rows))
+        if not self._put((i, corpus_lib.to_global(local, self.sharding, self.batch))):
           return
     except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting caller
       self._put((i, e))

@@ -2,7 +2,7 @@
 jax3d/data/inputs.py), cut into pieces (byte ranges ending at line ends), grouped into work units,
 and the documents of each piece: a text file (or a piece of a long one) is one document, a JSONL
 line is one (its text field, a string), or one conversation (--format=chat); a table (Parquet,
-Arrow: jax3d/data/tables.py) is cut into row ranges, a row one document. A document's name is
+Arrow: jax3d/data/arrow_tables.py) is cut into row ranges, a row one document. A document's name is
 its relative path (without a compression suffix), plus the byte offset for JSONL lines and cut
 files: the held-out split hashes it (jax3d/data/documents.py). Imports no jax.
 """
@@ -16,7 +16,7 @@ import sysconfig
 from collections.abc import Iterator
 from typing import Any
 
-from jax3d.data import chat, documents, inputs, sources, tables
+from jax3d.data import arrow_tables, chat, documents, hf_datasets, inputs
 from jax3d.errors import ConfigError
 
 
@@ -30,7 +30,7 @@ class Piece:
   end: int
   jsonl: bool
   origin: str = ''  # the input file, as the user gave it (named in errors; its size and mtime fingerprinted)
-  table: str = ''  # a table's kind (jax3d/data/tables.py): start and end are then rows
+  table: str = ''  # a table's kind (jax3d/data/arrow_tables.py): start and end are then rows
   nbytes: int = 0  # a table piece's bytes (of its column)
 
   @property
@@ -44,18 +44,18 @@ JSONL_SUFFIXES = inputs.JSONL_SUFFIXES
 
 def input_files(path: str, split: str = '') -> tuple[str, list[str]]:
   """(root, files): '' = the standard library's .py files; hf:NAME or a `save_to_disk` folder =
-  its Arrow files (its `split`: jax3d/data/sources.py); a folder's text, JSONL (plain or
+  its Arrow files (its `split`: jax3d/data/hf_datasets.py); a folder's text, JSONL (plain or
   compressed: a.jsonl.gz) and table files (.parquet, .arrow, ...); a file, whatever its name (read
-  for what it is: jax3d/data/inputs.py, jax3d/data/tables.py)."""
+  for what it is: jax3d/data/inputs.py, jax3d/data/arrow_tables.py)."""
   if not path:
     root = sysconfig.get_paths()['stdlib']
     return root, list(documents.iter_files(root, ('.py',)))
-  if path.startswith(sources.HF) or (os.path.isdir(path) and (files := sources.saved(path, split))):
-    files = sources.cached(path, split) if path.startswith(sources.HF) else files
+  if path.startswith(hf_datasets.HF) or (os.path.isdir(path) and (files := hf_datasets.saved(path, split))):
+    files = hf_datasets.cached(path, split) if path.startswith(hf_datasets.HF) else files
     return os.path.commonpath([os.path.dirname(f) for f in files]) if files else path, files
   if os.path.isdir(path):
     plain = documents.TEXT_SUFFIXES + JSONL_SUFFIXES
-    return path, list(documents.iter_files(path, inputs.with_compressed(plain) + tables.SUFFIXES))
+    return path, list(documents.iter_files(path, inputs.with_compressed(plain) + arrow_tables.SUFFIXES))
   return os.path.dirname(os.path.abspath(path)), [os.path.abspath(path)]
 
 
@@ -76,12 +76,12 @@ def pieces(
 ) -> list[Piece]:
   """The byte ranges of the input files, each checked to be text (ConfigError naming a binary one);
   a compressed file is decompressed into the folder `scratch` first, and named without its suffix.
-  A table's pieces are row ranges (jax3d/data/tables.py: its column `field` checked)."""
+  A table's pieces are row ranges (jax3d/data/arrow_tables.py: its column `field` checked)."""
   out = []
   for n, origin in enumerate(files):
-    if what := tables.is_table(origin):
+    if what := arrow_tables.is_table(origin):
       rel = os.path.relpath(origin, root)
-      for a, b, size in tables.plan(origin, what, field, fmt, shard_bytes):
+      for a, b, size in arrow_tables.plan(origin, what, field, fmt, shard_bytes):
         out.append(Piece(origin, rel, a, b, False, origin, what, size))
       continue
     try:
@@ -125,9 +125,9 @@ def read_documents(
   not UTF-8 are replaced, and counted into `bad[p.origin]`. A bad JSONL line (not a JSON object,
   its field missing or not a string, not a conversation) or table row: with on_bad='fail' a
   ValueError naming it (relative path:byte offset, `locate` makes it file:line; a table's file
-  and row), with 'skip' counted into `bad_rows` (tables.note) and left out."""
+  and row), with 'skip' counted into `bad_rows` (arrow_tables.note) and left out."""
   if p.table:
-    yield from tables.rows(
+    yield from arrow_tables.rows(
       p.file, p.table, p.rel, p.start, p.end, field, fmt, on_bad, {} if bad_rows is None else bad_rows
     )
     return
@@ -157,7 +157,7 @@ def read_documents(
         raise
       message = locate(str(e), [p])
       file, _, why = message.partition(': ')
-      tables.note(bad_rows if bad_rows is not None else {}, file, why)
+      arrow_tables.note(bad_rows if bad_rows is not None else {}, file, why)
 
 
 def _text(line: str, where: str, field: str) -> str:

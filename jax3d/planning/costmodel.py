@@ -61,7 +61,7 @@ class Estimate:
   @property
   def bubble(self) -> float:
     """Idle share of the pipeline loop: (p-1)/(v*m+p-1), GPipe's and 1F1B's (its loop computes
-    forwards and backwards in v*m+p-1 ticks each, jax3d/parallel/pipeline/schedule_1f1b.py)."""
+    forwards and backwards in v*m+p-1 ticks each, jax3d/parallel/pipeline/timetable.py)."""
     return self.plan.bubble
 
   @property

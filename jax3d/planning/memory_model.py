@@ -149,16 +149,16 @@ def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
 
 
 def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, res: Callable) -> float:
-  """1F1B (jax3d/parallel/pipeline/schedule_1f1b.py, one_f_one_b.py): the VJP residuals of the units in
+  """1F1B (jax3d/parallel/pipeline/timetable.py, one_f_one_b.py): the VJP residuals of the units in
   flight, min((v+1)p-1, v*m) slots (bounded by the stages, not the micro-batches), each a chunk's
   residuals under the policy on one micro-batch ('stage': its input only), one stash and one
   gradient slot, the loop's input and its gradient (fp32, the m micro-batches), and one layer's
   intermediates while a unit runs."""
   sp = plan.tp if plan.sequence_parallel else 1
   act_mb = micro_activation_bytes(cfg, plan) / sp
-  from jax3d.parallel.pipeline import schedule_1f1b  # imported when needed: the package imports jax
+  from jax3d.parallel.pipeline import timetable  # imported when needed: the package imports jax
 
-  slots = schedule_1f1b.residual_slots(plan.pp, plan.repeats, plan.microbatches)
+  slots = timetable.residual_slots(plan.pp, plan.repeats, plan.microbatches)
   edges = 2 * plan.microbatches * act_mb * 4 / BYTES[cfg.train.compute_dtype]
   per_slot = act_mb if cfg.train.remat == 'stage' else lc * res(policy=cfg.train.remat)
   return slots * per_slot + 2 * act_mb + edges + res(policy='none')

@@ -1,6 +1,6 @@
 """The planner: every valid (dp, pp, tp, micro-batches, remat, ZeRO) layout of a config on a GPU
 cluster, priced by the cost model (jax3d/planning/costmodel.py), ranked, explained (tp, then pp, then
-dp, with the numbers); jax3d/planning/verify.py compiles the winner ahead of time.
+dp, with the numbers); jax3d/planning/memory_check.py compiles the winner ahead of time.
 
 The search follows three placement rules: tp at most the GPUs of one node (tensor parallelism
 stays on NVLink), pp a divisor of what remains, dp fills the rest; every candidate is priced with

@@ -1,7 +1,7 @@
 """Step time of one layout: compute at `efficiency` of peak, the tp/cp/pp/dp traffic over the links
 each axis is placed on (jax3d/parallel/mesh.py: tp inside a node, then cp, pp, dp outermost), the dp
 all-reduce partly hidden behind the backward pass, and the bubble as wasted compute:
-executed/useful = (v*m+p-1)/(v*m). Under 1F1B (jax3d/parallel/pipeline/schedule_1f1b.py) the loop
+executed/useful = (v*m+p-1)/(v*m). Under 1F1B (jax3d/parallel/pipeline/timetable.py) the loop
 computes forwards in v*m+p-1 of its ticks and backwards in v*m+p-1, each chunk once (its VJP
 residuals kept): GPipe's compute and ring traffic, plus the head's two pp collectives per
 micro-batch.

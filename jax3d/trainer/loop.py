@@ -32,7 +32,7 @@ import ml_collections
 
 from jax3d import assemble
 from jax3d.config import RunPlan
-from jax3d.data import corpus as data_lib, mixture as mixture_lib, prefetch as prefetch_lib
+from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, prefetch as prefetch_lib
 from jax3d.errors import TrainingError
 from jax3d.setup import Setup
 from jax3d.trainer import checkpoint as ckpt_lib, distributed, metrics as metrics_lib
@@ -45,7 +45,7 @@ class Host(Protocol):
   cfg: ml_collections.ConfigDict
   setup: Setup
   plan: RunPlan
-  corpus: data_lib.Corpus | mixture_lib.Mixture
+  corpus: corpus_lib.Corpus | mixture_lib.Mixture
   state: dict | None
   compiled: assemble.CompiledStep | None
   checkpointer: ckpt_lib.Checkpointer | None
@@ -119,7 +119,7 @@ class _Loop:
     self.stop = cfg.train.steps if steps is None else self.start + steps
     n_first = len(host.writer.records)
     host.writer.write({'event': 'start', 'step': self.start, 'layout': host.layout, 'config': cfg.to_dict()})
-    # The batches of the epoch order; the step gets only the keys it takes (data_lib.STEP_KEYS).
+    # The batches of the epoch order; the step gets only the keys it takes (corpus_lib.STEP_KEYS).
     self.prefetch = prefetch_lib.Prefetcher(
       host.corpus,
       cfg.train.seed,
@@ -181,7 +181,7 @@ class _Loop:
     self._profile(i, start=True)
     try:
       batch = self.prefetch.next(i)
-    except data_lib.DataError as e:  # the CLI's exit 3, with the cause on its one line
+    except corpus_lib.DataError as e:  # the CLI's exit 3, with the cause on its one line
       self._flush()  # the last step's record first
       raise TrainingError(str(e)) from e
     t0 = time.time()

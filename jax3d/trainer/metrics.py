@@ -27,7 +27,7 @@ import numpy as np
 from jax3d.analysis.memory import fmt_bytes
 from jax3d.model import formulas, lora
 from jax3d.parallel import pipeline
-from jax3d.parallel.pipeline import schedule_1f1b
+from jax3d.parallel.pipeline import timetable
 
 
 def is_main_process() -> bool:
@@ -147,9 +147,7 @@ def summary_lines(s: Any, data: str) -> list[str]:
     f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
     f'  parameters per device: {fmt_bytes(per_dev)} ({s.cfg.train.param_dtype}){zero}, '
     f'compute {s.cfg.train.compute_dtype}, remat {s.cfg.train.remat}, attention {d.attention}',
-    schedule_1f1b.summary(
-      p.pp, p.repeats, p.microbatches, lc, p.micro_batch, pipeline.skips_bubbles(p, s.mesh)
-    )
+    timetable.summary(p.pp, p.repeats, p.microbatches, lc, p.micro_batch, pipeline.skips_bubbles(p, s.mesh))
     if pipeline.in_loop_loss(s.cfg.pipeline.schedule, p)
     else f'  pipeline: {p.pp} stages x {p.repeats} chunk(s) of {lc} layer(s) each, {p.microbatches} '
     f'micro-batches of {p.micro_batch} sequences, {p.iterations} iterations, bubble '

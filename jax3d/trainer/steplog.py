@@ -144,12 +144,12 @@ class StepLog:
   def tasks(self, step: int, results: dict, workdir: str | None) -> None:
     """lm-eval task results at `step`: one record of their scores ('task/TASK/METRIC'), their
     TensorBoard scalars, the table on the console and WORKDIR/eval/<step>.json (process 0)."""
-    from jax3d.harness import tasks as harness_tasks
-    from jax3d.trainer.tasks import json_path
+    from jax3d.harness import offline_tasks
+    from jax3d.trainer.task_eval import json_path
 
-    scores = harness_tasks.scores(results)
+    scores = offline_tasks.scores(results)
     self.writer.write({'step': step, **scores})
     self.tb.scalars(step, scores)
-    self.log(f'step {step:>6}  tasks:\n{harness_tasks.table(results)}')
+    self.log(f'step {step:>6}  tasks:\n{offline_tasks.table(results)}')
     if workdir and metrics_lib.is_main_process():
-      harness_tasks.write_json(results, json_path(workdir, step), {'step': step})
+      offline_tasks.write_json(results, json_path(workdir, step), {'step': step})

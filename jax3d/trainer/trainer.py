@@ -27,7 +27,7 @@ import ml_collections
 
 from jax3d import assemble, step as step_lib
 from jax3d.analysis import inspection
-from jax3d.data import corpus as data_lib, mixture as mixture_lib, tokenizer as tokenizer_lib
+from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, tokenizer as tokenizer_lib
 from jax3d.errors import TrainingError
 from jax3d.planning import oom
 from jax3d.trainer import (
@@ -38,7 +38,7 @@ from jax3d.trainer import (
   metrics as metrics_lib,
   state as state_lib,
   steplog as steplog_lib,
-  tasks as tasks_lib,
+  task_eval,
   workdir as workdir_lib,
 )
 
@@ -64,11 +64,11 @@ class Trainer:
       if workdir and jax.process_index() == 0
       else None
     )
-    tasks_lib.check(cfg)  # eval.tasks: found, their data local (exit 2 before anything compiles)
-    self._tasks: tasks_lib.TaskEvaluator | None = None
+    task_eval.check(cfg)  # eval.tasks: found, their data local (exit 2 before anything compiles)
+    self._tasks: task_eval.TaskEvaluator | None = None
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     self.corpus = mixture_lib.for_config(cfg, self.tokenizer)
-    data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
+    corpus_lib.check_vocab(self.corpus, cfg.model.vocab_size)
     self.plan, self.mesh = self.setup.plan, self.setup.mesh
     self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)
     self.quiet = not console
@@ -177,11 +177,11 @@ class Trainer:
 
   def evaluate_tasks(self) -> dict:
     """The eval.tasks lm-evaluation-harness tasks on the current parameters: lm-eval's results
-    (jax3d/trainer/tasks.py); compiles first if needed."""
+    (jax3d/trainer/task_eval.py); compiles first if needed."""
     for line in self.compile():
       self.log('  ' + line)
     if self._tasks is None:
-      self._tasks = tasks_lib.TaskEvaluator(self.setup)
+      self._tasks = task_eval.TaskEvaluator(self.setup)
     return self._tasks(self.state['params'])
 
   def sample(

@@ -296,11 +296,11 @@ def export_workdir(
   `out` is checked first and written whole or not at all (jax3d/hf/outdir.py; `overwrite`
   replaces a folder that is not an earlier export). With `verify`, the export is loaded in
   transformers before it is moved into place and its logits on the run's first held-out batch
-  compared with jax3d's (jax3d/trainer/verify.py): one line with the largest relative difference,
+  compared with jax3d's (jax3d/trainer/export_parity.py): one line with the largest relative difference,
   CheckpointError (exit 3) above the tolerance. A LoRA run: see hf.export.export_run."""
   import jax
 
-  from jax3d.hf import export as hf_export, outdir
+  from jax3d.hf import outdir, writer
 
   checkpoint_steps(workdir)  # NoCheckpoint when there is none
   meta = saved_meta(workdir)
@@ -310,10 +310,10 @@ def export_workdir(
   setup, params, _ = load_params(workdir, cfg, devices[: _n_devices(cfg, len(devices))])
   check = None
   if verify:
-    from jax3d.trainer import verify as verify_lib
+    from jax3d.trainer import export_parity
 
-    check = lambda folder, adapter: verify_lib.verify_export(setup, params, folder, out, adapter)
-  return hf_export.export_run(params, setup, out, merge, max_shard_bytes, workdir, check)
+    check = lambda folder, adapter: export_parity.verify_export(setup, params, folder, out, adapter)
+  return writer.export_run(params, setup, out, merge, max_shard_bytes, workdir, check)
 
 
 def _n_devices(cfg: Any, available: int) -> int:

@@ -1,7 +1,7 @@
 """Pipeline parallelism: micro-batching, stage placement, and the `shard_map` around the stages' loop.
 
 The package: chunk.py (a chunk of layers, its forward with VJP residuals and its backward: both
-schedules' one), gpipe.py (the GPipe/circular loop), schedule_1f1b.py (the 1F1B schedule as data),
+schedules' one), gpipe.py (the GPipe/circular loop), timetable.py (the 1F1B schedule as data),
 one_f_one_b.py (the 1F1B loop, the head and the loss inside), and here the `shard_map` both share
 (`_over_stages`) and the public entry points: `apply`/`run` (GPipe) and `loss`/`run_loss` (1F1B).
 
@@ -44,7 +44,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax3d.config import RunPlan
 from jax3d.parallel import microbatch, remat, sharding, zero3
-from jax3d.parallel.pipeline import gpipe, one_f_one_b, schedule_1f1b
+from jax3d.parallel.pipeline import gpipe, one_f_one_b, timetable
 from jax3d.parallel.pipeline.chunk import LayerFn, run_layers
 from jax3d.parallel.sharding import CP, DP, PP
 
@@ -295,7 +295,7 @@ def run_loss(
       x_mbtd = rows_sp(x_mbtd.reshape(m, b * t, d))
     chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers_local)
     loop = one_f_one_b.Loop(
-      layer_fn, loss_fn, schedule_1f1b.build(p, v, m), dtype, policy, skip_bubbles, (b, t, d)
+      layer_fn, loss_fn, timetable.build(p, v, m), dtype, policy, skip_bubbles, (b, t, d)
     )
     return loop.loss()(chunks, head, sharding.vary(x_mbtd, (PP,)), side_m)
 

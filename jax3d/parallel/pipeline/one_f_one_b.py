@@ -1,7 +1,7 @@
 """The 1F1B loop on one stage, inside the pipeline's `shard_map`: `lax.scan`s over the ticks of
-schedule_1f1b.py, with the head and the loss inside and the backward written out (chunk.py).
+timetable.py, with the head and the loss inside and the backward written out (chunk.py).
 
-Each tick a stage reads its row of the schedule's table (indexed by its pp rank) and does:
+Each tick a stage reads its row of the timetable (indexed by its pp rank) and does:
   forward   its unit's chunk on the input (the loop's own micro-batch for k = 0, else the stash
             slot the previous stage sent), `chunk.Chunk.forward`: its VJP residuals (what the
             remat policy saves; the chunk's weights excepted) are written into the unit's
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, add_at, kept as chunk_kept, put, zeros
-from jax3d.parallel.pipeline.schedule_1f1b import COL, Schedule
+from jax3d.parallel.pipeline.timetable import COL, Timetable
 from jax3d.parallel.sharding import PP, vary
 
 # (head params, y of (a piece of) one micro-batch [b, t, d], its side inputs) -> its loss sum
@@ -71,7 +71,7 @@ def segments(flags: np.ndarray, limit: int = MAX_SEGMENTS) -> list[tuple[int, in
 class Loop:
   layer_fn: LayerFn
   loss_fn: LossFn
-  sched: Schedule
+  timetable: Timetable
   dtype: Any  # the compute dtype of the activations in the loop
   policy: str
   skip: bool
@@ -80,7 +80,7 @@ class Loop:
   def head(self, hd: Any, y: jax.Array, side_u: dict, grads: bool) -> tuple:
     """The last stage's y shared over pp, each stage's rows through the head and the loss:
     (this stage's loss, its head gradient, the gradient of y, whole) or the loss alone."""
-    p, s = self.sched.p, jax.lax.axis_index(PP)
+    p, s = self.timetable.p, jax.lax.axis_index(PP)
     b, t, d = self.btd
     last = s == p - 1
     y = jnp.where(last, y.reshape(b, t, d).astype(jnp.float32), 0.0)
@@ -104,7 +104,7 @@ class Loop:
     """chunks [v, lc, ...]; xs [m, ...] (fp32); side: dict of [m, b, t], read by the loss and the
     layers (each unit those of its micro-batch). Returns this stage's share of the loss sum and,
     with `grads`, (d chunks, d head, d xs)."""
-    p, s = self.sched.p, jax.lax.axis_index(PP)
+    p, s = self.timetable.p, jax.lax.axis_index(PP)
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
     bwd_ring = [((i + 1) % p, i) for i in range(p)]
     x0 = jnp.zeros_like(xs[0], dtype=self.dtype)
@@ -112,7 +112,7 @@ class Loop:
     zero = lambda: vary(jnp.zeros((), jnp.float32), varying)
     chunk_of = lambda r: jax.tree.map(lambda a: a[r], chunks)
     chunk = Chunk(self.layer_fn, self.policy, self.dtype)
-    n = self.sched.residuals
+    n = self.timetable.residuals
     res, layout = chunk.slots(chunk_of(0), x0, _at(side, 0), n, varying) if grads else ([], None)
 
     def forward(r, x, mb):
@@ -166,14 +166,14 @@ class Loop:
         gbuf = put(gbuf, row['g_slot'], jax.lax.ppermute(ct_x, PP, bwd_ring), row['g_valid'] == 1)
       return (stash, gbuf, res, acc, hacc, dx, loss), None
 
-    stash = zeros(x0, (self.sched.stash, *x0.shape))
-    gbuf = zeros(x0, (self.sched.grads, *x0.shape))
+    stash = zeros(x0, (self.timetable.stash, *x0.shape))
+    gbuf = zeros(x0, (self.timetable.grads, *x0.shape))
     acc = jax.tree.map(zeros, chunks) if grads else None
     hacc = jax.tree.map(lambda a: vary(jnp.zeros_like(a), varying), head) if grads else None
     dx = zeros(xs) if grads else None
     carry = (stash, gbuf, res, acc, hacc, dx, zero())
-    rows = jnp.asarray(self.sched.table)
-    for start, stop, flags in segments(self.sched.phases):
+    rows = jnp.asarray(self.timetable.table)
+    for start, stop, flags in segments(self.timetable.phases):
       if not grads:
         flags = (flags[0], False, flags[2])
       if any(flags):

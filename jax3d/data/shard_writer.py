@@ -5,7 +5,7 @@ jax3d/data/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
 Documents (read by jax3d/data/reading.py, every file for what it is: jax3d/data/inputs.py): a
 text file is one document (a file over `shard_bytes` is cut at line ends into several), a JSONL
 line is one document (its `field`, a string). Each document ends with EOS (and starts with
-BOS when the tokenizer has one); a table row is one (its `field` column: jax3d/data/tables.py,
+BOS when the tokenizer has one); a table row is one (its `field` column: jax3d/data/arrow_tables.py,
 read a row group at a time; a bad row fails or with on_bad='skip' is counted). With `fmt='chat'` a JSONL line is a conversation ({"messages":
 [...]}) rendered with the tokenizer folder's chat template, with no BOS/EOS added (the template
 writes its own), and a loss weight per token (jax3d/data/chat.py). Each shard's document starts
@@ -34,7 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from jax3d.data import chat, documents, inputs, shards, sources, staging, tables, tokenizer as tok_lib
+from jax3d.data import (
+  arrow_tables,
+  chat,
+  documents,
+  hf_datasets,
+  inputs,
+  shards,
+  staging,
+  tokenizer as tok_lib,
+)
 from jax3d.data.reading import JSONL_SUFFIXES, Piece, input_files, locate, pieces, read_documents, units
 from jax3d.errors import ConfigError
 
@@ -218,7 +227,7 @@ def _tokenize(
     settings['template'] = hashlib.sha256(source.encode()).hexdigest()
   root, files = input_files(path, read[0])
   if fmt == 'chat':
-    files = [f for f in files if inputs.plain_name(f).endswith(JSONL_SUFFIXES) or tables.is_table(f)]
+    files = [f for f in files if inputs.plain_name(f).endswith(JSONL_SUFFIXES) or arrow_tables.is_table(f)]
   work = units(pieces(root, files, shard_bytes, os.path.join(new, '.inputs'), field, fmt), shard_bytes)
   if not work:
     raise ConfigError(
@@ -243,7 +252,7 @@ def _tokenize(
     'bos_id': tok.bos_id,
     'eos_id': tok.eos_id,
     'tokenizer': {'path': tok.path or tok_lib.BYTES, 'sha256': settings['tokenizer']},
-    'source': (path if path.startswith(sources.HF) else os.path.abspath(path)) if path else root,
+    'source': (path if path.startswith(hf_datasets.HF) else os.path.abspath(path)) if path else root,
     'eval_fraction': eval_fraction,
     'data_format': fmt,
     'train': [records[i]['train'] for i in sorted(records)],
@@ -252,7 +261,7 @@ def _tokenize(
   _write_index(new, index)
   figures = {'seconds': seconds, 'mb_per_s': total / 1e6 / max(seconds, 1e-9), 'workers': workers}
   done = {'units_done': len(jobs), 'units_skipped': len(work) - len(jobs), 'bytes': total}
-  skipped = tables.merged([records[i].get('bad_rows', {}) for i in sorted(records)])
+  skipped = arrow_tables.merged([records[i].get('bad_rows', {}) for i in sorted(records)])
   return index | figures | done | {'undecodable': bad, 'bad_rows': skipped}
 
 

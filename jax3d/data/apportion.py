@@ -14,7 +14,7 @@ the layout, process count or resume point. The k of a drawn row is that source's
 drawn from it so far, the index into its own epoch order (jax3d/data/epochs.py).
 
 A stage change keeps the cursors: t_i is continuous, so each source goes on from where it was. A
-mixture changed on resume at step R is a new `Schedule` with origin R whose k count on from the
+mixture changed on resume at step R is a new `Apportionment` with origin R whose k count on from the
 cursors at R (`base`).
 """
 
@@ -148,7 +148,7 @@ def _stages(stages: str, names: list[str]) -> list[tuple[int, tuple[float, ...]]
   return out
 
 
-class Schedule:
+class Apportionment:
   """The sources of the rows of the steps from step `origin` on, under `spec`'s stages, for global
   batches of `batch` rows; source i's rows counted on from `base[i]` (its cursor at `origin`)."""
 

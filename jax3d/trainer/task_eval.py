@@ -3,7 +3,7 @@ checkpoint or an hf: folder, in any layout) and during it (`eval.tasks`, every
 `eval.tasks_every` steps and at the end: scores in metrics.jsonl, TensorBoard and the report).
 
 The model is jax3d/harness/model.py's `JaxLM` over the run's Setup and parameters; the tasks come
-from local files only (jax3d/harness/tasks.py). Results: lm-eval's table, and its JSON in
+from local files only (jax3d/harness/offline_tasks.py). Results: lm-eval's table, and its JSON in
 WORKDIR/eval/<step>.json.
 """
 
@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jax3d.harness import tasks as tasks_lib
+from jax3d.harness import offline_tasks
 
 if TYPE_CHECKING:
   import jax
@@ -66,7 +66,7 @@ def check(cfg: ml_collections.ConfigDict) -> None:
   """eval.tasks of a training config, before anything compiles: lm-eval installed, every task
   found and its data read locally (UsageError, exit 2, naming the task otherwise)."""
   if cfg.eval.tasks:
-    tasks_lib.load(tasks_lib.split_names(cfg.eval.tasks), cfg.eval.tasks_include_path or None)
+    offline_tasks.load(offline_tasks.split_names(cfg.eval.tasks), cfg.eval.tasks_include_path or None)
 
 
 class TaskEvaluator:
@@ -83,6 +83,6 @@ class TaskEvaluator:
     """lm-eval's results dict of the tasks on `params`."""
     e = self.cfg.eval
     self.lm.params = params
-    loaded = tasks_lib.load(tasks_lib.split_names(e.tasks), e.tasks_include_path or None)
+    loaded = offline_tasks.load(offline_tasks.split_names(e.tasks), e.tasks_include_path or None)
     limit, shots = e.tasks_limit or None, None if e.tasks_num_fewshot < 0 else e.tasks_num_fewshot
-    return tasks_lib.evaluate(self.lm, loaded, limit, shots, bootstrap_iters=0)
+    return offline_tasks.evaluate(self.lm, loaded, limit, shots, bootstrap_iters=0)

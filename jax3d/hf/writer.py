@@ -146,7 +146,7 @@ def export_run(
   """Writes the run `run`'s parameters to `out` whole or not at all (outdir.staged; the caller has
   checked `out` with outdir.check): a LoRA run's adapters as a PEFT folder for its hf: base, or
   with `merge` the whole model with the adapters merged (jax3d/model/lora.py); any other run as a
-  Hugging Face model (`export`). `verify` (jax3d/trainer/verify.py) is called with the staged
+  Hugging Face model (`export`). `verify` (jax3d/trainer/export_parity.py) is called with the staged
   folder before it moves into place: (the folder to load, None), or for a PEFT adapter (its base,
   the adapter's folder). Returns the files written. ConfigError for `merge` without LoRA, or an
   adapter whose base is not a Hugging Face folder."""

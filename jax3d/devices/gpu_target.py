@@ -9,7 +9,7 @@ cuDNN version), the ones in gpu_specs/ beside this file. The compiled executable
 real node runs: cuDNN attention chosen or not, fusions, the latency-hiding schedule, and its
 `memory_analysis()`. The topology is nodes x 8 GPUs (`1xNODESx8`); fewer than 8 is one node.
 
-Compiler options: the ones a real GPU run sets through XLA_FLAGS (gpu.GPU_FLAGS), passed to this
+Compiler options: the ones a real GPU run sets through XLA_FLAGS (gpu_flags.GPU_FLAGS), passed to this
 compile directly (`compiler_options`), and autotuning off (there is no GPU to time kernels on).
 """
 
@@ -23,8 +23,8 @@ import sys
 from importlib import resources
 from typing import TYPE_CHECKING
 
+from jax3d.devices import gpu_flags
 from jax3d.errors import ConfigError
-from jax3d.parallel import gpu
 
 if TYPE_CHECKING:
   import jax
@@ -77,7 +77,7 @@ class Target:
 @functools.cache
 def _spec_text(kind: str) -> str:
   """The description of `kind` (package data), read once."""
-  return resources.files('jax3d.parallel').joinpath('gpu_specs', SPECS[kind]).read_text()
+  return resources.files('jax3d.devices').joinpath('gpu_specs', SPECS[kind]).read_text()
 
 
 def _match(text: str) -> Target | None:
@@ -103,7 +103,7 @@ def parse(text: str, setting: str = '--target') -> Target:
 
 def plugin_installed() -> bool:
   """Whether a CUDA plugin for jax is installed (decided without importing it)."""
-  return any(gpu.find_spec(p) for p in gpu.CUDA_PLUGINS)
+  return any(gpu_flags.find_spec(p) for p in gpu_flags.CUDA_PLUGINS)
 
 
 def devices(target: Target) -> list[jax.Device]:
@@ -133,10 +133,10 @@ def devices(target: Target) -> list[jax.Device]:
 
 
 def compiler_options() -> dict[str, bool | int | str]:
-  """The XLA options of a real GPU run (gpu.GPU_FLAGS) for a compile-only one, autotuning off;
+  """The XLA options of a real GPU run (gpu_flags.GPU_FLAGS) for a compile-only one, autotuning off;
   typed as XLA's options are (a bool, an int)."""
   typed = lambda v: {'true': True, 'false': False}.get(v, int(v) if v.isdigit() else v)
-  opts = {k: typed(v) for k, v in (f.lstrip('-').split('=', 1) for f in gpu.GPU_FLAGS)}
+  opts = {k: typed(v) for k, v in (f.lstrip('-').split('=', 1) for f in gpu_flags.GPU_FLAGS)}
   return opts | {'xla_gpu_shard_autotuning': False}
 
 
@@ -145,7 +145,7 @@ def hide_unusable_plugin(env: dict | None = None) -> bool:
   JAX_PLATFORMS=cpu unless the user chose platforms: the plugin's start-up check would fail with a
   traceback, and the compile-only topology needs no GPU backend. Returns whether it did."""
   env = os.environ if env is None else env
-  if env.get('JAX_PLATFORMS') or not plugin_installed() or gpu.gpu_present(env):
+  if env.get('JAX_PLATFORMS') or not plugin_installed() or gpu_flags.gpu_present(env):
     return False
   env['JAX_PLATFORMS'] = 'cpu'
   if 'jax' in sys.modules:  # imported, perhaps not started: its setting, read from the environment once

@@ -3,7 +3,7 @@
 `DatasetDict.save_to_disk` (dataset_dict.json lists its splits, one folder each), and `hf:NAME`
 (`hf:NAME:CONFIG`), a dataset in the Hugging Face cache, found by the `datasets` library with its
 offline mode on: what is on disk is read, nothing is ever downloaded. Each gives the Arrow files
-that jax3d/data/tables.py then reads itself (streamed, in parallel). A DatasetDict's split is
+that jax3d/data/arrow_tables.py then reads itself (streamed, in parallel). A DatasetDict's split is
 `split`, by default 'train' or the only one. Imports no jax; `datasets` only for hf:.
 """
 

@@ -1,4 +1,4 @@
-"""The 1F1B pipeline schedule as data: which unit of work each stage does at each tick.
+"""The 1F1B timetable (pipeline.schedule='1f1b'): which unit of work each stage does at each tick.
 
 A unit (i, k) is micro-batch i on virtual stage k = r*p + s (chunk r of stage s; v chunks per
 stage, p stages, V = v*p virtual stages). The SPMD loop (one_f_one_b.py) runs T ticks
@@ -25,7 +25,7 @@ the tick after it arrives: one stash slot and one gradient slot.
 Ticks: T = v*m + 2p - 1 + (v-1)p (`ticks`): a warm-up of forward-only ticks, a steady phase of one
 forward and one backward per tick, a cool-down of backward-only ticks, and (v-1)p more for the
 chunks' wrap-around. Some stage forwards in v*m + p - 1 of them and some stage backwards in
-v*m + p - 1 (`Schedule.phases`): GPipe's iteration count, what the loop computes.
+v*m + p - 1 (`Timetable.phases`): GPipe's iteration count, what the loop computes.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import functools
 
 import numpy as np
 
-# The columns of a tick's row in `Schedule.table` ([T, p, len(COLUMNS)] int32).
+# The columns of a tick's row in `Timetable.table` ([T, p, len(COLUMNS)] int32).
 COLUMNS = (
   'f_valid',  # this stage runs a forward
   'f_mb',  # its micro-batch
@@ -77,7 +77,7 @@ class _Slots:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class Timetable:
   p: int
   v: int
   m: int
@@ -118,7 +118,7 @@ def orders(p: int, v: int, m: int, s: int) -> tuple[list, list]:
   return fwd, bwd
 
 
-def _simulate(p: int, v: int, m: int, cap: int) -> Schedule | None:
+def _simulate(p: int, v: int, m: int, cap: int) -> Timetable | None:
   """The tick-by-tick run of the orders under in-flight cap `cap` (None: it stalls for good)."""
   last = v * p - 1
   f_ord, b_ord = zip(*(orders(p, v, m, s) for s in range(p)), strict=True)
@@ -175,11 +175,11 @@ def _simulate(p: int, v: int, m: int, cap: int) -> Schedule | None:
     rows.append(row)
     t += 1
   high = lambda slots: max(1, *(x.high for x in slots))
-  return Schedule(p, v, m, cap, t, high(stash), high(grads), high(res), np.stack(rows))
+  return Timetable(p, v, m, cap, t, high(stash), high(grads), high(res), np.stack(rows))
 
 
 @functools.cache
-def build(p: int, v: int, m: int) -> Schedule:
+def build(p: int, v: int, m: int) -> Timetable:
   """The schedule with the smallest in-flight cap that takes no more ticks than an uncapped run."""
   if p < 2:
     raise ValueError('the 1F1B schedule needs pp >= 2')
@@ -190,8 +190,8 @@ def build(p: int, v: int, m: int) -> Schedule:
   low, high = 1, v * m + 1  # the ticks only shrink as the cap grows: bisect for the smallest
   while low < high:
     mid = (low + high) // 2
-    sched = _simulate(p, v, m, mid)
-    if sched is not None and sched.ticks == best.ticks:
+    tt = _simulate(p, v, m, mid)
+    if tt is not None and tt.ticks == best.ticks:
       high = mid
     else:
       low = mid + 1

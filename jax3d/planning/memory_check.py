@@ -1,7 +1,7 @@
 """The estimate against XLA's own figure: the real train step of a layout compiled ahead of time
 (`python -m jax3d.plan --verify`), its bytes per device beside the estimate's. On fake CPU devices
 by default; with `--target=KINDxN` by XLA:GPU for that many GPUs that are not attached
-(jax3d/parallel/gpu_target.py): the program the GPUs run, cuDNN attention and all."""
+(jax3d/devices/gpu_target.py): the program the GPUs run, cuDNN attention and all."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import ml_collections
 
 from jax3d.config import ConfigError, RunPlan
-from jax3d.parallel import gpu_target
+from jax3d.devices import gpu_target
 from jax3d.planning.costmodel import GB, Hardware, estimate
 
 
