@@ -3,7 +3,8 @@
   * the packages are ranked, bottom to top (RANK): a module imports only from its own package or
     from packages below it. Every import counts: module level, inside functions, and under
     `if TYPE_CHECKING:` (a type is a dependency a reader follows too);
-  * no import cycles among jax3d modules (inside a package too);
+  * no import cycles among jax3d modules (inside a package too, and through a package's __init__.py,
+    which importing any of its modules runs);
   * library modules never import the command modules (`python -m jax3d.train` and friends);
   * only jax3d/parallel/ writes collectives (psum, all_gather, ppermute, shard_map, ...) and names
     mesh axes in a PartitionSpec;
@@ -142,6 +143,28 @@ def _imports(module: str, tree: ast.Module, is_package: bool) -> set[str]:
 GRAPH = {m: _imports(m, _parse(rel), rel.endswith('__init__.py')) for m, rel in MODULES.items()}
 
 
+def _with_package_inits(graph: dict[str, set[str]], modules: dict[str, str]) -> dict[str, set[str]]:
+  """`graph` plus the edges Python adds: importing `a.b.c` first runs `a/__init__.py` and
+  `a/b/__init__.py`, so a module importing a.b.c also depends on the packages a.b and a (the ones
+  in `modules`). A module inside a package does not: its package ran before it. The root package
+  is left out: jax3d/__init__.py imports nothing (its API loads on first use, with importlib), as
+  `test_the_root_package_imports_nothing` checks."""
+  out = {m: set(deps) for m, deps in graph.items()}
+  for m, deps in graph.items():
+    for n in deps:
+      parts = n.split('.')
+      for i in range(2, len(parts)):
+        pkg = '.'.join(parts[:i])
+        if (
+          pkg in modules and modules[pkg].endswith('__init__.py') and pkg != m and not m.startswith(pkg + '.')
+        ):
+          out[m].add(pkg)
+  return out
+
+
+RUN_GRAPH = _with_package_inits(GRAPH, MODULES)  # what runs when each module is imported
+
+
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
   """One cycle as [a, b, ..., a], or None when the graph has none."""
   state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -166,15 +189,16 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycles():
-  graph = {m: {n for n in deps if (m, n) not in KNOWN_CYCLES} for m, deps in GRAPH.items()}
+  """No cycle among the modules, inside a package too, nor through a package's __init__.py."""
+  graph = {m: {n for n in deps if (m, n) not in KNOWN_CYCLES} for m, deps in RUN_GRAPH.items()}
   cycle = _find_cycle(graph)
   assert cycle is None, 'import cycle: ' + ' -> '.join(cycle)
 
 
 def test_known_cycles_are_still_cycles():
   for (a, b), why in KNOWN_CYCLES.items():
-    assert b in GRAPH.get(a, ()), f'KNOWN_CYCLES lists {a} -> {b} ({why}), which is gone: remove it'
-    assert _find_cycle({**GRAPH, a: {b}}) is not None, (
+    assert b in RUN_GRAPH.get(a, ()), f'KNOWN_CYCLES lists {a} -> {b} ({why}), which is gone: remove it'
+    assert _find_cycle({**RUN_GRAPH, a: {b}}) is not None, (
       f'KNOWN_CYCLES lists {a} -> {b} ({why}), which no longer closes a cycle: remove it'
     )
 
@@ -182,6 +206,61 @@ def test_known_cycles_are_still_cycles():
 def test_the_cycle_finder_finds_cycles():
   assert _find_cycle({'a': {'b'}, 'b': {'c'}, 'c': {'a'}}) == ['a', 'b', 'c', 'a']
   assert _find_cycle({'a': {'b', 'c'}, 'b': {'c'}, 'c': set()}) is None
+
+
+def test_the_cycle_check_sees_cycles_inside_a_package_and_through_its_init():
+  modules = {
+    'jax3d.p': 'jax3d/p/__init__.py',
+    'jax3d.p.zero3': 'jax3d/p/zero3.py',
+    'jax3d.p.pipe': 'jax3d/p/pipe/__init__.py',
+    'jax3d.p.pipe.chunk': 'jax3d/p/pipe/chunk.py',
+    'jax3d.p.pipe.loop': 'jax3d/p/pipe/loop.py',
+  }
+  # issue 54's cycle: zero3 imports pipe.chunk, which runs pipe/__init__.py, which imports zero3
+  graph = {'jax3d.p.zero3': {'jax3d.p.pipe.chunk'}, 'jax3d.p.pipe': {'jax3d.p.zero3'}}
+  assert _find_cycle(graph) is None  # the import statements alone hide it
+  assert _find_cycle(_with_package_inits(graph, modules)) == ['jax3d.p.pipe', 'jax3d.p.zero3', 'jax3d.p.pipe']
+  # a module inside the package importing a sibling does not run the package's __init__ again
+  inside = {'jax3d.p.pipe': {'jax3d.p.pipe.loop'}, 'jax3d.p.pipe.loop': {'jax3d.p.pipe.chunk'}}
+  assert _find_cycle(_with_package_inits(inside, modules)) is None
+  # between two modules of one package
+  assert _find_cycle(
+    {'jax3d.p.pipe.loop': {'jax3d.p.pipe.chunk'}, 'jax3d.p.pipe.chunk': {'jax3d.p.pipe.loop'}}
+  )
+
+
+def test_the_root_package_imports_nothing():
+  assert not GRAPH[PACKAGE], f'jax3d/__init__.py imports {sorted(GRAPH[PACKAGE])}: load them on first use'
+
+
+def _lazy_exports(tree: ast.Module) -> tuple[dict[str, str], dict[str, str]]:
+  """A package's lazy re-exports: ({name: module} of its `_EXPORTS` table, {name: module} of its
+  imports under `if TYPE_CHECKING:`)."""
+  table: dict[str, str] = {}
+  typed: dict[str, str] = {}
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and any(
+      isinstance(t, ast.Name) and t.id == '_EXPORTS' for t in node.targets
+    ):
+      table = ast.literal_eval(node.value)
+    elif isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == 'TYPE_CHECKING':
+      for imp in node.body:
+        if isinstance(imp, ast.ImportFrom):
+          typed |= {a.name: imp.module.rpartition('.')[2] for a in imp.names}
+  return table, typed
+
+
+def test_lazy_re_exports_are_listed_for_readers():
+  """A package that loads its re-exports on first use (`_EXPORTS`, `__getattr__`) imports the same
+  names under `if TYPE_CHECKING:`, so readers, type checkers and this test's graph see them."""
+  found = 0
+  for module, rel in MODULES.items():
+    table, typed = _lazy_exports(_parse(rel))
+    if table:
+      found += 1
+      package = module.rpartition('.')[2]
+      assert table == typed, f'{rel}: _EXPORTS {table} but TYPE_CHECKING imports {typed} ({package})'
+  assert found, 'no package with lazy re-exports: drop this test'
 
 
 def test_the_import_graph_sees_every_import():

@@ -1,7 +1,11 @@
-"""The 1F1B schedule (pipeline.schedule='1f1b'): the schedule as data (jax3d/parallel/pipeline/timetable.py)
+"""The 1F1B schedule (pipeline.schedule='1f1b'): its timetable (jax3d/parallel/pipeline/timetable.py)
 and the loop with the loss inside it (one_f_one_b.py) against a plain scan over the same layers and
 loss, value and gradients (layers, head, input), for p in {2, 4, 8}, m in {p, 2p, 4p}, v in {1, 2},
 remat none / full / dots."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,22 @@ from jax3d.parallel import pipeline, placement
 from jax3d.parallel.pipeline import chunk, timetable
 
 V = 5  # the toy head's vocabulary
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_timetable_and_the_planner_import_no_jax():
+  """timetable.py is numpy only: importing it (its package's __init__.py runs first) and the memory
+  model that reads it loads no jax."""
+  code = (
+    'import sys, jax3d.parallel.pipeline.timetable, jax3d.planning.memory_model\n'
+    "loaded = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
+    'assert not loaded, loaded[:3]'
+  )
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+  r = subprocess.run(
+    [sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert r.returncode == 0, r.stderr
 
 
 def head_loss(hd, y_btd, side):

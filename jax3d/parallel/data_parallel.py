@@ -3,8 +3,8 @@
 By default data parallelism is the compiler's: the batch is sharded over dp
 (jax3d/parallel/sharding.py), the weights are replicated, and XLA sums the weight gradients over
 dp once per step (the pipeline loop is manual over dp so that this sum happens after it, not once
-per iteration; jax3d/parallel/pipeline/__init__.py). Two
-settings, and bf16 parameters, make the reduction explicit, done here by hand (`explicit`):
+per iteration; jax3d/parallel/pipeline/stages.py). Two settings, and bf16 parameters, make the
+reduction explicit, done here by hand (`explicit`):
 
   train.shard_optimizer=True   ZeRO-1. Adam's moments are sharded over dp on the first dimension of
                                each parameter that is replicated and divisible by dp (`zero_dim`);

@@ -35,7 +35,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jax3d.parallel import remat
-from jax3d.parallel.pipeline.chunk import LayerFn
+from jax3d.parallel.layer_fn import LayerFn
 from jax3d.parallel.sharding import DP, TP
 
 

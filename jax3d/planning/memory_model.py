@@ -35,6 +35,7 @@ import numpy as np
 
 from jax3d.config import RunPlan
 from jax3d.model import formulas
+from jax3d.parallel.pipeline import timetable
 from jax3d.planning.hardware import BYTES
 from jax3d.planning.residuals import layer_residual_bytes
 
@@ -144,8 +145,8 @@ def _gpipe_edges(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
 
 
 def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
-  """pipeline.schedule=1f1b with stages (jax3d/parallel/pipeline/__init__.py `in_loop_loss`)."""
-  return cfg.pipeline.schedule == '1f1b' and plan.pp > 1
+  """pipeline.schedule=1f1b with stages: the loss inside the loop (timetable.in_loop_loss)."""
+  return timetable.in_loop_loss(cfg.pipeline.schedule, plan)
 
 
 def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, res: Callable) -> float:
@@ -156,8 +157,6 @@ def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, re
   intermediates while a unit runs."""
   sp = plan.tp if plan.sequence_parallel else 1
   act_mb = micro_activation_bytes(cfg, plan) / sp
-  from jax3d.parallel.pipeline import timetable  # imported when needed: the package imports jax
-
   slots = timetable.residual_slots(plan.pp, plan.repeats, plan.microbatches)
   edges = 2 * plan.microbatches * act_mb * 4 / BYTES[cfg.train.compute_dtype]
   per_slot = act_mb if cfg.train.remat == 'stage' else lc * res(policy=cfg.train.remat)

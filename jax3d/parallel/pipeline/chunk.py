@@ -14,20 +14,14 @@ weights among the residuals.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jax3d.parallel import remat
+from jax3d.parallel.layer_fn import LayerFn, Side
 from jax3d.parallel.sharding import vary
-
-# (one layer's params, x_btd, side) -> y_btd. `side`: the micro-batch's per-row arrays ([b, t]
-# each: segment ids, positions, ...), a dict, possibly empty; the pipeline hands each unit of work
-# those of the micro-batch it works on.
-LayerFn = Callable[[Any, jax.Array, dict], jax.Array]
-Side = dict[str, jax.Array]
 
 
 def run_layers(

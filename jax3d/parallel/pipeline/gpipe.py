@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.parallel import remat
-from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, Side, add_at, kept, run_layers, zeros
+from jax3d.parallel.layer_fn import LayerFn, Side
+from jax3d.parallel.pipeline.chunk import Chunk, add_at, kept, run_layers, zeros
 from jax3d.parallel.sharding import PP, vary
 
 

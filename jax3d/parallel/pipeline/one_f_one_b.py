@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax3d.parallel.pipeline.chunk import Chunk, LayerFn, add_at, kept as chunk_kept, put, zeros
+from jax3d.parallel.layer_fn import LayerFn
+from jax3d.parallel.pipeline.chunk import Chunk, add_at, kept as chunk_kept, put, zeros
 from jax3d.parallel.pipeline.timetable import COL, Timetable
 from jax3d.parallel.sharding import PP, vary
 

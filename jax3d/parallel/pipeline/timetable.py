@@ -32,8 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+  from jax3d.config import RunPlan
 
 # The columns of a tick's row in `Timetable.table` ([T, p, len(COLUMNS)] int32).
 COLUMNS = (
@@ -57,6 +61,12 @@ COLUMNS = (
   'g_slot',
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
+
+
+def in_loop_loss(schedule: str, plan: RunPlan) -> bool:
+  """Whether the step computes its loss inside the loop under this timetable (pipeline.schedule
+  ='1f1b' with stages: run_1f1b.loss) rather than with the head after the layers (run_gpipe.apply)."""
+  return schedule == '1f1b' and plan.pp > 1
 
 
 class _Slots:
