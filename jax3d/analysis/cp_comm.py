@@ -1,4 +1,4 @@
-"""Context parallelism's bytes (mesh.cp > 1, train.cp_strategy=allgather; jax3d/parallel/context.py),
+"""Context parallelism's bytes (mesh.cp > 1, train.cp_strategy=allgather; jax3d/model/cp_attention.py),
 per device, as docs/formulas.md states them: the memory model (jax3d/planning/memory_model.py), the
 step-time model (jax3d/planning/time_model.py) and `python -m jax3d.inspect`'s check of the
 compiled step (jax3d/analysis/inspection.py) all read them here. Pure arithmetic, no jax.

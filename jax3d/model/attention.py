@@ -22,7 +22,8 @@ manual yet (`sharding.device_local`), so each device runs it on its own rows and
 GSPMD, its custom partitioner fails on jax 0.10 (dp: an assertion in `get_num_ways_dim_sharded`;
 under the pipeline's shard_map: 'GSPMDSharding' object has no attribute 'spec'). Attention needs no
 communication (rows over dp, heads over tp, every KV head of a query head on the same rank), so
-nothing changes but who partitions it. Its forward runs again in the backward (`_per_device_vjp`).
+nothing changes but who partitions it. Its forward runs again in the backward
+(`sharding.device_local_vjp`).
 
 Documents: for `xla` and `cudnn` the rows' segment ids become a boolean mask [b, 1, t, t] (a query
 sees the keys of its own segment; causality is `is_causal`'s); cuDNN takes it as an additive bf16
@@ -34,13 +35,11 @@ would not order the tokens). A row of one document (no segment ids) passes neith
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from jax3d.errors import ConfigError
-from jax3d.model import blockwise, pallas
+from jax3d.model import blockwise, cp_attention, pallas
 from jax3d.parallel import context, sharding
 
 FUSED_DTYPES = ('bfloat16', 'float16')
@@ -120,7 +119,7 @@ def attend(
   if kernel == 'pallas':
     seg = () if segment_ids_bt is None else (segment_ids_bt,)
     in_logical = (names[0], names[1], names[1]) + (('batch', 'seq'),) * len(seg)
-    run = _per_device_vjp(pallas.attention, in_logical, names[0], len(seg), pallas.backward)
+    run = sharding.device_local_vjp(pallas.attention, in_logical, names[0], len(seg), pallas.backward)
     return run(q_btnh, k_btkh, v_btkh, *seg)
   impl = 'cudnn' if kernel == 'cudnn' else 'xla'
 
@@ -139,63 +138,23 @@ def attend(
   )
   operands = (q_btnh, k_btkh, v_btkh) + (() if bias is None else (bias,))
   in_logical = (names[0], names[1], names[1]) + (() if bias is None else (('batch', None, 'seq', None),))
-  return _per_device_vjp(_cudnn, in_logical, names[0], len(operands) - 3)(*operands)
+  return sharding.device_local_vjp(_cudnn, in_logical, names[0], len(operands) - 3)(*operands)
 
 
 def _cudnn(q, k, v, bias=None):
   return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation='cudnn')
 
 
-def _per_device_vjp(
-  fn: Any, in_logical: tuple, out_logical: tuple, n_nondiff: int, backward: Any = None
-) -> Any:
-  """`fn` run on each device's own blocks (`sharding.device_local`), forward and backward as two
-  separate per-device regions: the forward keeps its inputs, the backward runs `jax.vjp` of `fn`
-  (its forward once more, then its backward kernel) and returns the inputs' cotangents (zeros for
-  the last `n_nondiff`, made from integers). Differentiating one region instead makes its internal
-  residuals (cuDNN's softmax statistics, the bias) outputs of a shard_map nested in the pipeline's,
-  which jax 0.10 gives the wrong global shape or an invalid sharding (BUILD_NOTES.md).
-  `backward(*primals, g)`, where given, replaces `jax.vjp` (a Pallas kernel's: its calls' outputs
-  carry no manual-axis types, so both regions run without shard_map's check of them)."""
-  check = backward is None
-  fwd_region = sharding.device_local(fn, in_logical, out_logical, check)
-
-  def bwd_local(*args):
-    *primals, g = args
-    grads = backward(*primals, g) if backward else jax.vjp(fn, *primals)[1](g)
-    return tuple(grads[: len(primals) - n_nondiff])
-
-  n_diff = len(in_logical) - n_nondiff
-  bwd_region = sharding.device_local(bwd_local, in_logical + (out_logical,), in_logical[:n_diff], check)
-
-  # A region without the check returns values typed invariant over the enclosing shard_map's manual
-  # axes (the pipeline's): typed back as varying like the operands (out: q's; each gradient: its input's)
-  like = sharding.vary_like
-
-  forward = lambda *operands: like(fwd_region(*operands), operands[0])
-  run = jax.custom_vjp(forward)
-
-  def run_fwd(*operands):
-    return forward(*operands), operands
-
-  def run_bwd(operands, g):
-    grads = bwd_region(*operands, g)
-    return tuple(map(like, grads, operands)) + tuple(jnp.zeros_like(x) for x in operands[n_diff:])
-
-  run.defvjp(run_fwd, run_bwd)
-  return run
-
-
 def _blockwise(
   q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, seg_bt: jax.Array | None, cp_strategy: str
 ) -> jax.Array:
   """blockwise.attention of rows in their natural order: causal positions are the tokens' indices
-  in their row (with the sequence split over cp: `context.attend` by `cp_strategy`). Left to
+  in their row (with the sequence split over cp: `cp_attention.attend` by `cp_strategy`). Left to
   GSPMD (rows over dp, heads over tp; it partitions the block loops): run per device instead
   (`sharding.device_local`, as cuDNN's), it failed to lower inside the pipeline's shard_map on
   jax 0.10 (BUILD_NOTES.md)."""
   if context.active(q_btnh.shape[1]):  # the sequence over 'cp' (jax3d/parallel/context.py)
-    return context.attend(q_btnh, k_btkh, v_btkh, seg_bt, blockwise, blockwise.BLOCK, cp_strategy)
+    return cp_attention.attend(q_btnh, k_btkh, v_btkh, seg_bt, cp_strategy)
   b, t = q_btnh.shape[:2]
   pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return blockwise.attention(q_btnh, k_btkh, v_btkh, pos_bt, pos_bt, seg_bt, seg_bt, blockwise.BLOCK)

@@ -17,7 +17,7 @@ skipped), and each key block's backward likewise over query blocks. Not `lax.con
 differentiated scan (the layers' loop) jax 0.10's partial evaluation of a cond inside the custom
 VJP's forward kept every block's scores as residuals, t^2 again.
 
-Keys may also come in several calls (context parallelism's ring, jax3d/parallel/context.py):
+Keys may also come in several calls (context parallelism's ring, jax3d/model/cp_attention.py):
 `start`, `accumulate` once per group of keys (the same online softmax, its running statistics
 carried between calls), `finish`; then `backward` once per group with the finished logsumexp.
 

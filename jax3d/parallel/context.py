@@ -10,13 +10,10 @@ positions travel with the tokens, so RoPE is right in any order. The loss is a s
 divided by the batch's weight sum, so the order changes neither; `natural` puts per-token outputs
 (logits) back in the rows' own order.
 
-Attention (`attend`): a shard_map manual over 'cp' alone (dp and tp stay with GSPMD, as for the
-blockwise attention without cp); each rank's queries have as causal positions their tokens'
-indices in the row. train.cp_strategy=allgather: each rank all-gathers K, V and the key segment
-ids over cp and runs the blockwise attention of its queries against all keys; the all-gather's
-transpose is a reduce-scatter of dK and dV. train.cp_strategy=ring: K, V and the key segments go
-round the cp ring (ppermute), one rank's block per step, the online softmax continued over each;
-the backward sends them round again with their dK/dV accumulators (`_ring`). The parameters are
+Attention over cp is jax3d/model/cp_attention.py (the blockwise kernel, by train.cp_strategy); it
+composes the collectives over 'cp' offered here: `rank`, `gather` (all-gather of the sequence),
+`scatter_sum` (its transpose, a reduce-scatter) and `rotate` (one step round the cp ring), with
+the causal positions of a rank's tokens (`positions`, read off `order`). The parameters are
 replicated over cp, so their gradients are summed over dp x cp by the compiler.
 """
 
@@ -29,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax3d.parallel import sharding
 from jax3d.parallel.sharding import CP
 
 POSITIONS = 'positions'
@@ -116,140 +112,32 @@ def unrows(x_r: jax.Array, b: int, t: int) -> jax.Array:
   return x_r.reshape(cp, b, t // cp, *x_r.shape[1:]).swapaxes(0, 1).reshape(b, t, *x_r.shape[1:])
 
 
-def attend(
-  q_btnh: jax.Array,
-  k_btkh: jax.Array,
-  v_btkh: jax.Array,
-  seg_bt: jax.Array | None,
-  kernel: Any,
-  block: int,
-  strategy: str = 'allgather',
-) -> jax.Array:
-  """Causal attention [b, t, n, h] of rows in the cp layout, the sequence split over 'cp' (the
-  module docstring), by `strategy` ('allgather' or 'ring'). Forward and backward are two
-  per-device regions (`sharding.device_local`, a custom VJP, as attention._per_device_vjp):
-  differentiating one region, or a region manual over cp alone, makes the kernel's residuals
-  outputs split over a free axis (dp) before the manual one, which Shardy rejects. The backward
-  reuses the forward's logsumexp. `kernel` is jax3d/model/blockwise.py (the module: forward,
-  backward, and the ring's start, accumulate, finish), run with blocks of `block`. Where cp is
-  manual already (`manual`: the pipeline's loop, the explicit reduction) the t tokens are this
-  rank's own: the whole row is t*cp, and the ranks' positions come from axis_index(cp) as ever."""
-  cp = cp_size()
-  t = q_btnh.shape[1] * (cp if manual() else 1)  # the whole row's tokens
-  fwd_local, bwd_local = (_ring if strategy == 'ring' else _allgather)(t, cp, kernel, block)
-  segs: tuple[Any, ...] = () if seg_bt is None else (seg_bt,)
-  q_names, kv_names = ('batch', 'seq', 'heads', 'head_dim'), ('batch', 'seq', 'kv_heads', 'head_dim')
-  lse_names = ('seq', 'batch', 'kv_heads', None, None)  # [nq, b, kv, g, bq]: this rank's query blocks
-  seg_names = (('batch', 'seq'),) * len(segs)
-  fwd = sharding.device_local(
-    fwd_local, (q_names, kv_names, kv_names, *seg_names), (q_names, lse_names), check_vma=False
-  )
-  bwd_in = (q_names, kv_names, kv_names, q_names, lse_names, q_names, *seg_names)
-  bwd = sharding.device_local(bwd_local, bwd_in, (q_names, kv_names, kv_names), check_vma=False)
-
-  # unchecked regions return values varying over no manual axis: marked as their inputs were
-  like = sharding.vary_like
-
-  @jax.custom_vjp
-  def run(q, k, v, *seg):
-    return like(fwd(q, k, v, *seg)[0], q)
-
-  def run_fwd(q, k, v, *seg):
-    out, lse = fwd(q, k, v, *seg)
-    return like(out, q), (q, k, v, out, lse, seg)
-
-  def run_bwd(res, g):
-    q, k, v, out, lse, seg = res
-    grads = bwd(q, k, v, out, lse, g, *seg)
-    return (*(like(d, x) for d, x in zip(grads, (q, k, v), strict=True)), *(jnp.zeros_like(x) for x in seg))
-
-  run.defvjp(run_fwd, run_bwd)
-  return run(q_btnh, k_btkh, v_btkh, *segs)
-
-
-def _positions(rank: Any, b: int, t: int, cp: int) -> jax.Array:
+def positions(rank: Any, b: int, t: int, cp: int) -> jax.Array:
   """int [b, t/cp]: the row indices of the tokens cp rank `rank` holds (chunks rank and
   2cp-1-rank), the causal positions of its queries and keys."""
   p = jnp.asarray(order(t, cp).reshape(cp, t // cp), jnp.int32)[rank]  # the layout, from `order`
   return jnp.broadcast_to(p, (b, t // cp))
 
 
-def _allgather(t: int, cp: int, kernel: Any, block: int) -> tuple[Callable, Callable]:
-  """(forward, backward) per device: K, V and the key segments all-gathered over cp and put in
-  their natural order (a static gather, so that the kernel's block skipping sees contiguous needed
-  blocks), all keys at once; dK and dV reduce-scattered (the all-gather's transpose)."""
-  natural_of = np.argsort(order(t, cp))  # gathered (rank-major) keys -> natural order
-  gather = lambda a: jax.lax.all_gather(a, CP, axis=1, tiled=True)[:, natural_of]
-
-  def operands(q, k, v, seg):
-    qp = _positions(jax.lax.axis_index(CP), q.shape[0], t, cp)
-    kp = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (q.shape[0], t))
-    ids = () if seg is None else (seg, gather(seg))
-    return q, gather(k), gather(v), qp, kp, *(ids or (None, None))
-
-  def fwd_local(q, k, v, *seg):
-    return kernel.forward(*operands(q, k, v, seg[0] if seg else None), block=block)
-
-  def bwd_local(q, k, v, out, lse, g, *seg):
-    dq, dk, dv = kernel.backward(*operands(q, k, v, seg[0] if seg else None), out, lse, g, block=block)
-    scatter = lambda d: jax.lax.psum_scatter(d[:, order(t, cp)], CP, scatter_dimension=1, tiled=True)
-    return dq, scatter(dk), scatter(dv)
-
-  return fwd_local, bwd_local
+# --- collectives over 'cp', inside a region manual over it (jax3d/model/cp_attention.py) -----------
+def rank() -> jax.Array:
+  """This device's rank on the 'cp' axis."""
+  return jax.lax.axis_index(CP)
 
 
-def _ring(t: int, cp: int, kernel: Any, block: int) -> tuple[Callable, Callable]:
-  """(forward, backward) per device: each rank's K, V and key segments passed round the cp ring
-  (rank r -> r+1, `ppermute`), cp steps; at step s rank i holds rank i-s's keys, whose positions
-  it computes (`_positions`). The forward continues the online softmax of its queries over each
-  visiting block (kernel.accumulate: one softmax, as if all keys came at once). The backward
-  (with the finished logsumexp) passes the K/V round again with each block's fp32 dK/dV
-  accumulator: every rank adds its part, and after the last step one more rotation brings each
-  accumulator home. Each step issues the next transfer before its block computation, so that XLA
-  can overlap them; no rank holds more than its own, the visiting and the arriving K/V."""
+def gather(a: jax.Array, t: int, cp: int) -> jax.Array:
+  """[b, t/cp, ...] of every cp rank -> the whole rows [b, t, ...] in their natural order (an
+  all-gather over cp, then a static gather: rank-major to natural)."""
+  return jax.lax.all_gather(a, CP, axis=1, tiled=True)[:, np.argsort(order(t, cp))]
+
+
+def scatter_sum(d: jax.Array, t: int, cp: int) -> jax.Array:
+  """The transpose of `gather`: [b, t, ...] in natural order, summed over the cp ranks, each rank
+  keeping its own tokens [b, t/cp, ...] (a reduce-scatter)."""
+  return jax.lax.psum_scatter(d[:, order(t, cp)], CP, scatter_dimension=1, tiled=True)
+
+
+def rotate(tree: Any, cp: int) -> Any:
+  """Every array of `tree` sent one step round the cp ring (rank r -> r+1, one `ppermute` each)."""
   perm = [(r, (r + 1) % cp) for r in range(cp)]
-  rotate = lambda tree: jax.tree.map(lambda a: jax.lax.ppermute(a, CP, perm), tree)
-
-  def keys(q, s, kv):  # the operands of step s: the visiting block's K, V, positions, segments
-    src = (jax.lax.axis_index(CP) - s) % cp
-    k, v, *ks = kv
-    return k, v, _positions(src, q.shape[0], t, cp), (ks[0] if ks else None)
-
-  def fwd_local(q, k, v, *seg):
-    qp, qs = _positions(jax.lax.axis_index(CP), q.shape[0], t, cp), (seg[0] if seg else None)
-
-    def visit(s, kv, state):
-      k_s, v_s, kp, ks = keys(q, s, kv)
-      return kernel.accumulate(q, k_s, v_s, qp, kp, qs, ks, block, state)
-
-    def step(s, carry):  # the transfer for step s+1 first, then step s's blocks
-      kv, state = carry
-      return rotate(kv), visit(s, kv, state)
-
-    kv, state = jax.lax.fori_loop(0, cp - 1, step, ((k, v, *seg), kernel.start(q, k.shape[2], block)))
-    return kernel.finish(visit(cp - 1, kv, state), q)
-
-  def bwd_local(q, k, v, out, lse, g, *seg):
-    qp, qs = _positions(jax.lax.axis_index(CP), q.shape[0], t, cp), (seg[0] if seg else None)
-
-    def grads(s, kv):  # (dq part, (dk, dv) of the visiting block's keys), fp32
-      k_s, v_s, kp, ks = keys(q, s, kv)
-      dq, dk, dv = kernel.backward(q, k_s, v_s, qp, kp, qs, ks, out, lse, g, block, jnp.float32)
-      return dq, (dk, dv)
-
-    def step(s, carry):  # both transfers first: the next K/V, and the visiting block's accumulator
-      kv, acc, dq = carry
-      nxt, acc_in = rotate(kv), rotate(acc)
-      dq_s, d = grads(s, kv)
-      return nxt, jax.tree.map(jnp.add, acc_in, d), dq + dq_s
-
-    own = (k, v, *seg)
-    nxt = rotate(own)
-    dq, acc = grads(0, own)  # step 0: the own block, its accumulator started here
-    kv, acc, dq = jax.lax.fori_loop(1, cp - 1, step, (nxt, acc, dq))
-    acc_in = rotate(acc)
-    dq_s, d = grads(cp - 1, kv)
-    dk, dv = rotate(jax.tree.map(jnp.add, acc_in, d))  # each block's accumulator home to its owner
-    return (dq + dq_s).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-  return fwd_local, bwd_local
+  return jax.tree.map(lambda a: jax.lax.ppermute(a, CP, perm), tree)

@@ -40,6 +40,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (jax3d/parallel/mesh.py builds the mesh with them)
@@ -166,6 +167,61 @@ def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, che
   mesh = jax.sharding.get_abstract_mesh()
   axes = set(mesh.axis_names) - set(mesh.manual_axes)
   return _manual(fn, in_logical, out_logical, axes, check_vma) if axes else fn
+
+
+def device_local_vjp(
+  fn: Any,
+  in_logical: tuple[tuple, ...],
+  out_logical: tuple,
+  n_nondiff: int,
+  backward: Any = None,
+  saved: tuple[tuple, ...] = (),
+) -> Any:
+  """`fn` run on each device's own blocks (`device_local`) with a custom VJP: forward and backward
+  as two separate per-device regions. Differentiating one region instead makes the kernel's
+  internal residuals (cuDNN's softmax statistics, the bias, a logsumexp) outputs of a shard_map
+  nested in the pipeline's, which jax 0.10 gives the wrong global shape or an invalid sharding, or
+  split over a free axis (dp) before a manual one, which Shardy rejects (BUILD_NOTES.md).
+
+  The forward region keeps its inputs; the backward region returns the inputs' cotangents (zeros
+  for the last `n_nondiff`, made from integers). Without `backward` it runs `jax.vjp` of `fn` (its
+  forward once more, then its backward). `backward(*inputs, g)`, where given, replaces it (a
+  Pallas kernel's: its calls' outputs carry no manual-axis types, so both regions run without
+  shard_map's check of them). With `saved` (the logical names of more outputs of `fn`: its
+  residuals, e.g. a logsumexp), `fn` returns (out, *residuals), which the forward keeps and the
+  backward takes: `backward(*inputs, out, *residuals, g)`."""
+  check = backward is None
+  fwd_region = device_local(fn, in_logical, (out_logical, *saved) if saved else out_logical, check)
+
+  def bwd_local(*args):
+    *primals, g = args
+    grads = backward(*primals, g) if backward else jax.vjp(fn, *primals)[1](g)
+    return tuple(grads[: len(in_logical) - n_nondiff])
+
+  n_diff = len(in_logical) - n_nondiff
+  bwd_in = in_logical + ((out_logical, *saved) if saved else ()) + (out_logical,)
+  bwd_region = device_local(bwd_local, bwd_in, in_logical[:n_diff], check)
+
+  # A region without the check returns values typed invariant over the enclosing shard_map's manual
+  # axes (the pipeline's): typed back as varying like the operands (out: the first's; each
+  # gradient: its input's).
+  def forward(*operands):
+    out, *kept = fwd_region(*operands) if saved else (fwd_region(*operands),)
+    return vary_like(out, operands[0]), (out, *kept)
+
+  run = jax.custom_vjp(lambda *operands: forward(*operands)[0])
+
+  def run_fwd(*operands):
+    out, kept = forward(*operands)
+    return out, (operands, kept if saved else ())
+
+  def run_bwd(res, g):
+    operands, kept = res
+    grads = bwd_region(*operands, *kept, g)
+    return tuple(map(vary_like, grads, operands)) + tuple(jnp.zeros_like(x) for x in operands[n_diff:])
+
+  run.defvjp(run_fwd, run_bwd)
+  return run
 
 
 def _manual(

@@ -84,7 +84,7 @@ def micro_activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> flo
 
 def cp_gather_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   """mesh.cp > 1: one layer's K and V all-gathered over cp (the whole sequence, this device's KV
-  heads), held while its attention runs, forward or backward (jax3d/parallel/context.py;
+  heads), held while its attention runs, forward or backward (jax3d/model/cp_attention.py;
   cp_comm.kv_gather_bytes, docs/formulas.md)."""
   from jax3d.analysis import cp_comm
 
