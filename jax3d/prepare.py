@@ -35,10 +35,11 @@ and template (jax3d/data/shard_writer.py); over a complete dataset the new one i
 swapped in only when complete, so a failed rerun leaves it as it was (jax3d/data/staging.py).
 
 Exit status: 0 done; 2 bad flags or input (one line on stderr naming the file, and the line of a
-JSONL one or the row of a table: a binary file, text that is not UTF-8, a field that is missing or not a string, no text
-at all, --out inside --input; for chat data also a line without
-"messages", an unknown role, a template that fails or renders the text around an answer differently as the answer changes, a
-conversation with no supervised token, a tokenizer folder without a chat template).
+JSONL one or the row of a table: a binary file, text that is not UTF-8, a field that is missing or
+not a string, no text at all, --out inside --input; for chat data also a line without "messages",
+an unknown role, a template that fails or renders the text around an answer differently as the
+answer changes, a conversation with no supervised token, a tokenizer folder without a chat
+template).
 """
 
 from __future__ import annotations

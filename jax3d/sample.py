@@ -4,10 +4,11 @@
 
 Text from a Hugging Face folder (its weights and its tokenizer, imported onto this machine's
 devices in the layout --config.mesh.* sets; no training run, no Orbax), or from the newest good
-checkpoint of a training run, on this machine's devices, in any layout: the run's config is read from the checkpoint (unless --config is given) and
---config.mesh.* picks the layout to generate under (for example --config.mesh.dp=1
---config.mesh.pp=1 --config.mesh.tp=8). Only the parameters are read, straight into the new
-layout's shardings, with the layer axis permuted from the saved pipeline order.
+checkpoint of a training run, on this machine's devices, in any layout: the run's config is read
+from the checkpoint (unless --config is given) and --config.mesh.* picks the layout to generate
+under (for example --config.mesh.dp=1 --config.mesh.pp=1 --config.mesh.tp=8). Only the parameters
+are read, straight into the new layout's shardings, with the layer axis permuted from the saved
+pipeline order.
 
 Decoding (jax3d/model/generate.py) runs the layers in canonical order with a KV cache: one forward pass over
 the prompt, then one token per step. Greedy with --greedy (or --temperature=0), else temperature

@@ -19,8 +19,8 @@ norm), both in their tp/pp layout (what a device holds without ZeRO-3):
 
 REGATHERS was read off the compiled HLO (tiny, 8-1-1, 2-2-2 and 2-4-1): 'none' (under the layer
 gather the layer keeps what 'dots' keeps, zero3.Gather.layer), 'dots', 'attn' and 'full' recompute
-the layer once; 'stage' recomputes the iteration and, inside it, each checkpointed layer: twice. 1F1B's backward recomputes its chunk
-from the stashed input, one gather more.
+the layer once; 'stage' recomputes the iteration and, inside it, each checkpointed layer: twice.
+1F1B's backward recomputes its chunk from the stashed input, one gather more.
 """
 
 from __future__ import annotations

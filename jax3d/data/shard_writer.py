@@ -2,16 +2,17 @@
 tokenized on every core into `OUT/{train,val}-NNNNN.bin` with `OUT/index.json` (the format of
 jax3d/data/shards.py). Behind `python -m jax3d.prepare`; imports no jax.
 
-Documents (read by jax3d/data/reading.py, every file for what it is: jax3d/data/inputs.py): a
-text file is one document (a file over `shard_bytes` is cut at line ends into several), a JSONL
-line is one document (its `field`, a string). Each document ends with EOS (and starts with
-BOS when the tokenizer has one); a table row is one (its `field` column: jax3d/data/arrow_tables.py,
-read a row group at a time; a bad row fails or with on_bad='skip' is counted). With `fmt='chat'` a JSONL line is a conversation ({"messages":
-[...]}) rendered with the tokenizer folder's chat template, with no BOS/EOS added (the template
-writes its own), and a loss weight per token (jax3d/data/chat.py). Each shard's document starts
-and (chat) weights are written beside it (jax3d/data/shards.py). A document is held out when a hash of its name (relative path,
-plus the byte offset for JSONL lines and cut files) says so (jax3d/data/documents.py): a
-document is wholly in train or wholly in val, so the splits never share a document.
+Documents (read by jax3d/data/reading.py, every file for what it is: jax3d/data/inputs.py): a text
+file is one document (a file over `shard_bytes` is cut at line ends into several), a JSONL line is
+one document (its `field`, a string). Each document ends with EOS (and starts with BOS when the
+tokenizer has one); a table row is one (its `field` column: jax3d/data/arrow_tables.py, read a row
+group at a time; a bad row fails or with on_bad='skip' is counted). With `fmt='chat'` a JSONL line
+is a conversation ({"messages": [...]}) rendered with the tokenizer folder's chat template, with no
+BOS/EOS added (the template writes its own), and a loss weight per token (jax3d/data/chat.py). Each
+shard's document starts and (chat) weights are written beside it (jax3d/data/shards.py). A document
+is held out when a hash of its name (relative path, plus the byte offset for JSONL lines and cut
+files) says so (jax3d/data/documents.py): a document is wholly in train or wholly in val, so the
+splits never share a document.
 
 Work units: consecutive documents of about `shard_bytes` of text; unit i writes train-i.bin and
 val-i.bin (into temporary names, renamed when complete) and then unit-i.json with a fingerprint

@@ -14,11 +14,12 @@ Model FLOPs and MFU: the standard numerator (PaLM appendix B) over the hardware'
 
 P is the parameter count of the real model *minus the input embedding table*: the embedding is a
 lookup (a gather) and does no multiply-adds, while the output head is a real [h, V] matmul and is
-counted. A tied table is the head's matmul too, so it stays in P. (PaLM's N is the parameter count; nanoGPT drops the position table for the same reason.)
-The 12*L*h*s term is attention's scores and weighted sum (2 matmuls of 2*s*h FLOPs per token per
-layer, times 3 for forward + backward), counted over the full s as PaLM does (no causal halving).
-Recomputation (remat) and the SPMD pipeline's bubble iterations are *not* counted: MFU measures
-useful work, so they lower MFU (they would count in HFU).
+counted. A tied table is the head's matmul too, so it stays in P. (PaLM's N is the parameter count;
+nanoGPT drops the position table for the same reason.) The 12*L*h*s term is attention's scores and
+weighted sum (2 matmuls of 2*s*h FLOPs per token per layer, times 3 for forward + backward), counted
+over the full s as PaLM does (no causal halving). Recomputation (remat) and the SPMD pipeline's
+bubble iterations are *not* counted: MFU measures useful work, so they lower MFU (they would count
+in HFU).
 
 Peaks are dense bf16 tensor-core FLOP/s from the vendors' data sheets, per device. There is no
 honest peak for a CPU, so on CPU (or an unknown device) MFU is None unless the config sets

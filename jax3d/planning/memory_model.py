@@ -16,9 +16,9 @@ for activations), modelling what jax3d's step really does:
     under the remat policy, with the attention kernel's), so it follows the code; with XLA's
     attention, Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t)). With remat 'stage' it counts m+1
     micro-batches per iteration (its input and, with pp > 1, a stage-0 queue of m): an upper bound,
-    since the compiled loop saves the iteration's input only (the queue, where v > 1, is a carry updated in place). Under 1F1B
-    (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the stages instead
-    (`_activations_1f1b`), whatever the number of micro-batches.
+    since the compiled loop saves the iteration's input only (the queue, where v > 1, is a carry
+    updated in place). Under 1F1B (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the
+    stages instead (`_activations_1f1b`), whatever the number of micro-batches.
   - LoRA (lora.rank > 0): the base in lora.base_dtype, the adapters' gradients and moments only.
   - the head: fp32 logits, their exp and the one-hot targets (vocab over tp), and the embedding's
     output, for the rows outside the pipeline's loop; the logits for 1/train.loss_chunks of them.

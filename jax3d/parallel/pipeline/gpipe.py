@@ -75,10 +75,11 @@ class GPipe:
     chunk (v = 1) what each iteration received from the previous stage [n, b, t, d] (the scan's ys;
     `circulate` slices the finished m); with v > 1 the m finished micro-batches [m, b, t, d], written
     into a carried buffer as they arrive (an [n] stack and its gradient would hold v*m + p - 1
-    micro-batches each: 23 GB per GPU for Llama 3 70B at pp 8, v 5, m 16). `stage(chunks, r, x, side_u) -> (y, aux)` runs chunk r on the stage's
-    input x (side_u: its micro-batch's side arrays, of `side` [m, b, t]);
-    `bubble(x)` gives a bubble iteration's (y, aux) when bubbles are skipped. xs: the inputs padded
-    with p-1 zero micro-batches (v = 1, taken by the scan as they come) or the stage-0 queue (v > 1)."""
+    micro-batches each: 23 GB per GPU for Llama 3 70B at pp 8, v 5, m 16).
+    `stage(chunks, r, x, side_u) -> (y, aux)` runs chunk r on the stage's input x (side_u: its
+    micro-batch's side arrays, of `side` [m, b, t]); `bubble(x)` gives a bubble iteration's (y, aux)
+    when bubbles are skipped. xs: the inputs padded with p-1 zero micro-batches (v = 1, taken by the
+    scan as they come) or the stage-0 queue (v > 1)."""
     s = jax.lax.axis_index(PP)
     ring = [(i, (i + 1) % self.p) for i in range(self.p)]
 
