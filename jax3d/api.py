@@ -53,7 +53,9 @@ __all__ = [
 ]
 
 
+# ---------------------------------------------------------------------------------------------
 # Devices and configs
+# ---------------------------------------------------------------------------------------------
 def use_fake_cpu_devices(n: int = 8) -> int:
   """Makes the host CPU look like `n` devices, so 3D layouts run on a laptop. Returns n.
 
@@ -113,7 +115,9 @@ def _with(cfg: ml_collections.ConfigDict, **kw: Any) -> ml_collections.ConfigDic
   return cfg
 
 
+# ---------------------------------------------------------------------------------------------
 # Building a run
+# ---------------------------------------------------------------------------------------------
 def __getattr__(name: str) -> Any:
   # `Trainer` is imported on first use: importing it imports jax and flax.
   if name == 'Trainer':
@@ -197,7 +201,9 @@ def losses(records: list[dict]) -> list[float]:
   return [r['loss'] for r in records if 'loss' in r and 'event' not in r]
 
 
+# ---------------------------------------------------------------------------------------------
 # Pipeline bubble and memory
+# ---------------------------------------------------------------------------------------------
 def bubble(pp: int, microbatches: int, repeats: int = 1) -> float:
   """Idle share of a pipeline step: (p-1)/(v*m+p-1).
 
@@ -235,17 +241,21 @@ def compiled_memory(
     source.compile()
     return dict(source.compiled.memory)
   gpus = gpu_target.parse(target, 'target') if target else None
-  if devices is None and cfg is not source:
+  if gpus is not None:
+    devices = gpu_target.devices(gpus)
+  elif devices is None and cfg is not source:
     devices = list(source.mesh.devices.flat)
   cfg = _with(cfg, **overrides) if overrides else cfg
-  s = assemble.build(cfg, gpu_target.devices(gpus) if gpus else devices)
-  out = dict(assemble.compile_train_step(s, gpu_target.compiler_options() if gpus else None).memory)
-  return out | (
-    {'device_memory': gpus.memory_bytes, 'fits': out['total'] <= gpus.memory_bytes} if gpus else {}
-  )
+  options = gpu_target.compiler_options() if gpus else None
+  out = dict(assemble.compile_train_step(assemble.build(cfg, devices), options).memory)
+  if gpus is not None:
+    out |= {'device_memory': gpus.memory_bytes, 'fits': out['total'] <= gpus.memory_bytes}
+  return out
 
 
+# ---------------------------------------------------------------------------------------------
 # The planner
+# ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Plan:
   """The planner's answer for one model on one cluster: `layouts` (dicts, fitting ones first,

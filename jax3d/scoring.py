@@ -3,7 +3,7 @@ model's argmax, for lm-evaluation-harness requests packed several to a row (jax3
 
 The program is the eval step's (jax3d/step.py `eval_step`): the same batch keys and
 shapes (one accumulation chunk x train.seq_len, segment ids and positions), the same forward
-(`step.hidden`: embed -> the pipeline on the run's mesh, any layout) and the same head and
+(`loss.hidden`: embed -> the pipeline on the run's mesh, any layout) and the same head and
 vocab-parallel cross-entropy (`llama.token_cross_entropy`); it returns the per-token values the
 eval step sums.
 """
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d import step as step_lib
-from jax3d.data import corpus
+from jax3d import loss as loss_lib, step as step_lib
+from jax3d.data import global_batch
 from jax3d.model import llama
 from jax3d.parallel import sharding
 
@@ -28,12 +28,14 @@ if TYPE_CHECKING:
 def token_scores(params: Any, batch: step_lib.Batch, s: Setup) -> tuple[jax.Array, jax.Array]:
   """(log p(target) [b, t] fp32, target == argmax [b, t] bool) of one chunk of rows of documents
   (attention within a segment, positions restarting: `batch` as the eval step takes it)."""
-  corpus.check_batch(batch, s.plan.chunk_batch, s.plan.seq_len, 'score step (one chunk x train.seq_len)')
+  global_batch.check_batch(
+    batch, s.plan.chunk_batch, s.plan.seq_len, 'score step (one chunk x train.seq_len)'
+  )
   with sharding.use_rules(s.rules):
     if s.zero3:
-      params = step_lib.gathered_outside_loop(params, s)
-    doc = {k: batch[k] for k in step_lib.DOC_KEYS if k in batch}
-    logits_btv = step_lib.logits(params, batch['inputs'], s, doc=doc)
+      params = loss_lib.gathered_outside_loop(params, s)
+    doc = {k: batch[k] for k in loss_lib.DOC_KEYS if k in batch}
+    logits_btv = loss_lib.logits(params, batch['inputs'], s, doc=doc)
     logp_bt = -llama.token_cross_entropy(logits_btv, batch['targets'])
     greedy_bt = jnp.argmax(logits_btv, axis=-1) == batch['targets']
   return logp_bt, greedy_bt

@@ -33,6 +33,7 @@ import optax  # noqa: E402
 from jax3d import (  # noqa: E402
   assemble,
   config as config_lib,
+  loss as loss_lib,
   step as step_lib,  # noqa: E402
 )
 from jax3d.data import packing  # noqa: E402
@@ -81,7 +82,7 @@ def make_step(s: assemble.Setup) -> step_lib.MeshJit:
 
   def one(state, batch):
     with sharding.use_rules(s.rules):
-      loss, grads, _ = step_lib.loss_and_grads(state['params'], batch, None, s)
+      loss, grads, _ = loss_lib.loss_and_grads(state['params'], batch, None, s)
     updates, opt_state = s.tx.update(grads, state['opt_state'], state['params'])
     return {**state, 'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state}, loss
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax3d import assemble, config as config_lib, step as step_lib
+from jax3d import assemble, config as config_lib, loss as loss_lib, step as step_lib
 from jax3d.hf import weights as hf_weights
 from jax3d.parallel import sharding
 
@@ -127,12 +127,12 @@ def imported(path: str, layout: tuple[int, int, int], **over: object) -> tuple[o
 
 
 def make_logits(s: object) -> step_lib.MeshJit:
-  """jit(step.logits) for a batch of `train.global_batch_size` rows of token ids, as training
+  """jit(loss.logits) for a batch of `train.global_batch_size` rows of token ids, as training
   computes them (its mesh and logical rules, the parameters' and the batch's shardings)."""
 
   def fn(params, tokens_bt):
     with sharding.use_rules(s.rules):
-      return step_lib.logits(params, tokens_bt, s)
+      return loss_lib.logits(params, tokens_bt, s)
 
   return step_lib.MeshJit(fn, s.mesh, in_shardings=(s.param_shardings, s.batch_sharding))
 

@@ -48,6 +48,7 @@ RANK = (
   'jax3d.data',  # corpora, tokenizers, shards, batches
   'jax3d.hf',  # Hugging Face in and out
   'jax3d.optim',  # the optimizer
+  'jax3d.loss',  # the loss and its gradients over the run's layout
   'jax3d.step',  # the train step
   'jax3d.scoring',  # per-token scores of packed requests: the eval step's program (lm-eval)
   'jax3d.analysis',  # compiled memory, FLOPs, collectives; memory curves; plots

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import assemble, config as config_lib
-from jax3d.data import corpus as corpus_lib, packing, prefetch
+from jax3d.data import corpus as corpus_lib, global_batch as global_batch_lib, packing, prefetch
 
 
 @pytest.fixture(scope='module')
@@ -33,9 +33,9 @@ def global_batch(corpus, dp, pp, tp, step, batch=16, seq=32, n=8):
   )
   s = assemble.build(cfg, jax.devices()[:n])
   sh = s.batch_sharding
-  rows = corpus_lib.process_rows(sh, batch)
+  rows = global_batch_lib.process_rows(sh, batch)
   local = corpus_lib.batch_at(corpus, 0, step, batch, seq, rows)
-  return jax.device_get(corpus_lib.to_global(local, sh, batch))
+  return jax.device_get(global_batch_lib.to_global(local, sh, batch))
 
 
 @pytest.mark.parametrize('layout', [(8, 1, 1), (2, 2, 2), (1, 2, 4), (4, 2, 1), (1, 8, 1)])
@@ -88,10 +88,10 @@ def test_process_rows_of_a_sharding():
   (also non-adjacent ones), and each block once however many pp/tp devices replicate it."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 1, 2), ('dp', 'pp', 'tp'))
   sh = NamedSharding(mesh, P('dp'))
-  assert corpus_lib.process_rows(sh, 16).tolist() == list(range(16))
+  assert global_batch_lib.process_rows(sh, 16).tolist() == list(range(16))
   devs = mesh.devices
-  assert corpus_lib.process_rows(_OneProcess(sh, devs[1].flat), 16).tolist() == [4, 5, 6, 7]
-  assert corpus_lib.process_rows(_OneProcess(sh, devs[[0, 2]].flat), 16).tolist() == [
+  assert global_batch_lib.process_rows(_OneProcess(sh, devs[1].flat), 16).tolist() == [4, 5, 6, 7]
+  assert global_batch_lib.process_rows(_OneProcess(sh, devs[[0, 2]].flat), 16).tolist() == [
     0,
     1,
     2,
@@ -101,9 +101,9 @@ def test_process_rows_of_a_sharding():
     10,
     11,
   ]
-  assert corpus_lib.process_rows(_OneProcess(sh, devs[:, :, 1].flat), 16).tolist() == list(range(16))
+  assert global_batch_lib.process_rows(_OneProcess(sh, devs[:, :, 1].flat), 16).tolist() == list(range(16))
   sh2 = NamedSharding(mesh, P(('dp', 'tp')))  # rows over dp and tp: device (1, 0, 1) holds block 3
-  rows = corpus_lib.process_rows(_OneProcess(sh2, [devs[1, 0, 1], devs[3, 0, 0]]), 16)
+  rows = global_batch_lib.process_rows(_OneProcess(sh2, [devs[1, 0, 1], devs[3, 0, 0]]), 16)
   assert rows.tolist() == [6, 7, 12, 13]
 
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax3d import step as step_lib
+from jax3d import loss as loss_lib, step as step_lib
 from jax3d.data import packing
 from jax3d.parallel import sharding
 
@@ -77,7 +77,7 @@ def _eval_and_logits(over: dict, batches: dict) -> tuple[dict, dict]:
 
   def fn(p, b):
     with sharding.use_rules(s.rules):
-      return step_lib.logits(p, b['inputs'], s, doc={k: b[k] for k in step_lib.DOC_KEYS if k in b})
+      return loss_lib.logits(p, b['inputs'], s, doc={k: b[k] for k in loss_lib.DOC_KEYS if k in b})
 
   lg = step_lib.MeshJit(fn, s.mesh)
   logits = {k: np.asarray(lg(params, put(batches[k]))) for k in ('packed_a', 'a_changed_a', 'b_changed_a')}
@@ -233,8 +233,8 @@ def test_weighted_loss_is_the_weighted_mean_and_masked_targets_get_no_gradient()
 
   def fn(p, bt):
     with sharding.use_rules(s.rules):
-      doc = {k: bt[k] for k in step_lib.DOC_KEYS if k in bt}
-      return step_lib.logits(p, bt['inputs'], s, doc=doc), step_lib.loss_and_grads(p, bt, None, s)[:2]
+      doc = {k: bt[k] for k in loss_lib.DOC_KEYS if k in bt}
+      return loss_lib.logits(p, bt['inputs'], s, doc=doc), loss_lib.loss_and_grads(p, bt, None, s)[:2]
 
   grad = step_lib.MeshJit(fn, s.mesh)
   logits, (loss, g) = grad(params, b)
@@ -290,7 +290,7 @@ def test_positions_reach_rotary(tmp_path, layout):
 
   def fn(p, t, d):
     with sharding.use_rules(s.rules):
-      return step_lib.logits(p, t, s, doc=d)
+      return loss_lib.logits(p, t, s, doc=d)
 
   got = np.asarray(step_lib.MeshJit(fn, s.mesh)(params, toks, doc))[..., : TINY['vocab_size']]
   with torch.no_grad():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax3d.data import corpus as corpus_lib, epochs, packing, prefetch
+from jax3d.data import corpus as corpus_lib, epochs, global_batch, packing, prefetch
 
 
 def _docs_corpus(how: str, seed: int = 0, n_docs: int = 60) -> corpus_lib.Corpus:
@@ -79,7 +79,7 @@ def test_every_layout_and_process_count_reads_the_same_batch(how, mesh_shape, pr
   per = len(devices) // processes
   got = {k: np.full_like(v, -7) for k, v in ref.items()}
   for p in range(processes):
-    rows = corpus_lib.process_rows(_OneProcess(sh, devices[p * per : (p + 1) * per]), batch)
+    rows = global_batch.process_rows(_OneProcess(sh, devices[p * per : (p + 1) * per]), batch)
     local = corpus_lib.batch_at(c, 0, 5, batch, seq, rows)
     for k in got:
       got[k][rows] = local[k]

@@ -156,7 +156,7 @@ def test_import_export_round_trip_is_bit_identical(families, family, tmp_path):
 
 def test_tied_gradient_is_the_sum_of_both_uses(families):
   """The tied table's gradient equals the embedding's plus the head's of the same model untied."""
-  from jax3d import step as step_lib
+  from jax3d import loss as loss_lib, step as step_lib
   from jax3d.parallel import sharding
 
   path, _ = families['qwen2.5']
@@ -169,7 +169,7 @@ def test_tied_gradient_is_the_sum_of_both_uses(families):
   def grad(setup, p):
     def loss(p):
       with sharding.use_rules(setup.rules):
-        return step_lib.loss_sum(p, {'inputs': toks, 'targets': np.roll(toks, -1, 1)}, setup)
+        return loss_lib.loss_sum(p, {'inputs': toks, 'targets': np.roll(toks, -1, 1)}, setup)
 
     return step_lib.MeshJit(jax.grad(loss), setup.mesh)(p)
 

@@ -1,5 +1,5 @@
 """jax3d.inspect: the HLO reader on known inputs, then the tiny model's (2,2,2) step against
-the expected bytes of `expected_comm` (jax3d/analysis/inspection.py). Bytes are per device per
+the expected bytes of `expected_comm` (jax3d/analysis/comm_checks.py). Bytes are per device per
 optimizer step (see jax3d/inspect.py)."""
 
 import os

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d.config import ConfigError
-from jax3d.data import apportion, corpus as corpus_lib, mixture, tokenizer as tok_lib
+from jax3d.data import apportion, corpus as corpus_lib, global_batch, mixture, tokenizer as tok_lib
 
 from helpers import small_cfg
 
@@ -102,7 +102,7 @@ def test_every_layout_and_process_count_reads_the_same_rows(mesh_shape, processe
     ref = corpus_lib.batch_at(m, 0, step, 16, 16)
     got = {k: np.full_like(v, -7) for k, v in ref.items()}
     for p in range(processes):
-      rows = corpus_lib.process_rows(_OneProcess(sh, devices[p * per : (p + 1) * per]), 16)
+      rows = global_batch.process_rows(_OneProcess(sh, devices[p * per : (p + 1) * per]), 16)
       for k, v in corpus_lib.batch_at(m, 0, step, 16, 16, rows).items():
         got[k][rows] = v
     for k in ref:

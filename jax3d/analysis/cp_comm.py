@@ -30,7 +30,7 @@ def layer_wire_bytes(gathered: float, cp: int) -> float:
 
 def cp_attention_bytes(plan: RunPlan, n_layers: int, n_kv_heads: int, head_dim: int, itemsize: int) -> dict:
   """Wire bytes over cp per device per step of the attention's K/V collectives, two ways (as
-  jax3d/analysis/inspection.py's `expected_comm`): 'formula' the useful work (m micro-batches
+  jax3d/analysis/comm_checks.py's `expected_comm`): 'formula' the useful work (m micro-batches
   through L/p layers, times the accumulation), 'spmd' what the SPMD pipeline executes (every one
   of its v*m+p-1 iterations runs its chunk's layers); with 'gathered', one layer's buffer."""
   if plan.cp == 1:

@@ -12,7 +12,7 @@ Bytes, defined once (all per device, per optimizer step):
   wire bytes    what a device sends with a ring algorithm on a group of n devices:
                 all-reduce 2(n-1)/n * buffer, all-gather / reduce-scatter / all-to-all
                 (n-1)/n * buffer, collective-permute 1 * buffer. The communication formulas
-                (`expected_comm` in jax3d/analysis/inspection.py) are wire bytes, so comparisons use those.
+                (`expected_comm` in jax3d/analysis/comm_checks.py) are wire bytes, so comparisons use those.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The prefetch thread: the batches of the coming steps, built while a step runs.
 
-Each process builds only its own rows of each batch (`corpus.process_rows` of the batch
+Each process builds only its own rows of each batch (`global_batch.process_rows` of the batch
 sharding), with `corpus.batch_at`, keeps the keys the train step takes (`corpus.step_batch`:
-corpus.STEP_KEYS) and assembles the global arrays (`corpus.to_global`).
+corpus.STEP_KEYS) and assembles the global arrays (`global_batch.to_global`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 
 import jax
 
-from jax3d.data import corpus as corpus_lib, mixture as mixture_lib
+from jax3d.data import corpus as corpus_lib, global_batch, mixture as mixture_lib
 from jax3d.data.corpus import Corpus, DataError
 
 
@@ -37,7 +37,7 @@ class Prefetcher:
     sharding: jax.sharding.Sharding,
     depth: int = 2,
   ):
-    self.rows = corpus_lib.process_rows(sharding, batch)
+    self.rows = global_batch.process_rows(sharding, batch)
     self.corpus, self.args = corpus, (seed, batch, seq_len)
     corpus.order(seed, seq_len)  # the rows laid out here: a ConfigError is the caller's, before the thread
     self.sharding, self.batch = sharding, batch
@@ -94,7 +94,7 @@ class Prefetcher:
               f'start, {size} now; batch of step {i + 1}): restore it and run the same command again'
             )
         local = corpus_lib.step_batch(corpus_lib.batch_at(self.corpus, seed, i, batch, seq_len, self.rows))
-        if not self._put((i, corpus_lib.to_global(local, self.sharding, self.batch))):
+        if not self._put((i, global_batch.to_global(local, self.sharding, self.batch))):
           return
     except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting caller
       self._put((i, e))

@@ -14,7 +14,8 @@ is held out when a hash of its name (relative path, plus the byte offset for JSO
 files) says so (jax3d/data/documents.py): a document is wholly in train or wholly in val, so the
 splits never share a document.
 
-Work units: consecutive documents of about `shard_bytes` of text; unit i writes train-i.bin and
+Work units (tokenized in worker processes: jax3d/data/shard_unit.py): consecutive documents of
+about `shard_bytes` of text; unit i writes train-i.bin and
 val-i.bin (into temporary names, renamed when complete) and then unit-i.json with a fingerprint
 of its inputs (paths, sizes, mtimes, byte ranges), the tokenizer's sha256 and the settings. A
 rerun skips every unit whose record matches, so an interrupted run resumes and a finished one
@@ -31,118 +32,23 @@ import multiprocessing
 import os
 import shutil
 import time
-from typing import Any
 
 import numpy as np
 
 from jax3d.data import (
   arrow_tables,
   chat,
-  documents,
   hf_datasets,
   inputs,
+  shard_unit,
   shards,
   staging,
   tokenizer as tok_lib,
 )
-from jax3d.data.reading import JSONL_SUFFIXES, Piece, input_files, locate, pieces, read_documents, units
+from jax3d.data.reading import JSONL_SUFFIXES, Piece, input_files, pieces, units
 from jax3d.errors import ConfigError
 
 VERSION = 2  # 2: document starts (and chat weights) beside each shard
-CHUNK_CHARS = 4 << 20  # text encoded at a time within a unit
-
-
-# --- the work units, in worker processes ---------------------------------------------------------
-_TOK: dict = {}
-
-
-def _init_worker(tok_path: str, fmt: str = 'text', pool: bool = True) -> None:
-  if pool:
-    os.environ['RAYON_NUM_THREADS'] = '1'  # one core per worker process (tokenizers' own threads)
-  _TOK['tok'] = tok_lib.load(tok_path)
-  _TOK['chat'] = chat.load_template(os.path.dirname(_TOK['tok'].path)) if fmt == 'chat' else None
-
-
-def _write(file: str, arr: np.ndarray) -> None:
-  tmp = file + '.tmp'
-  arr.tofile(tmp)
-  os.replace(tmp, file)
-
-
-def run_unit(job: tuple) -> dict:
-  """Tokenizes one unit into its train and val shards (with their document starts, and weights
-  for chat); returns its record."""
-  i, unit, out, settings, fingerprint = job
-  field, fraction, dtype, fmt = (settings[k] for k in ('field', 'eval_fraction', 'dtype', 'format'))
-  split, bad, bad_rows = {'train': [], 'val': []}, {}, {}
-  encoded: dict = {'train': ([], []), 'val': ([], [])}  # (ids, weights) arrays of each document
-  try:
-    chars = 0
-    for p in unit:
-      for name, doc in read_documents(p, field, fmt, bad, settings['on_bad'], bad_rows):
-        split['val' if documents.held_out(name, fraction) else 'train'].append((name, doc))
-        chars += len(doc) if isinstance(doc, str) else 1000
-        if chars > CHUNK_CHARS:  # encoded a batch at a time: memory follows the batch, not the unit
-          _encode_into(encoded, split, fmt, dtype, unit[0].origin)
-          chars = 0
-    _encode_into(encoded, split, fmt, dtype, unit[0].origin)
-  except ValueError as e:
-    raise ValueError(locate(str(e), unit)) from None
-  rec = {
-    'unit': i,
-    'fingerprint': fingerprint,
-    'bytes': sum(p.size for p in unit),
-    'undecodable': bad,
-    'bad_rows': bad_rows,
-  }
-  for key, (ids, weights) in encoded.items():
-    arr = np.concatenate(ids) if ids else np.zeros(0, dtype)
-    name = f'{key}-{i:05d}'
-    _write(os.path.join(out, f'{name}.bin'), arr)
-    starts = np.concatenate([[0], np.cumsum([len(d) for d in ids])[:-1]]) if ids else np.zeros(0)
-    _write(os.path.join(out, f'{name}.starts.bin'), starts.astype('<i8'))
-    rec[key] = {
-      'file': f'{name}.bin',
-      'tokens': int(arr.size),
-      'documents': len(ids),
-      'starts': f'{name}.starts.bin',
-      'max_id': int(arr.max()) if arr.size else -1,
-    }
-    if fmt == 'chat':
-      w = np.concatenate(weights) if weights else np.zeros(0, np.uint8)
-      _write(os.path.join(out, f'{name}.weights.bin'), w)
-      rec[key] |= {'weights': f'{name}.weights.bin', 'supervised': int(w.sum())}
-  with open(os.path.join(out, f'unit-{i:05d}.json'), 'w') as f:
-    json.dump(rec, f)
-  return rec
-
-
-def _encode_into(encoded: dict, split: dict, fmt: str, dtype: str, origin: str) -> None:
-  """Encodes the documents waiting in `split` into `encoded` ({key: (ids, weights)}, arrays of
-  `dtype` and uint8), and empties it. ConfigError for an id past the tokenizer's vocabulary."""
-  for key, docs in split.items():
-    ids, weights = _encode(docs, fmt)
-    if (top := max((max(d) for d in ids if d), default=-1)) >= (vocab := _TOK['tok'].vocab_size):
-      why = '(a tokenizer.json whose added tokens are not counted?)'
-      raise ConfigError(
-        f'{origin}: the tokenizer gave token id {top}, past its own vocabulary of {vocab} {why}'
-      )
-    encoded[key][0].extend(np.asarray(d, dtype) for d in ids)
-    encoded[key][1].extend(weights or [])
-    docs.clear()
-
-
-def _encode(docs: list[tuple[str, Any]], fmt: str) -> tuple[list[list[int]], list[np.ndarray] | None]:
-  """(ids of each document, the chat weights of each or None): text with BOS/EOS around it; chat
-  rendered with the folder's template (chat.encode; `name` says where a bad one is)."""
-  tok = _TOK['tok']
-  if fmt == 'chat':
-    encoded = chat.encode(_TOK['chat'], tok, docs)
-    return [ids for ids, _ in encoded], [w for _, w in encoded]
-  bos = [tok.bos_id] if tok.bos_id is not None else []
-  eos = [tok.eos_id] if tok.eos_id is not None else []
-  texts = [text for _, text in docs]
-  return [bos + d + eos for d in (tok.encode_batch(texts) if texts else [])], None
 
 
 def _fingerprint(unit: list[Piece], settings: dict) -> str:
@@ -157,7 +63,11 @@ def _done(out: str, i: int, fingerprint: str, itemsize: int) -> dict | None:
       rec = json.load(f)
   except (OSError, ValueError):
     return None
-  size = lambda name: os.path.getsize(p) if name and os.path.exists(p := os.path.join(out, name)) else None
+
+  def size(name: str | None) -> int | None:
+    path = os.path.join(out, name) if name else None
+    return os.path.getsize(path) if path and os.path.exists(path) else None
+
   files_ok = all(
     size(rec[k]['file']) == rec[k]['tokens'] * itemsize
     and size(rec[k].get('starts')) == rec[k]['documents'] * 8
@@ -180,11 +90,12 @@ def tokenize(
   split: str = '',
   on_bad: str = 'fail',
 ) -> dict:
-  """Tokenizes the corpus at `path` into `out` (the module docstring; `fmt` 'text' or 'chat',
-  `split` and `on_bad` as jax3d.prepare's flags); returns the index with the run's figures added
-  ('seconds', 'mb_per_s', 'workers', 'units_done', 'units_skipped', 'bytes', 'undecodable',
-  'bad_rows'). A complete dataset at `out` is replaced only once the new one is complete
-  (jax3d/data/staging.py). ConfigError for input that holds no document."""
+  """Tokenizes the corpus at `path` into `out` (see the module docstring; `fmt` 'text' or 'chat';
+  `split` of a DatasetDict or hf: input; a bad row or line raises, or with on_bad='skip' is left
+  out and counted); returns the index with the run's figures added ('seconds', 'mb_per_s',
+  'workers', 'units_done', 'units_skipped', 'bytes', 'undecodable', 'bad_rows'). A complete
+  dataset at `out` is replaced only once the new one is complete (jax3d/data/staging.py).
+  ConfigError for input that holds no document."""
   staging.check(path, out)
   staging.recover(out)
   new = staging.folder(out)
@@ -212,7 +123,8 @@ def _tokenize(
   fmt: str,
   read: tuple[str, str] = ('', 'fail'),
 ) -> dict:
-  """`tokenize` into the folder `new` (OUT, or OUT.partial beside a complete one); `read`: (split, on_bad)."""
+  """`tokenize`, writing into the folder `new` (OUT, or OUT.partial beside a complete dataset);
+  `read`: (split, on_bad)."""
   tok = tok_lib.load(tok_path)
   dtype = shards.dtype_for(tok.vocab_size)
   settings = {
@@ -287,9 +199,11 @@ def _jobs(work: list[list[Piece]], out: str, new: str, settings: dict) -> tuple[
   for i, unit in enumerate(work):
     fp = _fingerprint(unit, settings)
     rec = _done(new, i, fp, itemsize)
-    if rec is None and new != os.path.abspath(out) and (rec := _done(out, i, fp, itemsize)):
-      for name in _files(rec) + [f'unit-{i:05d}.json']:  # the record last: the unit is complete
-        staging.link(os.path.join(out, name), os.path.join(new, name))
+    if rec is None and new != os.path.abspath(out):  # done in the complete dataset: linked into new
+      rec = _done(out, i, fp, itemsize)
+      if rec is not None:
+        for name in _files(rec) + [f'unit-{i:05d}.json']:  # the record last: the unit is complete
+          staging.link(os.path.join(out, name), os.path.join(new, name))
     if rec is None:
       jobs.append((i, unit, new, settings, fp))
     else:
@@ -313,11 +227,11 @@ def _run_jobs(jobs: list[tuple], init: tuple, workers: int, total: int, progress
   with Progress(*columns, disable=not progress) as bar:
     task = bar.add_task('tokenize', total=total)
     if workers == 1:  # in this process (no pool to start)
-      _init_worker(*init, pool=False)
-      done = map(run_unit, jobs)
+      shard_unit.init_worker(*init, pool=False)
+      done = map(shard_unit.run_unit, jobs)
     else:
-      pool = ctx.Pool(min(workers, len(jobs)), _init_worker, init)
-      done = pool.imap_unordered(run_unit, jobs)
+      pool = ctx.Pool(min(workers, len(jobs)), shard_unit.init_worker, init)
+      done = pool.imap_unordered(shard_unit.run_unit, jobs)
     try:
       for rec in done:
         records[rec['unit']] = rec

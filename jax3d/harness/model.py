@@ -26,7 +26,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as model_utils
 
 from jax3d import scoring
-from jax3d.data import corpus as corpus_lib, tokenizer as tok_lib
+from jax3d.data import global_batch, tokenizer as tok_lib
 from jax3d.errors import UsageError
 from jax3d.harness import rows as rows_lib
 from jax3d.model import generate
@@ -99,7 +99,7 @@ class JaxLM(TemplateLM):
     s = self.setup
     packed = rows_lib.pack(pairs, self._max_length)
     chunk, seq = s.plan.chunk_batch, s.plan.seq_len
-    local = corpus_lib.process_rows(s.batch_sharding, chunk)
+    local = global_batch.process_rows(s.batch_sharding, chunk)
     if self._score is None:
       self._score = scoring.make_score_step(s)
     total = np.zeros(len(pairs))
@@ -110,7 +110,7 @@ class JaxLM(TemplateLM):
       if seq > self._max_length:  # rows of max_length slots in the step's seq_len
         arrays = {k: np.pad(v, ((0, 0), (0, seq - self._max_length))) for k, v in arrays.items()}
       padded = {k: np.pad(v, ((0, chunk - len(ids)), (0, 0))) for k, v in arrays.items()}
-      batch = corpus_lib.to_global({k: v[local] for k, v in padded.items()}, s.batch_sharding, chunk)
+      batch = global_batch.to_global({k: v[local] for k, v in padded.items()}, s.batch_sharding, chunk)
       logp, is_greedy = jax.device_get(self._score(self.params, batch))
       n = len(ids)
       t, m, _ = packed.sums(ids, arrays, np.asarray(logp)[:n], np.asarray(is_greedy)[:n])

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jax3d.data import corpus as corpus_lib, mixture as mixture_lib
+from jax3d.data import corpus as corpus_lib, global_batch, mixture as mixture_lib
 from jax3d.setup import Setup
 
 
@@ -20,12 +20,12 @@ def held_out_losses(
   source: the weighted mean sum(w * CE) / sum(w) over the held-out batches (of that source),
   each batch's weighted mean from `eval_step` weighted by its weight sum (with weight 1
   everywhere, the mean token loss). Every process reads its own rows of each batch
-  (corpus_lib.process_rows) into the global batch that `eval_step(params, batch)` takes."""
+  (global_batch.process_rows) into the global batch that `eval_step(params, batch)` takes."""
   cfg, plan, sh = setup.cfg, setup.plan, setup.batch_sharding
   batches = mixture_lib.eval_batches(corpus, cfg.train.seed, cfg.eval.batches, plan.chunk_batch, plan.seq_len)
-  rows = corpus_lib.process_rows(sh, plan.chunk_batch)
+  rows = global_batch.process_rows(sh, plan.chunk_batch)
   losses = [
-    eval_step(params, corpus_lib.to_global({k: v[rows] for k, v in b.items()}, sh, plan.chunk_batch))
+    eval_step(params, global_batch.to_global({k: v[rows] for k, v in b.items()}, sh, plan.chunk_batch))
     for _, b in batches
   ]
   w = np.array([b['weights'].sum(dtype=np.float64) for _, b in batches])

@@ -26,12 +26,12 @@ def jax3d_logits(setup: Setup, params: Any, tokens_bt: np.ndarray) -> np.ndarray
   them (the run's mesh, logical rules and shardings); b is one accumulation chunk's rows."""
   import jax
 
-  from jax3d import step as step_lib
+  from jax3d import loss as loss_lib, step as step_lib
   from jax3d.parallel import sharding
 
   def fn(params, tokens_bt):
     with sharding.use_rules(setup.rules):
-      return step_lib.logits(params, tokens_bt, setup)
+      return loss_lib.logits(params, tokens_bt, setup)
 
   jitted = step_lib.MeshJit(fn, setup.mesh, in_shardings=(setup.param_shardings, setup.batch_sharding))
   out = jitted(params, jax.device_put(np.asarray(tokens_bt, np.int32), setup.batch_sharding))

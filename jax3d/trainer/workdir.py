@@ -297,7 +297,7 @@ def export_workdir(
   replaces a folder that is not an earlier export). With `verify`, the export is loaded in
   transformers before it is moved into place and its logits on the run's first held-out batch
   compared with jax3d's (jax3d/trainer/export_parity.py): one line with the largest relative difference,
-  CheckpointError (exit 3) above the tolerance. A LoRA run: see hf.export.export_run."""
+  CheckpointError (exit 3) above the tolerance. A LoRA run: see hf.writer.export_run."""
   import jax
 
   from jax3d.hf import outdir, writer

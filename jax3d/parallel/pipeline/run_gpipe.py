@@ -51,8 +51,9 @@ def apply(
   side_mbt = {k: microbatch.stacked(a, plan, manual)[0] for k, a in (side_bt or {}).items()}
 
   def rows_over_tp(split):  # the loop's micro-batches with their rows over tp (the layers'), or whole
-    def annotate(x_mrd):  # split: [m, b, t, d] -> this device's rows [m, b*t, d] (cp is manual here)
-      x_mrd = x_mrd.reshape(x_mrd.shape[0], -1, x_mrd.shape[-1]) if split else x_mrd
+    def annotate(x_mrd):
+      if split:  # [m, b, t, d] -> [m, b*t, d]: this device's rows (its tokens: cp is manual here)
+        x_mrd = x_mrd.reshape(x_mrd.shape[0], -1, x_mrd.shape[-1])
       with sharding.use_rules(sharding.without_dp_pp(rules)):
         return sharding.constrain(x_mrd, ('micro', 'rows_sp' if split else 'batch', 'embed'))
 
@@ -97,10 +98,10 @@ def run(
   pp (see the module docstring). `carry` = (split, whole) annotates the loop's micro-batches
   inside it: sequence parallelism splits the inputs' rows over tp (the queue, and so the ring,
   hold and move 1/tp of them) and makes the outputs whole again (one all-gather over tp) before
-  the sum over pp hands them on. `skip_bubbles`: bubble
-  iterations run no layers (`stages.skips_bubbles`). `side_mbt`: per-row arrays [m, b, t] laid out as x's
-  first two axes; each layer gets its micro-batch's (`LayerFn`). `gather` (ZeRO-3, not with
-  `manual`): `layers` are stored sharded over dp too, gathered in the loop (zero3.Gather)."""
+  the sum over pp hands them on. `skip_bubbles`: bubble iterations run no layers
+  (`stages.skips_bubbles`). `side_mbt`: per-row arrays [m, b, t] laid out as x's first two axes;
+  each layer gets its micro-batch's (`LayerFn`). `gather` (ZeRO-3, not with `manual`): `layers`
+  are stored sharded over dp too, gathered in the loop (zero3.Gather)."""
   split, whole = carry or (lambda a: a, lambda a: a)
   p, v, dtype = mesh.shape[PP], repeats, x_mbtd.dtype
 
@@ -111,9 +112,8 @@ def run(
       one = remat.wrap_iteration(
         lambda _, xs: (None, run_layers(layer_fn, layers_local, xs[0], policy, side=xs[1])), policy
       )
-      return whole(jax.lax.scan(one, None, (x_mbtd.astype(dtype), side_m))[1].astype(jnp.float32)).reshape(
-        shape
-      )
+      ys = jax.lax.scan(one, None, (x_mbtd.astype(dtype), side_m))[1]
+      return whole(ys.astype(jnp.float32)).reshape(shape)
     # Marked as differing per stage while still fp32, so that the gradient sum over pp is fp32.
     out_mbtd = gpipe.circulate(
       layer_fn, layers_local, sharding.vary(x_mbtd, (PP,)), dtype, p, v, policy, skip_bubbles, side_m

@@ -45,8 +45,12 @@ def over_stages(
   axes = tuple(a for a in (PP, DP, CP) if mesh.shape.get(a, 1) > 1)
   names = lambda *ns: tuple(n for n in ns if n in axes) or None
   seq = names(CP)  # mesh.cp > 1: each device its own tokens of the rows (jax3d/parallel/context.py)
-  dp = names(DP)
-  rows = {None: P(None, dp, seq), 1: P(None, names(DP, PP), seq), 0: P(names(PP), dp, seq)}[scatter]
+  specs = {  # the micro-batches: whole over pp, or split over it along axis `scatter`
+    None: P(None, names(DP), seq),
+    1: P(None, names(DP, PP), seq),
+    0: P(names(PP), names(DP), seq),
+  }
+  rows = specs[scatter]
 
   stage_fn = layer_fn if gather is None else gather.layer(layer_fn, policy)
 
