@@ -190,7 +190,7 @@ def declared() -> Declared:
   c.checkpoint.every = 200, at_least(0, '0 = only at the end')
   c.checkpoint.keep = 3, POSITIVE  # newest checkpoints kept
   c.checkpoint.async_save = True, ANY  # write in the background while training continues
-  # warm start: parameters of another run's WORKDIR, or hf:PATH (Llama safetensors)
+  # warm start: parameters of another run's WORKDIR, or hf:PATH (a Hugging Face model folder)
   c.checkpoint.init_from = '', ANY
 
   c.profile.start = -1, either(-1, NON_NEGATIVE, 'no profile')  # first profiled step; -1 = no profile
