@@ -164,18 +164,32 @@ def test_docs_links_resolve():
 
 
 def test_files_the_docs_name_exist():
-  """A file or folder of the repository named in README.md, docs/ or BUILD_NOTES.md (but its
-  appendix of superseded decisions, which names what is gone) exists: a moved module is renamed in
-  the documentation too."""
-  pattern = re.compile(r'\b(?:jax3d|scripts|tests|notebooks|configs|docs)/[\w./-]*\w')
+  """A file or folder of the repository named in README.md, docs/ or BUILD_NOTES.md exists, all of
+  each file (BUILD_NOTES keeps the current decisions only; what is gone is in git): a moved module
+  is renamed in the documentation too."""
+  pattern = re.compile(r'\b(?:jax3d|scripts|tests|notebooks|configs|docs|\.ci)/[\w./-]*\w')
   missing = []
   for p in [README, BUILD_NOTES] + DOCS:
     text = _read(p)
-    if p == BUILD_NOTES:
-      text = text.split('\n## Appendix', 1)[0]
     missing += [
       f'{_rel(p)}: {m}'
       for m in sorted(set(pattern.findall(text)))
       if not os.path.exists(os.path.join(ROOT, m))
     ]
+  assert not missing, '\n'.join(missing)
+
+
+def test_bare_module_names_the_docs_use_exist():
+  """A module named without its folder (`gpipe.py`, `ring.py`) in README.md, docs/ or BUILD_NOTES.md
+  is the name of a file of the repository: a removed module's name goes from the documentation too."""
+  names = set()
+  for _dirpath, dirnames, filenames in os.walk(ROOT):
+    dirnames[:] = [d for d in dirnames if not d.startswith('.') and d not in ('__pycache__', 'runs', 'build')]
+    names |= set(filenames)
+  missing = [
+    f'{_rel(p)}: {m}'
+    for p in [README, BUILD_NOTES] + DOCS
+    for m in sorted(set(re.findall(r'(?<![\w/.-])(\w+\.py)\b', _read(p))))
+    if m not in names
+  ]
   assert not missing, '\n'.join(missing)
