@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from jax3d import cli
-from jax3d.config import ConfigError, validate
+from jax3d.config import Config, ConfigError, typed, validated
 from jax3d.parallel import gpu_target
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
@@ -91,7 +91,7 @@ def run(args: cli.Args) -> int:
   elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
   else:
-    _print_plan(name, cfg, hw, ranked, fit, misfits)
+    _print_plan(name, typed(cfg), hw, ranked, fit, misfits)
   if not fit:
     worst = min(ranked, key=lambda c: c.est.total_bytes)
     if not f['json']:
@@ -142,9 +142,9 @@ def _hardware(f: dict, target: gpu_target.Target | None = None) -> Hardware:
 
 def _fixed(cfg: Any, hw: Hardware) -> list[Candidate]:
   """--fixed: only the layout the config sets, priced."""
-  plan = validate(cfg, hw.n_devices)
-  layout = {k: cfg[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS}
-  return [Candidate(layout, estimate(cfg, plan, hw.memory_gb * GB, hw))]
+  c, plan = validated(cfg, hw.n_devices)
+  layout = {k: c.to_dict()[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS}
+  return [Candidate(layout, estimate(c, plan, hw.memory_gb * GB, hw))]
 
 
 def _misfits(ranked: list[Candidate]) -> list[Candidate]:
@@ -159,7 +159,12 @@ def _misfits(ranked: list[Candidate]) -> list[Candidate]:
 
 
 def _print_plan(
-  name: str, cfg: Any, hw: Hardware, ranked: list[Candidate], fit: list[Candidate], misfits: list[Candidate]
+  name: str,
+  cfg: Config,
+  hw: Hardware,
+  ranked: list[Candidate],
+  fit: list[Candidate],
+  misfits: list[Candidate],
 ) -> None:
   """The planner's text output: the model and machine, the layouts that fit, why the best, the rest."""
   n_params = costmodel.param_count(cfg)

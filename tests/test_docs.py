@@ -1,6 +1,7 @@
 """The documentation states each fact once, inside the repository, and the config reference is the
 code's: README.md is short, docs/ is the reference, and docs/configuration.md's key table is what
-scripts/config_docs.py generates from `jax3d.config.base_config()` and the comments in its source.
+scripts/config_docs.py generates from `jax3d.config.base_config()` and the comments in the keys'
+declaration (the source of `jax3d.config.Config`).
 
 Imports jax3d.config only (no jax); fast.
 """
@@ -77,7 +78,7 @@ def test_every_key_is_in_the_table(doc_block):
 def test_the_check_sees_a_changed_comment_or_a_new_key(gen, doc_block):
   """The generator reads what the test compares: a comment changed in the source of base_config(),
   or a key added to it, gives another table than the one in docs/configuration.md."""
-  with open(inspect.getsourcefile(jax3d.config.base_config)) as f:
+  with open(inspect.getsourcefile(jax3d.config.Config)) as f:  # the keys' declaration
     source = f.read()
   cfg = jax3d.config.base_config()
   assert gen.render(cfg, source) == doc_block
@@ -88,10 +89,10 @@ def test_the_check_sees_a_changed_comment_or_a_new_key(gen, doc_block):
   # One more word in the key's comment (or a comment where its meaning sat on the lines above).
   changed = lines[: line_no - 1] + [line + (' (changed)' if '#' in line else '  # (changed)')]
   assert gen.render(cfg, '\n'.join(changed + lines[line_no:]) + '\n') != doc_block
-  # A new key beside it, written the way the source writes the first one.
-  assert key in line, f'{key} is not spelled out on line {line_no} of the source: {line!r}'
-  section = key.rsplit('.', 1)[0]
-  new_line = line[: line.index(key)] + f'{section}.zz_new_key = 3  # a key nobody documented'
+  # A new key beside it, written the way the source writes the first one (a field of its section).
+  section, name = key.rsplit('.', 1)
+  assert line.lstrip().startswith(f'{name}:'), f'{key} is not declared on line {line_no}: {line!r}'
+  new_line = line[: line.index(name)] + 'zz_new_key: int = key(3)  # a key nobody documented'
   added = '\n'.join(lines[: line_no - 1] + [new_line] + lines[line_no - 1 :]) + '\n'
   more = copy.deepcopy(cfg)
   with more.unlocked():
