@@ -11,8 +11,8 @@ other are checked in rules.py. A section's name is its class's, lower-cased (`Tr
 
 `Config` holds the sections: the typed, frozen object the code reads (`cfg.train.lr`);
 jax3d/config/forms.py makes the ConfigDict that config files and `--config.train.lr=...` edit
-from it, and converts that back once its keys are checked. Tri-states are `Switch` values and enumerations `Literal` types
-(jax3d/config/values.py).
+from it, and converts that back once its keys are checked. Tri-states are `Switch` values and
+enumerations `Literal` types (jax3d/config/values.py).
 
 To add a key: one line in its section, a range and a comment; then `python scripts/config_docs.py`.
 """
