@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jax3d import cli
 from jax3d.config import Config, ConfigError, typed, validated
@@ -31,6 +31,9 @@ from jax3d.planning.planner import (
   with_overrides,
 )
 from jax3d.planning.verify import render, verify_memory
+
+if TYPE_CHECKING:
+  import ml_collections
 
 FLAGS = {
   'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),
@@ -115,7 +118,9 @@ def run(args: cli.Args) -> int:
   return 0
 
 
-def _verified(cfg: Any, fit: list, target: gpu_target.Target | None, top: int) -> list[tuple[int, dict]]:
+def _verified(
+  cfg: ml_collections.ConfigDict, fit: list, target: gpu_target.Target | None, top: int
+) -> list[tuple[int, dict]]:
   """XLA's figures for the best layout; with a GPU target, for the best layouts in turn (at most
   `top`) until one fits by the GPU compile: (index in `fit`, verify_memory's result)."""
   out = []
@@ -140,7 +145,7 @@ def _hardware(f: dict, target: gpu_target.Target | None = None) -> Hardware:
   )
 
 
-def _fixed(cfg: Any, hw: Hardware) -> list[Candidate]:
+def _fixed(cfg: ml_collections.ConfigDict, hw: Hardware) -> list[Candidate]:
   """--fixed: only the layout the config sets, priced."""
   c, plan = validated(cfg, hw.n_devices)
   layout = {k: c.to_dict()[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS}

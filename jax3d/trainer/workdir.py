@@ -321,7 +321,7 @@ def export_workdir(
   return hf_export.export_run(params, setup, out, merge, max_shard_bytes, workdir, check)
 
 
-def _n_devices(cfg: Any, available: int) -> int:
+def _n_devices(cfg: ml_collections.ConfigDict, available: int) -> int:
   from jax3d import config as config_lib
 
   dp, pp, tp = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, available, cfg.mesh.cp)
