@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # at run time `Trainer` is imported on first use (module __ge
   import ml_collections
   import numpy as np
 
+  from jax3d.config import Config
   from jax3d.planning.costmodel import Hardware
   from jax3d.trainer.trainer import Trainer
 
@@ -103,13 +104,11 @@ def load_config(
   return config_lib.load_config(name_or_path, merged)
 
 
-def _with(cfg: ml_collections.ConfigDict, **kw: Any) -> ml_collections.ConfigDict:
-  """A copy of cfg with `a__b=value` overrides (cfg itself is left as it is)."""
-  import copy
-
+def _with(cfg: Config | ml_collections.ConfigDict, **kw: Any) -> ml_collections.ConfigDict:
+  """A copy of cfg (a ConfigDict or a Trainer's typed `cfg`) with `a__b=value` overrides."""
   from jax3d import config as config_lib
 
-  cfg = copy.deepcopy(cfg)
+  cfg = config_lib.editable(cfg)
   for k, v in kw.items():
     config_lib.set_key(cfg, k.replace('__', '.'), v)
   return cfg
@@ -170,7 +169,7 @@ def export_hf(
   if isinstance(source, str | os.PathLike):
     kw = {'max_shard_bytes': max_shard_bytes, 'overwrite': overwrite, 'merge': merge}
     return workdir.export_workdir(os.fspath(source), out, **kw)
-  outdir.check(out, outdir.reads_of(source.cfg, source.workdir), overwrite)
+  outdir.check(out, outdir.reads_of(source.cfg.to_dict(), source.workdir), overwrite)
   return writer.export_run(source.state['params'], source.setup, out, merge, max_shard_bytes, 'here')
 
 
@@ -179,10 +178,11 @@ def batch(cfg: ml_collections.ConfigDict, step: int) -> dict[str, np.ndarray]:
   [train.global_batch_size, train.seq_len] arrays inputs, targets, segment_ids, positions (int32)
   and weights (float32): rows of `data.packing` in the epoch order of train.seed (docs/data.md).
   Reads the data only: nothing is compiled and no device is used."""
-  from jax3d import assemble
+  from jax3d import assemble, config as config_lib
   from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, tokenizer as tok_lib
 
-  cfg = assemble.resolve(cfg)  # the tokenizer of token shards or an import, as a run takes it
+  # the tokenizer of token shards or an import, as a run takes it; the keys checked and typed
+  cfg = config_lib.checked(assemble.resolve(cfg))
   corpus = mixture_lib.for_config(cfg, tok_lib.load(cfg.data.tokenizer))
   return corpus_lib.batch_at(corpus, cfg.train.seed, step, cfg.train.global_batch_size, cfg.train.seq_len)
 

@@ -11,7 +11,6 @@ import's model, a tokenizer's vocabulary, the layout. `build` returns a `Setup` 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import os
@@ -29,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import config as config_lib, optim, step as step_lib
 from jax3d.analysis import inspection
+from jax3d.config import Config
 from jax3d.data import apportion, corpus as corpus_lib, packing, shards, tokenizer as tok_lib
 from jax3d.devices import cpu_heap
 from jax3d.errors import ConfigError
@@ -45,18 +45,19 @@ from jax3d.setup import Setup
 
 
 def build(
-  cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, saved: bool = False
+  cfg: Config | ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, saved: bool = False
 ) -> Setup:
   """The one build path: `resolve` the config (an hf: import, a tokenizer), validate it once for
   these devices (ConfigError, before anything compiles; naming the imported config.json when the
-  model came from one), build the ('dp', 'pp', 'tp') mesh, the shardings and the train state's
-  abstract shapes. Nothing is allocated or compiled. `saved`: cfg is a run's saved config (resolved
-  when the run started), whose model.* is the model it was built on: model.vocab_size is kept (an
-  import's can exceed its tokenizer's), not taken from the tokenizer again."""
+  model came from one) into the typed `Config` that `Setup.cfg` holds, build the ('dp', 'pp', 'tp')
+  mesh, the shardings and the train state's abstract shapes. Nothing is allocated or compiled.
+  `saved`: cfg is a run's saved config (resolved when the run started), whose model.* is the model
+  it was built on: model.vocab_size is kept (an import's can exceed its tokenizer's), not taken from
+  the tokenizer again."""
   devices = list(devices if devices is not None else jax.devices())
-  cfg, hf = _resolve(cfg, saved)
+  resolved, hf = _resolve(cfg, saved)
   try:
-    plan = config_lib.validate(cfg, len(devices))
+    cfg, plan = config_lib.validated(resolved, len(devices))  # the typed config the code reads
   except ConfigError as e:
     if hf is None:
       raise
@@ -132,7 +133,7 @@ def _with_state(s: Setup) -> Setup:
   )
 
 
-def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def resolve(cfg: Config | ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The config a run really has (a copy; cfg is left as it is), before anything compiles:
 
   * `checkpoint.init_from=hf:PATH`: model.* from PATH/config.json, its tensors checked (names and
@@ -152,9 +153,10 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def _resolve(
-  cfg: ml_collections.ConfigDict, saved: bool = False
+  cfg: Config | ml_collections.ConfigDict, saved: bool = False
 ) -> tuple[ml_collections.ConfigDict, hf_config.HFModel | None]:
   """`resolve`, and the Hugging Face folder it read (None without an import); `saved` as in build."""
+  cfg = config_lib.editable(cfg)  # a copy (cfg is left as it is), a typed Config written back
   hf = hf_config.read(cfg.checkpoint.init_from) if hf_config.is_hf(cfg.checkpoint.init_from) else None
   if hf is not None:
     hf_config.check_tensors(hf)
@@ -165,7 +167,6 @@ def _resolve(
     ):
       config_lib.set_key(cfg, 'data.tokenizer', hf.path)
   else:
-    cfg = copy.deepcopy(cfg)
     if cfg.checkpoint.init_from:  # a warm start's workdir: absolute, as Orbax reads it
       config_lib.set_key(cfg, 'checkpoint.init_from', os.path.abspath(cfg.checkpoint.init_from))
   if cfg.data.path and os.path.exists(cfg.data.path):  # recorded in checkpoints: any cwd finds it

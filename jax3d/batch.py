@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _batch(args: cli.Args) -> int:
-  from jax3d import assemble
+  from jax3d import assemble, config as config_lib
   from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, tokenizer as tok_lib
 
-  step, cfg = args.flags['step'], assemble.resolve(args.cfg)
+  step, cfg = args.flags['step'], config_lib.checked(assemble.resolve(args.cfg))
   t, tok = cfg.train, tok_lib.load(cfg.data.tokenizer)
   corpus = mixture_lib.for_config(cfg, tok)
   b = corpus_lib.batch_at(corpus, t.seed, step, t.global_batch_size, t.seq_len)  # = jax3d.batch(cfg, step)

@@ -42,9 +42,9 @@ one_of = functools.partial(ranges.one_of, fold_case=True)  # --distributed=AUTO 
 
 def key_range(key: str) -> ranges.Range:
   """The declared range of config key `key` (jax3d/config/keys.py), for a flag that sets it."""
-  from jax3d.config import keys
+  from jax3d.config import forms
 
-  return keys.ranges()[key]
+  return forms.ranges()[key]
 
 
 def _target_check() -> ranges.Range:

@@ -10,11 +10,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
+from jax3d.config import Config
 
-def lr_schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
+
+def lr_schedule(cfg: Config) -> optax.Schedule:
   """The learning rate by step: linear warmup from 0 to train.lr over train.warmup_steps, then
   cosine decay to train.lr * train.min_lr_ratio at train.steps."""
   t = cfg.train
@@ -49,7 +50,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   return optax.stateless(clip)
 
 
-def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   """AdamW (with clipping when train.grad_clip > 0) under `lr_schedule(cfg)`."""
   t = cfg.train
   parts = []

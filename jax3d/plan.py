@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jax3d import cli
-from jax3d.config import ConfigError, validate
+from jax3d.config import Config, ConfigError, typed, validated
 from jax3d.devices import gpu_target
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
@@ -31,6 +31,9 @@ from jax3d.planning.planner import (
   table,
   with_overrides,
 )
+
+if TYPE_CHECKING:
+  import ml_collections
 
 FLAGS = {
   'nodes': cli.Flag(int, 1, 'nodes in the cluster', cli.POSITIVE),
@@ -91,7 +94,7 @@ def run(args: cli.Args) -> int:
   elif f['emit'] and fit:
     print(' '.join(f'--config.{k}={v}' for k, v in fit[0].overrides.items()))
   else:
-    _print_plan(name, cfg, hw, ranked, fit, misfits)
+    _print_plan(name, typed(cfg), hw, ranked, fit, misfits)
   if not fit:
     worst = min(ranked, key=lambda c: c.est.total_bytes)
     if not f['json']:
@@ -115,7 +118,9 @@ def run(args: cli.Args) -> int:
   return 0
 
 
-def _verified(cfg: Any, fit: list, target: gpu_target.Target | None, top: int) -> list[tuple[int, dict]]:
+def _verified(
+  cfg: ml_collections.ConfigDict, fit: list, target: gpu_target.Target | None, top: int
+) -> list[tuple[int, dict]]:
   """XLA's figures for the best layout; with a GPU target, for the best layouts in turn (at most
   `top`) until one fits by the GPU compile: (index in `fit`, verify_memory's result)."""
   out = []
@@ -140,11 +145,11 @@ def _hardware(f: dict, target: gpu_target.Target | None = None) -> Hardware:
   )
 
 
-def _fixed(cfg: Any, hw: Hardware) -> list[Candidate]:
+def _fixed(cfg: ml_collections.ConfigDict, hw: Hardware) -> list[Candidate]:
   """--fixed: only the layout the config sets, priced."""
-  plan = validate(cfg, hw.n_devices)
-  layout = {k: cfg[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS}
-  return [Candidate(layout, estimate(cfg, plan, hw.memory_gb * GB, hw))]
+  c, plan = validated(cfg, hw.n_devices)
+  layout = {k: c.to_dict()[k.split('.')[0]][k.split('.')[1]] for k in LAYOUT_KEYS}
+  return [Candidate(layout, estimate(c, plan, hw.memory_gb * GB, hw))]
 
 
 def _misfits(ranked: list[Candidate]) -> list[Candidate]:
@@ -159,7 +164,12 @@ def _misfits(ranked: list[Candidate]) -> list[Candidate]:
 
 
 def _print_plan(
-  name: str, cfg: Any, hw: Hardware, ranked: list[Candidate], fit: list[Candidate], misfits: list[Candidate]
+  name: str,
+  cfg: Config,
+  hw: Hardware,
+  ranked: list[Candidate],
+  fit: list[Candidate],
+  misfits: list[Candidate],
 ) -> None:
   """The planner's text output: the model and machine, the layouts that fit, why the best, the rest."""
   n_params = costmodel.param_count(cfg)

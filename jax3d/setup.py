@@ -12,12 +12,11 @@ import dataclasses
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jax3d.config import RunPlan
+from jax3d.config import Config, RunPlan
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -25,7 +24,7 @@ class Setup:
   """A built run (see the module docstring). The fields after `batch_sharding` exist once the
   train state's shapes are known; `assemble.build` returns records with every field set."""
 
-  cfg: ml_collections.ConfigDict  # the resolved config (an hf: import's model.*, the tokenizer's vocabulary)
+  cfg: Config  # the resolved config, typed (an hf: import's model.*, the tokenizer's vocabulary)
   plan: RunPlan  # the validated layout and batch sizes
   mesh: Mesh  # ('dp', 'pp', 'tp')
   dims: Any  # jax3d.model.dims.Dims: the model's shapes and dtypes

@@ -7,9 +7,10 @@ docs/configuration.md.
   python scripts/config_docs.py --check   exit 1 if the block differs from what the code says
 
 Keys, types and defaults come from calling `base_config()`; the meaning of each key from the
-comments in the source of the module that defines it (found with `inspect.getsourcefile`, so the
-function may move): the comment on the key's assignment (every line of it, when it spans several)
-and the comment lines directly above it. A key without a comment is an error: the table has no
+comments in the source of the module that declares the keys (that of `jax3d.config.Config`, found
+with `inspect.getsourcefile`): the comment on the key's field (`lr: float = key(...)  # meaning`
+in `class Train`; every line of it, when it spans several) and the comment lines directly above
+it. A key without a comment is an error: the table has no
 hand-written cells. Imports `jax3d.config` only, which imports no jax.
 """
 
@@ -68,10 +69,18 @@ def _dotted(node: ast.AST) -> list[str] | None:
 
 
 def _sites(tree: ast.AST) -> list[tuple[list[str], int, int]]:
-  """(dotted path, first line, last line) of each place a key gets its value: `c.a.b = v`, and
-  the keywords or string keys of `c.a = ConfigDict(dict(b=v, ...))` / `ConfigDict({'b': v})`."""
+  """(dotted path, first line, last line) of each place a key gets its value: a field `b: T = v` of
+  a section's class `A` (section `a`), `c.a.b = v`, and the keywords or string keys of
+  `c.a = ConfigDict(dict(b=v, ...))` / `ConfigDict({'b': v})`."""
   out = []
   for node in ast.walk(tree):
+    if isinstance(node, ast.ClassDef):
+      out += [
+        ([node.name.lower(), f.target.id], f.lineno, f.end_lineno)
+        for f in node.body
+        if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name) and f.value is not None
+      ]
+      continue
     if isinstance(node, ast.Assign):
       targets, value = node.targets, node.value
     elif isinstance(node, ast.AnnAssign):
@@ -133,7 +142,7 @@ def render(cfg: Any, source: str) -> str:
   missing = [k for k in values if not meaning.get(k, (0, ''))[1]]
   if missing:
     raise SystemExit(
-      f'config_docs: no comment for {", ".join(missing)} in the source of base_config(); '
+      f'config_docs: no comment for {", ".join(missing)} in the source of jax3d.config.Config; '
       'every key says what it does on its line (or the line above)'
     )
   out: list[str] = []
@@ -157,7 +166,7 @@ def render(cfg: Any, source: str) -> str:
 
 def generated() -> str:
   """The block as the code says it should be."""
-  source_file = inspect.getsourcefile(jax3d.config.base_config)
+  source_file = inspect.getsourcefile(jax3d.config.Config)
   with open(source_file) as f:
     source = f.read()
   return render(jax3d.config.base_config(), source)

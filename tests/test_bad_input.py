@@ -462,6 +462,27 @@ TABLE = [
   ),
   (T, ['--config.data.path=FILES/emptydir'], ["data.path='FILES/emptydir' holds no usable training data"]),
   (T, ['--config.data.path=/nonexistent/corpus'], ["data.path='/nonexistent/corpus'", 'does not exist']),
+  # the other path keys: '' or a path that exists (hf: a folder after the prefix)
+  (
+    T,
+    ['--config.checkpoint.init_from=/nonexistent/run'],
+    ["checkpoint.init_from='/nonexistent/run'", 'does not exist'],
+  ),
+  (
+    T,
+    ['--config.checkpoint.init_from=hf:/nonexistent/model'],
+    ["checkpoint.init_from='hf:/nonexistent/model'", "an existing run's WORKDIR, or hf:FOLDER"],
+  ),
+  (
+    T,
+    ['--config.lora.rank=4', '--config.lora.init_from=/nonexistent/adapter'],
+    ["lora.init_from='/nonexistent/adapter'", 'an existing PEFT adapter folder'],
+  ),
+  (
+    T,
+    ['--config.eval.tasks_include_path=/nonexistent/tasks'],
+    ["eval.tasks_include_path='/nonexistent/tasks'", 'an existing folder of task YAML files'],
+  ),
   (
     T,
     ['--config.data.mixture=web=1:FILES/nowhere'],

@@ -1,6 +1,7 @@
 """The documentation states each fact once, inside the repository, and the config reference is the
 code's: README.md is short, docs/ is the reference, and docs/configuration.md's key table is what
-scripts/config_docs.py generates from `jax3d.config.base_config()` and the comments in its source.
+scripts/config_docs.py generates from `jax3d.config.base_config()` and the comments in the keys'
+declaration (the source of `jax3d.config.Config`).
 
 Imports jax3d.config only (no jax); fast.
 """
@@ -77,7 +78,7 @@ def test_every_key_is_in_the_table(doc_block):
 def test_the_check_sees_a_changed_comment_or_a_new_key(gen, doc_block):
   """The generator reads what the test compares: a comment changed in the source of base_config(),
   or a key added to it, gives another table than the one in docs/configuration.md."""
-  with open(inspect.getsourcefile(jax3d.config.base_config)) as f:
+  with open(inspect.getsourcefile(jax3d.config.Config)) as f:  # the keys' declaration
     source = f.read()
   cfg = jax3d.config.base_config()
   assert gen.render(cfg, source) == doc_block
@@ -88,10 +89,10 @@ def test_the_check_sees_a_changed_comment_or_a_new_key(gen, doc_block):
   # One more word in the key's comment (or a comment where its meaning sat on the lines above).
   changed = lines[: line_no - 1] + [line + (' (changed)' if '#' in line else '  # (changed)')]
   assert gen.render(cfg, '\n'.join(changed + lines[line_no:]) + '\n') != doc_block
-  # A new key beside it, written the way the source writes the first one.
-  assert key in line, f'{key} is not spelled out on line {line_no} of the source: {line!r}'
-  section = key.rsplit('.', 1)[0]
-  new_line = line[: line.index(key)] + f'{section}.zz_new_key = 3  # a key nobody documented'
+  # A new key beside it, written the way the source writes the first one (a field of its section).
+  section, name = key.rsplit('.', 1)
+  assert line.lstrip().startswith(f'{name}:'), f'{key} is not declared on line {line_no}: {line!r}'
+  new_line = line[: line.index(name)] + 'zz_new_key: int = key(3)  # a key nobody documented'
   added = '\n'.join(lines[: line_no - 1] + [new_line] + lines[line_no - 1 :]) + '\n'
   more = copy.deepcopy(cfg)
   with more.unlocked():
@@ -164,18 +165,32 @@ def test_docs_links_resolve():
 
 
 def test_files_the_docs_name_exist():
-  """A file or folder of the repository named in README.md, docs/ or BUILD_NOTES.md (but its
-  appendix of superseded decisions, which names what is gone) exists: a moved module is renamed in
-  the documentation too."""
-  pattern = re.compile(r'\b(?:jax3d|scripts|tests|notebooks|configs|docs)/[\w./-]*\w')
+  """A file or folder of the repository named in README.md, docs/ or BUILD_NOTES.md exists, all of
+  each file (BUILD_NOTES keeps the current decisions only; what is gone is in git): a moved module
+  is renamed in the documentation too."""
+  pattern = re.compile(r'\b(?:jax3d|scripts|tests|notebooks|configs|docs|\.ci)/[\w./-]*\w')
   missing = []
   for p in [README, BUILD_NOTES] + DOCS:
     text = _read(p)
-    if p == BUILD_NOTES:
-      text = text.split('\n## Appendix', 1)[0]
     missing += [
       f'{_rel(p)}: {m}'
       for m in sorted(set(pattern.findall(text)))
       if not os.path.exists(os.path.join(ROOT, m))
     ]
+  assert not missing, '\n'.join(missing)
+
+
+def test_bare_module_names_the_docs_use_exist():
+  """A module named without its folder (`gpipe.py`, `ring.py`) in README.md, docs/ or BUILD_NOTES.md
+  is the name of a file of the repository: a removed module's name goes from the documentation too."""
+  names = set()
+  for _dirpath, dirnames, filenames in os.walk(ROOT):
+    dirnames[:] = [d for d in dirnames if not d.startswith('.') and d not in ('__pycache__', 'runs', 'build')]
+    names |= set(filenames)
+  missing = [
+    f'{_rel(p)}: {m}'
+    for p in [README, BUILD_NOTES] + DOCS
+    for m in sorted(set(re.findall(r'(?<![\w/.-])(\w+\.py)\b', _read(p))))
+    if m not in names
+  ]
   assert not missing, '\n'.join(missing)

@@ -151,6 +151,7 @@ def test_a_task_that_needs_the_network_exits_2(tmp_path, capsys):
   from jax3d import eval as eval_cmd
 
   folder = _network_task(tmp_path / 'tasks')  # the tasks are checked before the model is read
+  os.makedirs(tmp_path / 'model')  # a folder (checkpoint.init_from's range) with no model in it
   base = [f'--config.checkpoint.init_from=hf:{tmp_path}/model', f'--include_path={folder}']
   assert eval_cmd.main(base + ['--tasks=hub_task']) == 2
   err = capsys.readouterr().err.strip().splitlines()[-1]

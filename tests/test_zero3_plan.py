@@ -121,6 +121,11 @@ def test_llama3_8b_on_one_node_at_dp8_fits_only_with_zero3():
   assert gb({'train.shard_optimizer': True}, 16).total_bytes > 120e9
   best = gb(_zero3('layer', **{'train.loss_chunks': 8}), 4)
   assert best.fits and best.total_bytes < 60e9
+  # the estimate README.md and docs/plan.md quote is this one (test_readme_facts.py: quoted alike)
+  quoted = f'{best.total_bytes / 1e9:.1f} GB'
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  assert f'estimated at {quoted} per GPU' in ' '.join(open(os.path.join(root, 'README.md')).read().split())
+  assert f'# {quoted} estimated' in open(os.path.join(root, 'docs', 'plan.md')).read()
   b = best.breakdown
   assert b['params'] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)  # fp32 over dp
   assert b['head'] < 8e9 and b['gathered'] < 6e9

@@ -7,9 +7,9 @@ valid. `{kind}` in the words becomes the type's name ('an integer', 'a number', 
 one range serves an int and a float key: `at_least(0)` reads 'an integer >= 0' or 'a number >= 0'.
 Numbers must be finite (nan and inf are outside every numeric range).
 
-Declaring config keys (keys.py): `c.SECTION.KEY = DEFAULT, RANGE  # what it means`, on a
-`Declared()` object `c`; the line's comment is the key's documentation (scripts/config_docs.py).
-`c.config` is the ConfigDict of the defaults, `c.ranges` maps 'section.key' to its range.
+Declaring config keys (keys.py): `KEY: TYPE = key(DEFAULT, RANGE)  # what it means`, a field of
+its section's frozen dataclass; the line's comment is the key's documentation
+(scripts/config_docs.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import math
 import os
 from collections.abc import Callable
 from typing import Any
-
-import ml_collections
 
 KINDS = {bool: 'true or false', int: 'an integer', float: 'a number', str: 'a string'}
 
@@ -108,36 +106,19 @@ NEW_FILE = Range(  # a file a command writes: '' (none), or a path in an existin
   lambda v: v == '' or (not os.path.isdir(v) and os.path.isdir(os.path.dirname(os.path.abspath(v)))),
   'a file path in an existing folder',
 )
-EXISTING = Range(lambda v: v == '' or os.path.exists(v), 'an existing file or folder')
+
+
+def existing(what: str, prefix: str = '') -> Range:
+  """A path key: '' (unset), or a file or folder that exists, after `prefix` where it has one
+  (checkpoint.init_from's 'hf:'). It fails only on a path that does not exist, and says so."""
+
+  def ok(v: Any) -> bool:
+    return v == '' or os.path.exists(v.removeprefix(prefix) if prefix else v)
+
+  return Range(ok, f"'' or an existing {what} (a path that does not exist is refused)")
+
 
 POSITIVE = at_least(1)  # sizes and counts
 NON_NEGATIVE = at_least(0)
 FRACTION = between(0, 1)
 SEED = Range(lambda v: 0 <= v < 2**63, '{kind} in [0, 2**63)')  # numpy's and jax's seeds
-
-
-class Declared:
-  """The config keys as they are declared: `c.SECTION.KEY = DEFAULT, RANGE` (see the module
-  docstring). `config` holds the defaults, `ranges` the range of each 'section.key'."""
-
-  def __init__(self) -> None:
-    self.config = ml_collections.ConfigDict()
-    self.ranges: dict[str, Range] = {}
-    self.kinds: dict[str, type] = {}  # the type of each key's default
-
-  def __getattr__(self, section: str) -> _Section:
-    if section not in self.config:
-      self.config[section] = ml_collections.ConfigDict()
-    return _Section(self, section)
-
-
-class _Section:
-  def __init__(self, owner: Declared, name: str) -> None:
-    object.__setattr__(self, '_at', (owner, name))
-
-  def __setattr__(self, key: str, declared: tuple[Any, Range]) -> None:
-    owner, section = self._at
-    default, rng = declared
-    owner.config[section][key] = default
-    owner.ranges[f'{section}.{key}'] = rng
-    owner.kinds[f'{section}.{key}'] = type(default)

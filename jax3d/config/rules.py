@@ -11,56 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ml_collections
-
-from jax3d.config.ranges import Range
-
-DTYPES = ('float32', 'bfloat16')
-REMAT_POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
-SCHEDULES = ('gpipe', 'circular', '1f1b')  # jax3d/parallel/pipeline/timetable.py for 1f1b
-GRAD_REDUCE_DTYPES = ('float32', 'bfloat16', 'int8')
-GATHERS = ('auto', 'layer', 'step')  # train.shard_params_gather (jax3d/parallel/zero3.py)
-ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'pallas', 'blockwise')
-CP_STRATEGIES = ('allgather', 'ring')  # train.cp_strategy (jax3d/parallel/context.py)
-PACKINGS = ('auto', 'concat', 'pack')  # data.packing (jax3d/data/packing.py)
-SWITCH = ('true', 'false', 'auto')  # the values of train.sequence_parallel, pipeline.skip_bubbles
-ROPE_SCALINGS = ('none', 'linear', 'llama3')  # jax3d/model/rope.py
-LORA_TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')  # lora.targets (jax3d/model/lora.py)
-# model.hf_model_type: the architectures export writes, and the features each can hold
-HF_MODEL_TYPES = {
-  '': 'the one the features need',
-  'llama': 'no qkv_bias, no qk_norm',
-  'mistral': 'no qkv_bias, no qk_norm',
-  'qwen2': 'qkv_bias, no qk_norm',
-  'qwen3': 'qk_norm, no qkv_bias',
-}
-
-
-def lora_targets(value: Any) -> tuple[str, ...]:  # lora.targets: 'q, v' -> ('q', 'v')
-  return tuple(x.strip() for x in str(value).split(',') if x.strip())
-
-
-def _is_target_list(value: Any) -> bool:
-  got = lora_targets(value)
-  return bool(got) and set(got) <= set(LORA_TARGETS) and len(set(got)) == len(got)
-
-
-TARGET_LIST = Range(_is_target_list, f'a comma list of distinct names from {",".join(LORA_TARGETS)}')
-
-
-def step_list(value: Any) -> tuple[int, ...]:  # train.inject_nan_at: '3,4' -> (3, 4)
-  return tuple(int(x) for x in str(value).split(',') if x.strip())
-
-
-def _is_step_list(value: Any) -> bool:
-  try:
-    return all(s >= 0 for s in step_list(value))
-  except ValueError:
-    return False
-
-
-STEP_LIST = Range(_is_step_list, 'comma-separated step numbers >= 0, e.g. "3,4"')
-
+from jax3d.config.keys import Config
+from jax3d.config.values import HF_MODEL_TYPES
 
 # ---------------------------------------------------------------------------------------------
 # Settings against each other: each check returns (key, value, what is valid) when it fails.
@@ -68,14 +20,14 @@ STEP_LIST = Range(_is_step_list, 'comma-separated step numbers >= 0, e.g. "3,4"'
 Failure = tuple[str, Any, str] | None
 
 
-def _heads_divide_d_model(cfg: ml_collections.ConfigDict) -> Failure:
+def _heads_divide_d_model(cfg: Config) -> Failure:
   m = cfg.model
   if not m.head_dim and m.d_model % m.n_heads:
     return 'model.d_model', m.d_model, f'a multiple of model.n_heads={m.n_heads} (or set model.head_dim)'
   return None
 
 
-def _head_size_even(cfg: ml_collections.ConfigDict) -> Failure:
+def _head_size_even(cfg: Config) -> Failure:
   m = cfg.model
   if m.head_dim % 2:
     return 'model.head_dim', m.head_dim, 'an even number (rotary embeddings rotate pairs)'
@@ -88,7 +40,7 @@ def _head_size_even(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
-def _llama3_frequencies(cfg: ml_collections.ConfigDict) -> Failure:
+def _llama3_frequencies(cfg: Config) -> Failure:
   m = cfg.model
   if m.rope_scaling == 'llama3' and not m.rope_high_freq_factor > m.rope_low_freq_factor > 0:
     return (
@@ -99,7 +51,7 @@ def _llama3_frequencies(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
-def _hf_model_type_holds_features(cfg: ml_collections.ConfigDict) -> Failure:
+def _hf_model_type_holds_features(cfg: Config) -> Failure:
   m = cfg.model
   need = {'': (m.qkv_bias, m.qk_norm), 'qwen2': (True, False), 'qwen3': (False, True)}
   want = need.get(m.hf_model_type, (False, False))
@@ -115,20 +67,20 @@ def _hf_model_type_holds_features(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
-def _kv_heads_divide_heads(cfg: ml_collections.ConfigDict) -> Failure:
+def _kv_heads_divide_heads(cfg: Config) -> Failure:
   m = cfg.model
   if m.n_heads % m.n_kv_heads:
     return 'model.n_kv_heads', m.n_kv_heads, f'a divisor of model.n_heads={m.n_heads}'
   return None
 
 
-def _seq_len_fits(cfg: ml_collections.ConfigDict) -> Failure:
+def _seq_len_fits(cfg: Config) -> Failure:
   if cfg.train.seq_len > cfg.model.max_seq_len:
     return 'train.seq_len', cfg.train.seq_len, f'at most model.max_seq_len={cfg.model.max_seq_len}'
   return None
 
 
-def _loss_chunks_divide_seq(cfg: ml_collections.ConfigDict) -> Failure:
+def _loss_chunks_divide_seq(cfg: Config) -> Failure:
   c, t = cfg.train.loss_chunks, cfg.train.seq_len
   if t % c:
     return (
@@ -141,10 +93,14 @@ def _loss_chunks_divide_seq(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
-def _layer_gather_on_compiler_path(cfg: ml_collections.ConfigDict) -> Failure:
+def _layer_gather_on_compiler_path(cfg: Config) -> Failure:
   t = cfg.train
   if t.shard_params and t.shard_params_gather == 'layer':
-    why = [f'train.{k}={t[k]!r}' for k in ('grad_reduce_dtype', 'param_dtype') if t[k] != 'float32']
+    why = [
+      f'train.{k}={getattr(t, k)!r}'
+      for k in ('grad_reduce_dtype', 'param_dtype')
+      if getattr(t, k) != 'float32'
+    ]
     if why:
       return (
         'train.shard_params_gather',
@@ -155,7 +111,7 @@ def _layer_gather_on_compiler_path(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
-def _lora_settings_need_rank(cfg: ml_collections.ConfigDict) -> Failure:
+def _lora_settings_need_rank(cfg: Config) -> Failure:
   lo = cfg.lora
   if lo.rank == 0 and lo.init_from:
     return 'lora.rank', lo.rank, f"the adapters' rank (> 0) with lora.init_from={lo.init_from!r}"
@@ -172,7 +128,7 @@ def _lora_settings_need_rank(cfg: ml_collections.ConfigDict) -> Failure:
   return None
 
 
-MODEL_CHECKS: tuple[Callable[[ml_collections.ConfigDict], Failure], ...] = (
+MODEL_CHECKS: tuple[Callable[[Config], Failure], ...] = (
   _heads_divide_d_model,
   _head_size_even,
   _kv_heads_divide_heads,
@@ -185,14 +141,14 @@ MODEL_CHECKS: tuple[Callable[[ml_collections.ConfigDict], Failure], ...] = (
 )
 
 
-def _tp_divides_layers(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+def _tp_divides_layers(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   for key in ('n_heads', 'n_kv_heads', 'd_ff'):
-    if cfg.model[key] % tp:
-      return f'model.{key}', cfg.model[key], f'must be divisible by mesh.tp={tp}'
+    if getattr(cfg.model, key) % tp:
+      return f'model.{key}', getattr(cfg.model, key), f'must be divisible by mesh.tp={tp}'
   return None
 
 
-def _tp_divides_vocab(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+def _tp_divides_vocab(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   m, vocab_padded = cfg.model, padded_vocab(cfg.model)
   if vocab_padded % tp:
     return (
@@ -204,14 +160,14 @@ def _tp_divides_vocab(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
   return None
 
 
-def _stages_divide_layers(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+def _stages_divide_layers(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   n, v = cfg.model.n_layers, cfg.pipeline.repeats
   if n % (pp * v):
     return 'model.n_layers', n, f'must be divisible by mesh.pp*pipeline.repeats = {pp}*{v} = {pp * v}'
   return None
 
 
-def _circular_has_microbatches(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+def _circular_has_microbatches(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   m, v = cfg.pipeline.microbatches, cfg.pipeline.repeats
   if v > 1 and m < pp:
     return (
@@ -222,7 +178,7 @@ def _circular_has_microbatches(cfg: ml_collections.ConfigDict, dp: int, pp: int,
   return None
 
 
-def _batch_divides(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+def _batch_divides(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   t, m = cfg.train, cfg.pipeline.microbatches
   per = dp * m * t.grad_accum
   if t.global_batch_size % per:
@@ -236,7 +192,7 @@ def _batch_divides(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) ->
   return None
 
 
-def _interleaved_1f1b_groups(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+def _interleaved_1f1b_groups(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   m, v = cfg.pipeline.microbatches, cfg.pipeline.repeats
   if cfg.pipeline.schedule == '1f1b' and v > 1 and pp > 1 and m % pp:
     return (
@@ -247,7 +203,7 @@ def _interleaved_1f1b_groups(cfg: ml_collections.ConfigDict, dp: int, pp: int, t
   return None
 
 
-def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int) -> Failure:
+def _context_parallel(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   """mesh.cp > 1: the settings context parallelism is built and tested with (the rest refused)."""
   cp, t = cfg.mesh.cp, cfg.train
   if cp == 1:
@@ -273,7 +229,7 @@ def _context_parallel(cfg: ml_collections.ConfigDict, dp: int, pp: int, tp: int)
   return None
 
 
-LAYOUT_CHECKS: tuple[Callable[[ml_collections.ConfigDict, int, int, int], Failure], ...] = (
+LAYOUT_CHECKS: tuple[Callable[[Config, int, int, int], Failure], ...] = (
   _tp_divides_layers,
   _tp_divides_vocab,
   _stages_divide_layers,
@@ -284,6 +240,6 @@ LAYOUT_CHECKS: tuple[Callable[[ml_collections.ConfigDict, int, int, int], Failur
 )
 
 
-def padded_vocab(model_cfg: ml_collections.ConfigDict) -> int:
+def padded_vocab(model_cfg: Config) -> int:
   """The stored vocabulary: model.vocab_size rounded up to a multiple of model.vocab_multiple."""
   return -(-model_cfg.vocab_size // model_cfg.vocab_multiple) * model_cfg.vocab_multiple

@@ -1,8 +1,10 @@
-"""Validation of a config into the frozen run plan: every check runs before jax traces or
-compiles anything, and raises `ConfigError` with one line naming the setting, its value and what
-would be valid. The checks themselves are data: each key's range beside its default
+"""Validation of a config into its typed form and the frozen run plan: every check runs before jax
+traces or compiles anything, and raises `ConfigError` with one line naming the setting, its value
+and what would be valid. The checks themselves are data: each key's range beside its default
 (jax3d/config/keys.py), the settings against each other in jax3d/config/rules.py; this module runs
-them in order and resolves the mesh between the model's checks and the layout's."""
+them in order, converts the ConfigDict once its keys are checked into the typed `Config` the rules
+and the code read (forms.typed), and resolves the mesh between the model's checks and the
+layout's."""
 
 from __future__ import annotations
 
@@ -13,15 +15,11 @@ from typing import Any, NoReturn
 
 import ml_collections
 
-from jax3d.config import keys
+from jax3d.config import forms
+from jax3d.config.keys import Config
 from jax3d.config.ranges import has_kind
-from jax3d.config.rules import (
-  LAYOUT_CHECKS,
-  MODEL_CHECKS,
-  Failure,
-  padded_vocab,
-  step_list,
-)
+from jax3d.config.rules import LAYOUT_CHECKS, MODEL_CHECKS, Failure, padded_vocab
+from jax3d.config.values import Switch, step_list
 from jax3d.errors import ConfigError
 
 
@@ -124,7 +122,7 @@ def _raise_first(failures: Iterable[Failure]) -> None:
 
 def _check_range(key: str, value: Any) -> None:
   """ConfigError unless `value` has the key's type and is in its declared range (keys.py)."""
-  kind, rng = keys.kinds()[key], keys.ranges()[key]
+  kind, rng = forms.kinds()[key], forms.ranges()[key]
   if not (has_kind(value, kind) and rng.ok(value)):
     _fail(key, value, rng.words(kind))
 
@@ -132,32 +130,46 @@ def _check_range(key: str, value: Any) -> None:
 def check_ranges(cfg: ml_collections.ConfigDict) -> None:
   """Every key of `cfg` against its declared type and range (keys.py): ConfigError naming the
   first key outside, or a key jax3d does not know or that the config lacks."""
-  for key in keys.ranges():
+  for key in forms.ranges():
     section, name = key.split('.')
     if section not in cfg or name not in cfg[section]:
       raise ConfigError(f'the config has no key {key} (start a config from jax3d.config.base_config())')
     _check_range(key, cfg[section][name])
   for section, node in cfg.items():
     for name in node.keys() if isinstance(node, ml_collections.ConfigDict) else ['']:
-      if f'{section}.{name}' not in keys.ranges():
-        known = sorted(k for k in keys.ranges() if k.startswith(f'{section}.')) or sorted(keys.base_config())
+      if f'{section}.{name}' not in forms.ranges():
+        known = sorted(k for k in forms.ranges() if k.startswith(f'{section}.')) or sorted(
+          forms.base_config()
+        )
         raise ConfigError(
           f'unknown config key {f"{section}.{name}".rstrip(".")!r}; valid here: {", ".join(known)}'
         )
 
 
+def checked(cfg: ml_collections.ConfigDict) -> Config:
+  """cfg's keys checked against their ranges (`check_ranges`) and converted into the typed `Config`:
+  for a command that reads settings but builds no layout (`jax3d.batch`)."""
+  check_ranges(cfg)
+  return forms.typed(cfg)
+
+
 def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   """Checks every setting against its range (`check_ranges`), then the settings against each other
   (MODEL_CHECKS) and against the device count (LAYOUT_CHECKS); returns the run plan."""
-  check_ranges(cfg)
-  _raise_first(check(cfg) for check in MODEL_CHECKS)
-  dp, pp, tp = resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices, cfg.mesh.cp)
-  _raise_first(check(cfg, dp, pp, tp) for check in LAYOUT_CHECKS)
-  t, p_ = cfg.train, cfg.pipeline
+  return validated(cfg, n_devices)[1]
+
+
+def validated(cfg: ml_collections.ConfigDict, n_devices: int) -> tuple[Config, RunPlan]:
+  """`validate`, and the config in its typed form (what the build path hands to the code)."""
+  c = checked(cfg)
+  _raise_first(check(c) for check in MODEL_CHECKS)
+  dp, pp, tp = resolve_mesh(c.mesh.dp, c.mesh.pp, c.mesh.tp, n_devices, c.mesh.cp)
+  _raise_first(check(c, dp, pp, tp) for check in LAYOUT_CHECKS)
+  t, p_ = c.train, c.pipeline
   rows = t.global_batch_size // (dp * p_.microbatches * t.grad_accum) * t.seq_len
-  return RunPlan(
-    sequence_parallel=_sequence_parallel(t.sequence_parallel, rows, tp, cfg.mesh.cp),
-    cp=cfg.mesh.cp,
+  plan = RunPlan(
+    sequence_parallel=_sequence_parallel(t.sequence_parallel, rows, tp, c.mesh.cp),
+    cp=c.mesh.cp,
     dp=dp,
     pp=pp,
     tp=tp,
@@ -166,32 +178,27 @@ def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
     grad_accum=t.grad_accum,
     global_batch=t.global_batch_size,
     seq_len=t.seq_len,
-    vocab_padded=padded_vocab(cfg.model),
+    vocab_padded=padded_vocab(c.model),
     nan_steps=step_list(t.inject_nan_at),
-    skip_bubbles=_skip_bubbles(p_.skip_bubbles),
+    skip_bubbles=None if p_.skip_bubbles is Switch.AUTO else p_.skip_bubbles is Switch.TRUE,
   )
+  return c, plan
 
 
-def _skip_bubbles(value: Any) -> bool | None:
-  value = str(value).lower()  # true | false | auto (its range)
-  return None if value == 'auto' else value == 'true'
-
-
-def _sequence_parallel(value: Any, rows: int, tp: int, cp: int = 1) -> bool:
+def _sequence_parallel(value: Switch, rows: int, tp: int, cp: int = 1) -> bool:
   """train.sequence_parallel resolved: the rows a layer sees (a micro-batch's rows on one dp shard
   times seq_len, over mesh.cp: each cp rank's tokens) are split over tp, so tp must divide them;
   'auto' is on when it does."""
-  value = str(value).lower()  # true | false | auto (its range)
-  if value == 'false' or tp == 1:
+  if value is Switch.FALSE or tp == 1:
     return False
   per_cp = ' / mesh.cp' if cp > 1 else ''
   rows //= cp
   if rows % tp:
-    if value == 'auto':
+    if value is Switch.AUTO:
       return False
     _fail(
       'train.sequence_parallel',
-      value,
+      value.value,
       f'the rows of a layer (micro-batch rows per dp shard * train.seq_len{per_cp} = {rows}) must be '
       f'divisible by mesh.tp={tp}; use a micro-batch or seq_len that tp divides, or false',
     )

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from jax3d.config import ConfigError
+from jax3d.config import Config, ConfigError
+from jax3d.config.values import PACKINGS
 from jax3d.data import epochs, inputs, packing as packing_lib, shards, tokenizer
 from jax3d.data.documents import TEXT_SUFFIXES, held_out, iter_files
 from jax3d.data.tokenizer import Tokenizer
@@ -181,7 +182,7 @@ def _shard_corpus(path: str, tok: Tokenizer | None) -> Corpus:
   )
 
 
-def for_config(cfg: Any, tok: Tokenizer | None = None) -> Corpus:
+def for_config(cfg: Config, tok: Tokenizer | None = None) -> Corpus:
   """The corpus a run of `cfg` trains on: data.path, data.eval_fraction, data.packing, rows of
   train.seq_len + 1 tokens (what the trainer, `jax3d.batch` and `export --verify` read)."""
   d = cfg.data
@@ -194,8 +195,8 @@ def load_corpus(
   """Reads the corpus named by `data.path` ('' = the standard library), text tokenized with `tok`
   (default bytes), its rows made by `packing` (data.packing). Raises ConfigError when the path does
   not exist or holds too little usable data for one sequence."""
-  if packing not in packing_lib.PACKINGS:
-    raise ConfigError(f'data.packing={packing!r} is invalid: one of {", ".join(packing_lib.PACKINGS)}')
+  if packing not in PACKINGS:
+    raise ConfigError(f'data.packing={packing!r} is invalid: one of {", ".join(PACKINGS)}')
   corpus = _load(path, eval_fraction, min_tokens, tok)
   corpus.packing = packing_lib.resolve(packing, corpus.train_weights is not None)
   return corpus

@@ -16,17 +16,17 @@ another mixture goes on from those cursors (`resume`: the change is one log line
 from __future__ import annotations
 
 import zlib
-from typing import Any
 
 import numpy as np
 
+from jax3d.config import Config
 from jax3d.data import apportion, corpus as corpus_lib, epochs, packing as packing_lib, shards
 from jax3d.data.corpus import Corpus
 from jax3d.data.tokenizer import Tokenizer
 from jax3d.errors import ConfigError
 
 
-def for_config(cfg: Any, tok: Tokenizer | None = None) -> Corpus | Mixture:
+def for_config(cfg: Config, tok: Tokenizer | None = None) -> Corpus | Mixture:
   """The data a run of `cfg` trains on: the mixture of data.mixture when it is set, else the corpus
   of data.path (corpus.for_config). What the trainer, `jax3d.batch` and `export --verify` read."""
   d = cfg.data

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-PACKINGS = ('auto', 'concat', 'pack')
 KEYS = ('inputs', 'targets', 'weights', 'segment_ids', 'positions')
 DTYPES = {'weights': np.float32}  # the others are int32
 

@@ -19,9 +19,8 @@ from typing import Any
 import ml_collections
 
 from jax3d.config import ConfigError, set_key
+from jax3d.config.values import HF_PREFIX as PREFIX  # checkpoint.init_from=hf:FOLDER
 from jax3d.hf import families
-
-PREFIX = 'hf:'
 
 
 @dataclasses.dataclass

@@ -27,8 +27,8 @@ MARKER = 'jax3d_export.json'  # the files an export wrote: a folder of only thos
 
 
 def reads_of(cfg: Mapping[str, Any], workdir: str | None) -> list[tuple[str, str]]:
-  """(what, path) of everything a run reads, from its config (a ConfigDict or the saved JSON, with
-  its checkpoint.init_from) and its workdir."""
+  """(what, path) of everything a run reads, from its config (`Config.to_dict()` or the saved JSON,
+  with its checkpoint.init_from) and its workdir."""
   out = [("the run's workdir", workdir)] if workdir else []
   init, tok, data = cfg['checkpoint']['init_from'], cfg['data']['tokenizer'], cfg['data']['path']
   if init:

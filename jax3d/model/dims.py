@@ -6,9 +6,9 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-import ml_collections
 
 from jax3d import config as config_lib
+from jax3d.config import Config
 from jax3d.model import formulas
 from jax3d.model.rope import RopeScaling
 
@@ -53,7 +53,7 @@ class Dims:
     return self.head_size or self.d_model // self.n_heads
 
   @staticmethod
-  def from_config(cfg: ml_collections.ConfigDict, plan: config_lib.RunPlan | None = None) -> Dims:
+  def from_config(cfg: Config, plan: config_lib.RunPlan | None = None) -> Dims:
     """The model of `cfg`; the padded vocabulary comes from `plan` when given (the same number)."""
     m = cfg.model
     vocab_padded = plan.vocab_padded if plan is not None else config_lib.padded_vocab(m)
@@ -95,7 +95,7 @@ class Dims:
     return formulas.param_count(self)
 
 
-def _base_dtype(cfg: ml_collections.ConfigDict) -> str:
+def _base_dtype(cfg: Config) -> str:
   """The base's float dtype: lora.base_dtype (bfloat16 beside int8 kernels), else train.param_dtype."""
   base = cfg.lora.base_dtype if cfg.lora.rank else ''
   return 'bfloat16' if base == 'int8' else base or cfg.train.param_dtype

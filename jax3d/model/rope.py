@@ -19,8 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCALINGS = ('none', 'linear', 'llama3')
-
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:

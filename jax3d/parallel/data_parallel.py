@@ -42,10 +42,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax3d.config import RunPlan
+from jax3d.config import Config, RunPlan
 from jax3d.parallel import compression, zero3
 from jax3d.parallel.sharding import CP, DP, PP, TP, vary
 
@@ -124,19 +123,19 @@ def init_residual(params: PyTree, dp: int) -> PyTree:
 
 
 # --- the decisions -----------------------------------------------------------------------------
-def shard_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+def shard_params(cfg: Config, plan: RunPlan) -> bool:
   """ZeRO-3: the parameters themselves stored sharded over dp (train.shard_params, with dp ranks);
   jax3d/parallel/zero3.py gathers them where the layers use them."""
   return bool(cfg.train.shard_params) and plan.zero_ranks > 1
 
 
-def zero1(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+def zero1(cfg: Config, plan: RunPlan) -> bool:
   """Adam's moments and the reduced gradients in the ZeRO layout (train.shard_optimizer, or
   train.shard_params, which shards them with the parameters), when there are dp ranks."""
   return (bool(cfg.train.shard_optimizer) or shard_params(cfg, plan)) and plan.zero_ranks > 1
 
 
-def explicit(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+def explicit(cfg: Config, plan: RunPlan) -> bool:
   """Whether the dp gradient sum is done here by hand rather than by the compiler: for a 16-/8-bit
   wire format, under ZeRO-1, and for bf16 parameters (summed in float32). ZeRO-3 alone is the
   compiler's: its reduce-scatter is the transpose of the gather (jax3d/parallel/zero3.py)."""
@@ -147,7 +146,7 @@ def explicit(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
   )
 
 
-def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
+def gather_mode(cfg: Config, plan: RunPlan) -> str | None:
   """ZeRO-3's gather (train.shard_params_gather; None without ZeRO-3): 'layer' gathers each layer's
   weights where it runs, 'step' a stage's layers once per step; 'auto' = 'layer', or 'step' on the
   explicit path (a 16-/8-bit reduction, bf16 parameters), which reduces each rank's whole gradient
@@ -160,9 +159,7 @@ def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
   return mode
 
 
-def layer_gather(
-  layers: PyTree, layers_sh: PyTree, cfg: ml_collections.ConfigDict, plan: RunPlan, mesh: Mesh
-) -> zero3.Gather:
+def layer_gather(layers: PyTree, layers_sh: PyTree, cfg: Config, plan: RunPlan, mesh: Mesh) -> zero3.Gather:
   """ZeRO-3's gather of the stacked layers (abstract `layers` in their tp/pp shardings
   `layers_sh`): each leaf's ZeRO dimension, the gather mode, and with tp > 1 the tp specs."""
   tp = manual_specs(layers, layers_sh, {TP}) if plan.tp > 1 else None
@@ -170,7 +167,7 @@ def layer_gather(
   return zero3.Gather(dims, gather_mode(cfg, plan), tp, _entry(zero_axes(mesh)))
 
 
-def has_residual(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+def has_residual(cfg: Config, plan: RunPlan) -> bool:
   """int8 error feedback keeps a residual per dp rank in the train state."""
   return plan.zero_ranks > 1 and cfg.train.grad_reduce_dtype == 'int8'
 

@@ -22,7 +22,7 @@ from jax3d.planning.hardware import BYTES, GB, Hardware
 from jax3d.planning.memory_model import layer_residual_bytes, local_params
 
 if TYPE_CHECKING:
-  import ml_collections
+  from jax3d.config import Config
 
 __all__ = [
   'BYTES',
@@ -101,7 +101,7 @@ class Estimate:
     )
 
 
-def _visible_hardware(cfg: ml_collections.ConfigDict) -> Hardware:
+def _visible_hardware(cfg: Config) -> Hardware:
   """The default cluster, with the attention kernel train.attention picks on the devices jax sees
   (jax3d/model/attention.py `resolve`)."""
   import jax
@@ -120,7 +120,7 @@ def _visible_hardware(cfg: ml_collections.ConfigDict) -> Hardware:
 
 
 def estimate(
-  cfg: ml_collections.ConfigDict,
+  cfg: Config,
   plan: RunPlan,
   gpu_memory_bytes: float | None = None,
   hw: Hardware | None = None,
@@ -142,6 +142,6 @@ def estimate(
   )
 
 
-def param_count(cfg: ml_collections.ConfigDict) -> int:
+def param_count(cfg: Config) -> int:
   """The real model's parameters (padded vocabulary rows excluded): formulas.param_count."""
   return formulas.param_count(memory_model.model_dims(cfg))

@@ -10,12 +10,10 @@ from jax3d.planning.costmodel import GB, Hardware
 from jax3d.planning.planner import Candidate
 
 if TYPE_CHECKING:
-  import ml_collections
+  from jax3d.config import Config
 
 
-def explain(
-  cfg: ml_collections.ConfigDict, best: Candidate, ranked: list[Candidate], hw: Hardware
-) -> list[str]:
+def explain(cfg: Config, best: Candidate, ranked: list[Candidate], hw: Hardware) -> list[str]:
   """Why the winner: tp first (fill a node), then pp (a divisor of the rest), then dp = N/(tp*pp),
   its memory, and what the best layout with less tp would cost."""
   p, e, m, n = best.plan, best.est, cfg.model, hw.n_devices
@@ -57,7 +55,7 @@ def explain(
   return lines
 
 
-def _cp_line(cfg: ml_collections.ConfigDict, best: Candidate, ranked: list[Candidate], hw: Hardware) -> str:
+def _cp_line(cfg: Config, best: Candidate, ranked: list[Candidate], hw: Hardware) -> str:
   """Why cp > 1, for `explain`: each GPU's share of the sequence, and what the best fitting layout
   without cp would need (nothing fits without it, or it is slower)."""
   p, e = best.plan, best.est

@@ -38,7 +38,7 @@ def verify_memory(
     devices, options = gpu_target.devices(target), gpu_target.compiler_options()
   s = assemble.build(cfg, devices[: plan.n_devices])
   est = estimate(
-    cfg,
+    s.cfg,
     plan,
     hw=Hardware(
       flash_attention=s.dims.attention != 'xla', attention=s.dims.attention, gpu=target is not None

@@ -40,8 +40,7 @@ from jax3d.planning.hardware import BYTES
 from jax3d.planning.residuals import layer_residual_bytes
 
 if TYPE_CHECKING:
-  import ml_collections
-
+  from jax3d.config import Config
   from jax3d.model.dims import Dims
 
 __all__ = ['layer_residual_bytes']  # re-exported: the cost model reads it here
@@ -50,13 +49,13 @@ __all__ = ['layer_residual_bytes']  # re-exported: the cost model reads it here
 # ---------------------------------------------------------------------------------------------
 # Bytes per device
 # ---------------------------------------------------------------------------------------------
-def model_dims(cfg: ml_collections.ConfigDict, plan: RunPlan | None = None) -> Dims:
+def model_dims(cfg: Config, plan: RunPlan | None = None) -> Dims:
   from jax3d.model import dims as dims_lib  # imported when needed: jax is heavy
 
   return dims_lib.Dims.from_config(cfg, plan)
 
 
-def local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
+def local_params(cfg: Config, plan: RunPlan) -> dict:
   """Parameters held by one device: layer matrices over pp*tp, norms over pp, embed/head over tp."""
   dims = model_dims(cfg, plan)
   return {
@@ -65,7 +64,7 @@ def local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   }
 
 
-def lora_local_params(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+def lora_local_params(cfg: Config, plan: RunPlan) -> float:
   """LoRA adapter parameters held by one device (0 without LoRA): the layers' over pp, part over tp."""
   dims = model_dims(cfg, plan)
   return dims.n_layers // plan.pp * formulas.lora_layer_params(dims, plan.tp)
@@ -76,13 +75,13 @@ def micro_rows(plan: RunPlan) -> int:
   return plan.micro_batch // plan.dp
 
 
-def micro_activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+def micro_activation_bytes(cfg: Config, plan: RunPlan) -> float:
   """One micro-batch's activation [b, s, h] on one device (its 1/cp of the sequence), in the
   compute dtype."""
   return micro_rows(plan) * plan.seq_len // plan.cp * cfg.model.d_model * BYTES[cfg.train.compute_dtype]
 
 
-def cp_gather_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+def cp_gather_bytes(cfg: Config, plan: RunPlan) -> float:
   """mesh.cp > 1: one layer's K and V all-gathered over cp (the whole sequence, this device's KV
   heads), held while its attention runs, forward or backward (jax3d/model/cp_attention.py;
   cp_comm.kv_gather_bytes, docs/formulas.md)."""
@@ -95,7 +94,7 @@ def cp_gather_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   ]
 
 
-def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str) -> float:
+def activation_bytes(cfg: Config, plan: RunPlan, flash: bool | str) -> float:
   """What the pipeline's loop keeps for the backward pass, plus one layer recomputed in it."""
   m, t = cfg.model, cfg.train
   lc = m.n_layers // (plan.pp * plan.repeats)  # layers per chunk: what one pipeline iteration runs
@@ -129,7 +128,7 @@ def activation_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool 
   return plan.iterations * carry * act_mb / sp + lc * res(policy='full') + res(policy='none') + edges
 
 
-def _gpipe_edges(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+def _gpipe_edges(cfg: Config, plan: RunPlan) -> float:
   """The circular loop's own stacks of m micro-batches (jax3d/parallel/pipeline/gpipe.py `circulate`, pp > 1,
   v > 1): its input, the stage-0 queue and the queue's gradient (fp32), and the finished outputs
   with their gradient (compute dtype). Read off the GPU compile (`plan --verify --target`): Llama 3
@@ -144,12 +143,12 @@ def _gpipe_edges(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   return plan.microbatches * act * (3 * 4 / BYTES[cfg.train.compute_dtype] + 2)
 
 
-def one_f_one_b(cfg: ml_collections.ConfigDict, plan: RunPlan) -> bool:
+def one_f_one_b(cfg: Config, plan: RunPlan) -> bool:
   """pipeline.schedule=1f1b with stages: the loss inside the loop (timetable.in_loop_loss)."""
   return timetable.in_loop_loss(cfg.pipeline.schedule, plan)
 
 
-def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, res: Callable) -> float:
+def _activations_1f1b(cfg: Config, plan: RunPlan, lc: int, res: Callable) -> float:
   """1F1B (jax3d/parallel/pipeline/timetable.py, one_f_one_b.py): the VJP residuals of the units in
   flight, min((v+1)p-1, v*m) slots (bounded by the stages, not the micro-batches), each a chunk's
   residuals under the policy on one micro-batch ('stage': its input only), one stash and one
@@ -163,7 +162,7 @@ def _activations_1f1b(cfg: ml_collections.ConfigDict, plan: RunPlan, lc: int, re
   return slots * per_slot + 2 * act_mb + edges + res(policy='none')
 
 
-def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+def head_bytes(cfg: Config, plan: RunPlan) -> float:
   """fp32 logits of the head, their exp and the one-hot targets (vocab on tp), and the embedding out.
   Under 1F1B the head runs inside the loop on 1/pp of one micro-batch at a time. With
   train.loss_chunks the logits terms are for one piece of the sequence (a scan recomputes each
@@ -176,14 +175,14 @@ def head_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   return plan.seq_len // plan.cp * (logits + rows_all * 2 * h * cb)
 
 
-def gather_mode(cfg: ml_collections.ConfigDict, plan: RunPlan) -> str | None:
+def gather_mode(cfg: Config, plan: RunPlan) -> str | None:
   """ZeRO-3's gather, 'layer' or 'step' (None without ZeRO-3): data_parallel.gather_mode."""
   from jax3d.parallel import data_parallel  # imported when needed: jax is heavy
 
   return data_parallel.gather_mode(cfg, plan)
 
 
-def breakdown(cfg: ml_collections.ConfigDict, plan: RunPlan, flash: bool | str, gpu: bool = True) -> dict:
+def breakdown(cfg: Config, plan: RunPlan, flash: bool | str, gpu: bool = True) -> dict:
   """Bytes per device: params, grads, optimizer, activations, head; and under ZeRO-3
   (train.shard_params) what is gathered whole during the step ('gathered'); on a GPU (`gpu`) what
   the optimizer's update holds beyond the backward pass's peak ('update', `_update_peak`)."""
@@ -232,7 +231,7 @@ def _loop_copy(plan: RunPlan) -> int:
   return int(plan.iterations > 1)
 
 
-def _lora(cfg: ml_collections.ConfigDict, plan: RunPlan, local: dict, mode: str | None) -> dict:
+def _lora(cfg: Config, plan: RunPlan, local: dict, mode: str | None) -> dict:
   """LoRA (jax3d/model/lora.py): the base in lora.base_dtype with no gradient or moments; the
   adapters' parameters, gradients (the loop's carry and each iteration's, as above, and the
   accumulator) and moments in train.param_dtype. Under ZeRO-3 everything stored is 1/(dp*cp) and the

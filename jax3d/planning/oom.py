@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import ml_collections
 
-from jax3d.config import ConfigError, RunPlan, validate
+from jax3d.config import Config, ConfigError, RunPlan, typed, validated
 from jax3d.planning.costmodel import GB, Estimate, Hardware, estimate
 from jax3d.planning.planner import more_loss_chunks, search, with_overrides
 
@@ -22,11 +22,15 @@ if TYPE_CHECKING:
 
 
 def oom_ladder(
-  cfg: ml_collections.ConfigDict, plan: RunPlan, device_memory_bytes: float, hw: Hardware | None = None
+  cfg: Config | ml_collections.ConfigDict,
+  plan: RunPlan,
+  device_memory_bytes: float,
+  hw: Hardware | None = None,
 ) -> list[str]:
   """The out-of-memory ladder, each rung priced for this config and layout: recompute activations,
   drop needless copies, smaller micro-batches, more pp or tp, bf16, ZeRO-1, ZeRO-3, then more
   nodes."""
+  cfg = typed(cfg)
   hw = hw or Hardware(
     nodes=max(plan.n_devices // 8, 1),
     gpus_per_node=min(plan.n_devices, 8),
@@ -75,7 +79,7 @@ def oom_ladder(
 class _Ladder:
   """What every rung is priced against: the config, its layout, the device and the base estimate."""
 
-  cfg: ml_collections.ConfigDict
+  cfg: Config
   plan: RunPlan
   device_memory_bytes: float
   hw: Hardware
@@ -85,8 +89,8 @@ class _Ladder:
     """One rung: the config with `overrides`, its bytes per GPU against the base's (and `what` of
     its estimate), or why it is not possible here."""
     try:
-      c = with_overrides(self.cfg, overrides)
-      e = estimate(c, validate(c, self.plan.n_devices), self.device_memory_bytes, self.hw)
+      c, p = validated(with_overrides(self.cfg, overrides), self.plan.n_devices)
+      e = estimate(c, p, self.device_memory_bytes, self.hw)
     except ConfigError as err:
       return f'{label}: not possible here ({err})'
     flags_ = ' '.join(f'--config.{k}={v}' for k, v in overrides.items())
@@ -110,7 +114,7 @@ def _attention_rung(ladder: _Ladder) -> str:
   cfg, m = ladder.cfg, ladder.cfg.model
   why = attention.cudnn_supported('gpu', cfg.train.compute_dtype, m.head_dim or m.d_model // m.n_heads, 9.0)
   hw = dataclasses.replace(ladder.hw, attention='blockwise' if why else 'fused')
-  c = with_overrides(cfg, {'train.attention': 'auto'})
+  c = typed(with_overrides(cfg, {'train.attention': 'auto'}))
   e = estimate(c, ladder.plan, ladder.device_memory_bytes, hw)
   return (
     f'2b. attention implementation (--config.train.attention=auto: {hw.attention}): '
@@ -147,7 +151,7 @@ def _loss_chunks_rung(ladder: _Ladder) -> str:
   return ladder.rung('1b. the head and loss in pieces (logits dominate)', {'train.loss_chunks': chunks}, head)
 
 
-def _zero_now(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+def _zero_now(cfg: Config) -> tuple[str, ...]:
   """The planner's ZERO variant of `cfg` (the more-pp-or-tp rung keeps it)."""
   if cfg.train.shard_params:
     return ('zero3',)
@@ -212,15 +216,14 @@ def _more_pp_or_tp_rung(ladder: _Ladder) -> str:
 
 
 def _sequence_parallel(
-  cfg: ml_collections.ConfigDict, over: dict, plan: RunPlan, device_memory_bytes: float, hw: Hardware
+  cfg: Config | ml_collections.ConfigDict, over: dict, plan: RunPlan, device_memory_bytes: float, hw: Hardware
 ) -> str:
   """The more-tp rung's activations without and with sequence parallelism (Megatron-SP splits the
   replicated residual stream over tp too, so raising tp pays in full only with it)."""
   out = []
   for sp in ('false', 'true'):
     try:
-      c = with_overrides(cfg, over | {'train.sequence_parallel': sp})
-      p = validate(c, plan.n_devices)
+      c, p = validated(with_overrides(cfg, over | {'train.sequence_parallel': sp}), plan.n_devices)
     except ConfigError:
       return ''
     if p.tp == 1:
@@ -232,7 +235,7 @@ def _sequence_parallel(
   )
 
 
-def check_fits(cfg: ml_collections.ConfigDict, plan: RunPlan, compiled_bytes: int, device: jax.Device) -> str:
+def check_fits(cfg: Config, plan: RunPlan, compiled_bytes: int, device: jax.Device) -> str:
   """A line comparing the compiled bytes per device with the estimate's; raises ConfigError with
   the out-of-memory ladder when they exceed the limit: `hardware.memory_gb` when set (on any
   backend, CPU included), else what the device's allocator reports (none on CPU). On a GPU the
@@ -258,7 +261,7 @@ def check_fits(cfg: ml_collections.ConfigDict, plan: RunPlan, compiled_bytes: in
   return line
 
 
-def smallest_cluster(cfg: ml_collections.ConfigDict, hw: Hardware) -> str:
+def smallest_cluster(cfg: Config | ml_collections.ConfigDict, hw: Hardware) -> str:
   """The fewest nodes (doubling) of this kind on which some layout fits."""
   nodes = 1
   while nodes <= 4096:

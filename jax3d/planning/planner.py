@@ -10,17 +10,15 @@ stays on NVLink), pp a divisor of what remains, dp fills the rest; every candida
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Iterator, Sequence
 
 import ml_collections
 
-from jax3d.config import ConfigError, RunPlan, set_key, validate
+from jax3d.config import REMAT_POLICIES, Config, ConfigError, RunPlan, editable, set_key, validated
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
 
-POLICIES = ('none', 'dots', 'attn', 'full', 'stage')
 LAYOUT_KEYS = (
   'mesh.dp',
   'mesh.pp',
@@ -97,17 +95,17 @@ def _batch_splits(batch: int, dp: int, pp: int) -> list[tuple[int, int]]:
 
 
 def layouts(
-  cfg: ml_collections.ConfigDict,
+  cfg: Config | ml_collections.ConfigDict,
   hw: Hardware,
-  policies: Sequence[str] = POLICIES,
+  policies: Sequence[str] = REMAT_POLICIES,
   cps: Sequence[int] | None = None,
-) -> Iterator[tuple[dict, RunPlan, ml_collections.ConfigDict]]:
+) -> Iterator[tuple[dict, RunPlan, Config]]:
   """Every layout the rules allow that config.validate accepts: (overrides, plan, config) triples,
   with the state replicated over dp (ZERO['off']; `search` tries the others), mesh.cp among `cps`
-  (None: all the rules allow). The config is one working copy of `cfg`, set to the next layout's
-  values on the next iteration."""
+  (None: all the rules allow). The configs are typed, made from one working copy of `cfg` set to
+  each layout's values in turn."""
   n, m = hw.n_devices, cfg.model
-  work = copy.deepcopy(cfg)
+  work = editable(cfg)
   for tp, cp in [(t, c) for t, c in _tp_cp(hw, cfg.train.seq_len) if cps is None or c in cps]:
     for pp in [p for p in _divisors(n // (tp * cp)) if m.n_layers % p == 0]:  # rule: pp divides the rest
       dp = n // (tp * cp * pp)  # rule: dp fills the rest
@@ -122,7 +120,8 @@ def layouts(
             for k, val in o.items():
               set_key(work, k, val)
             try:
-              yield o, validate(work, n), work
+              c, plan = validated(work, n)
+              yield o, plan, c
             except ConfigError:
               continue
 
@@ -148,7 +147,7 @@ def more_loss_chunks(seq: int, now: int) -> int | None:
 
 
 def _savings(
-  o: dict, cfg: ml_collections.ConfigDict, hw: Hardware, est: costmodel.Estimate, zero: Sequence[str]
+  o: dict, cfg: Config, hw: Hardware, est: costmodel.Estimate, zero: Sequence[str]
 ) -> list[Candidate]:
   """The variants of a layout that does not fit, each on top of the one before, priced until one
   fits (each saves memory and is no faster, so the first that fits is the one to take): with
@@ -164,32 +163,28 @@ def _savings(
     steps.append({'train.shard_params_gather': 'layer'})
   out, over = [], dict(o)
   for step in steps:
-    for k, v in step.items():
-      set_key(cfg, k, v)
     try:
-      plan = validate(cfg, hw.n_devices)
-    except ConfigError:  # (the 'layer' gather with bf16 reductions): the config as it was
-      for k in step:
-        set_key(cfg, k, over[k])
+      c, plan = validated(with_overrides(cfg, over | step), hw.n_devices)
+    except ConfigError:  # (the 'layer' gather with bf16 reductions): the variants so far
       break
     over |= step
-    out.append(Candidate(dict(over), estimate(cfg, plan, hw.memory_gb * GB, hw)))
+    out.append(Candidate(dict(over), estimate(c, plan, hw.memory_gb * GB, hw)))
     if out[-1].est.fits:
       break
   return out
 
 
-def _one_f_one_b(o: dict, cfg: ml_collections.ConfigDict, hw: Hardware) -> Candidate | None:
+def _one_f_one_b(o: dict, cfg: Config, hw: Hardware) -> Candidate | None:
   """The 1F1B variant of a pipelined layout GPipe does not fit (`search`), priced; None where it is
   not valid. Its activations do not grow with the micro-batches, so it fits where GPipe does not,
   or with more micro-batches (a smaller bubble); where GPipe fits it is no faster (each backward
   recomputes its chunk, and accelerators compute the idle halves of its ticks), so it is not priced."""
-  set_key(cfg, 'pipeline.schedule', '1f1b')
+  o = o | {'pipeline.schedule': '1f1b'}
   try:
-    plan = validate(cfg, hw.n_devices)
+    c, plan = validated(with_overrides(cfg, o), hw.n_devices)
   except ConfigError:
     return None
-  return Candidate(o | {'pipeline.schedule': '1f1b'}, estimate(cfg, plan, hw.memory_gb * GB, hw))
+  return Candidate(o, estimate(c, plan, hw.memory_gb * GB, hw))
 
 
 # From this many tokens per row the sequence split over cp is searched even where layouts without it
@@ -199,9 +194,9 @@ LONG_SEQ = 16384
 
 
 def search(
-  cfg: ml_collections.ConfigDict,
+  cfg: Config | ml_collections.ConfigDict,
   hw: Hardware,
-  policies: Sequence[str] = POLICIES,
+  policies: Sequence[str] = REMAT_POLICIES,
   zero: Sequence[str] = tuple(ZERO),
   cps: Sequence[int] | None = None,
 ) -> list[Candidate]:
@@ -249,7 +244,7 @@ def _cp_may_fit(ranked: list[Candidate], hw: Hardware) -> bool:
 
 
 def _priced(
-  cfg: ml_collections.ConfigDict,
+  cfg: Config | ml_collections.ConfigDict,
   hw: Hardware,
   policies: Sequence[str],
   zero: Sequence[str],
@@ -266,9 +261,10 @@ def _priced(
   return out
 
 
-def with_overrides(cfg: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
-  """A copy of cfg with `overrides` ({dotted key: value}) set (cfg itself is left as it is)."""
-  cfg = copy.deepcopy(cfg)
+def with_overrides(cfg: Config | ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """A copy of cfg with `overrides` ({dotted key: value}) set, as a ConfigDict (cfg itself is left as
+  it is); `config.validated` makes it typed."""
+  cfg = editable(cfg)
   for k, v in overrides.items():
     set_key(cfg, k, v)
   return cfg

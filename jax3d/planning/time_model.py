@@ -17,10 +17,10 @@ from jax3d.planning import memory_model
 from jax3d.planning.hardware import BYTES, Hardware
 
 if TYPE_CHECKING:
-  import ml_collections
+  from jax3d.config import Config
 
 
-def compute_seconds(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> float:
+def compute_seconds(cfg: Config, plan: RunPlan, hw: Hardware) -> float:
   """The step's FLOPs per device (recomputation and bubble iterations included) at
   `hw.efficiency` of the peak (half the peak for float32 compute)."""
   m, t, s = cfg.model, cfg.train, plan.seq_len
@@ -44,7 +44,7 @@ def compute_seconds(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware)
   return tokens * (layer_flops * waste + wg * (dims_p - p_layers)) / plan.n_devices / (peak * hw.efficiency)
 
 
-def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
+def traffic_bytes(cfg: Config, plan: RunPlan) -> dict:
   """Bytes each device sends per step over each mesh axis: {'tp', 'pp', 'dp', 'cp'}."""
   t, pp, tp = cfg.train, plan.pp, plan.tp
   act_mb = memory_model.micro_activation_bytes(cfg, plan)
@@ -67,7 +67,7 @@ def traffic_bytes(cfg: ml_collections.ConfigDict, plan: RunPlan) -> dict:
   return {'tp': tp_bytes, 'pp': pp_bytes, 'dp': dp_bytes, 'dp_exposed': exposed, 'cp': cp_traffic(cfg, plan)}
 
 
-def cp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
+def cp_traffic(cfg: Config, plan: RunPlan) -> float:
   """Bytes each device sends over cp per step (jax3d/analysis/cp_comm.py, docs/formulas.md): the
   K/V all-gathers and dK/dV reduce-scatters of every layer the SPMD loop runs, and the weight
   gradients' all-reduce over cp (the parameters are replicated over cp)."""
@@ -83,7 +83,7 @@ def cp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> float:
   return attention['spmd'] + cp_comm.cp_grad_bytes(n_grads, plan.cp, BYTES[t.grad_reduce_dtype])
 
 
-def dp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> tuple[float, float]:
+def dp_traffic(cfg: Config, plan: RunPlan) -> tuple[float, float]:
   """Bytes each device sends over dp per step, and the share no compute can hide: the gradient
   all-reduce, 2(d-1)/d * P_local in the reduction's dtype (hidden in part behind the backward
   pass); under ZeRO-3 on the compiler's path the gathers and reduce-scatters of
@@ -117,7 +117,7 @@ def dp_traffic(cfg: ml_collections.ConfigDict, plan: RunPlan) -> tuple[float, fl
   return z['wire'], z['gathered'] if mode == 'step' else ring / 2 * local['embed_head'] * pb
 
 
-def step_times(cfg: ml_collections.ConfigDict, plan: RunPlan, hw: Hardware) -> dict:
+def step_times(cfg: Config, plan: RunPlan, hw: Hardware) -> dict:
   """Seconds per step: compute, tp, pp, dp, the dp share hidden behind the backward pass
   (dp_hidden), the step itself, and the peak FLOP/s per device it was priced at."""
   compute = compute_seconds(cfg, plan, hw)

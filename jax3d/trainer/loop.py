@@ -28,10 +28,9 @@ import time
 from typing import Protocol
 
 import jax
-import ml_collections
 
 from jax3d import assemble
-from jax3d.config import RunPlan
+from jax3d.config import Config, RunPlan
 from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, prefetch as prefetch_lib
 from jax3d.errors import TrainingError
 from jax3d.setup import Setup
@@ -42,7 +41,7 @@ from jax3d.trainer.steplog import StepLog
 class Host(Protocol):
   """What the loop uses of the Trainer, which it does not import (the Trainer imports the loop)."""
 
-  cfg: ml_collections.ConfigDict
+  cfg: Config
   setup: Setup
   plan: RunPlan
   corpus: corpus_lib.Corpus | mixture_lib.Mixture

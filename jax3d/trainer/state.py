@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax3d import step as step_lib
+from jax3d.config import Config
 from jax3d.errors import CheckpointError
 from jax3d.hf import weights as hf_weights
 from jax3d.model import lora, quant
@@ -55,7 +56,7 @@ def saved(setup: Setup, state: dict) -> dict:
   return {**state, 'params': lora.trainable(setup.dims, state['params'])[0]}
 
 
-def base_source(cfg: Any) -> str:
+def base_source(cfg: Config) -> str:
   """Where a LoRA run's frozen base comes from, as its checkpoints record it."""
   return cfg.checkpoint.init_from or f'seed:{cfg.train.seed}'
 

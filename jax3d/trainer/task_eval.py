@@ -17,8 +17,8 @@ from jax3d.harness import offline_tasks
 
 if TYPE_CHECKING:
   import jax
-  import ml_collections
 
+  from jax3d.config import Config
   from jax3d.setup import Setup
 
 
@@ -62,7 +62,7 @@ def load(
   return workdir_lib.load_params(source, cfg, devices[: dp * pp * tp], saved=not config)
 
 
-def check(cfg: ml_collections.ConfigDict) -> None:
+def check(cfg: Config) -> None:
   """eval.tasks of a training config, before anything compiles: lm-eval installed, every task
   found and its data read locally (UsageError, exit 2, naming the task otherwise)."""
   if cfg.eval.tasks:

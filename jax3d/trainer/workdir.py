@@ -88,6 +88,11 @@ def saved_config(workdir: str, meta: dict | None = None) -> ml_collections.Confi
   if not cfg.lora.rank:
     cfg.checkpoint.init_from = ''
   cfg.lora.init_from = ''
+  # Paths of the run's inputs that are gone since (their range wants them to exist): unset, as
+  # generation and export read neither the corpus nor the task files.
+  for section, key in (('data', 'path'), ('eval', 'tasks_include_path')):
+    if cfg[section][key] and not os.path.exists(cfg[section][key]):
+      cfg[section][key] = ''
   cfg.lock()
   return cfg
 
@@ -316,7 +321,7 @@ def export_workdir(
   return writer.export_run(params, setup, out, merge, max_shard_bytes, workdir, check)
 
 
-def _n_devices(cfg: Any, available: int) -> int:
+def _n_devices(cfg: ml_collections.ConfigDict, available: int) -> int:
   from jax3d import config as config_lib
 
   dp, pp, tp = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, available, cfg.mesh.cp)
