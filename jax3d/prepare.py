@@ -104,6 +104,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args: cli.Args) -> int:
+  from jax3d.data import staging
+
+  made = not os.path.exists(args.flags['out'])
+  try:
+    return _write(args)
+  finally:
+    staging.discard_empty(args.flags['out'], made)
+
+
+def _write(args: cli.Args) -> int:
   from jax3d.data import bpe, prepare, reading, staging, tokenizer as tok_lib
 
   f = args.flags

@@ -146,11 +146,40 @@ def check_ranges(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
+# Settings that act only beside another: (keys, whether that other setting is on, what turns it on).
+# One of the keys set away from its default while the other is off is refused, never ignored.
+DORMANT = (
+  (
+    ('lora.targets', 'lora.alpha', 'lora.dropout'),
+    lambda cfg: cfg.lora.rank > 0,
+    'lora.rank > 0 (lora.rank=0 is no adapters: a full fine-tune)',
+  ),
+  (
+    ('eval.tasks_every', 'eval.tasks_limit', 'eval.tasks_include_path', 'eval.tasks_num_fewshot'),
+    lambda cfg: bool(cfg.eval.tasks),
+    "eval.tasks (eval.tasks='' runs no task)",
+  ),
+  (('train.cp_strategy',), lambda cfg: cfg.mesh.cp > 1, 'mesh.cp > 1 (mesh.cp=1 splits no sequence)'),
+)
+
+
+def _dormant(cfg: ml_collections.ConfigDict) -> Failure:
+  """The first setting of DORMANT set while the setting it acts with is off."""
+  defaults = keys.base_config()
+  for names, on, needs in DORMANT:
+    for key in names:
+      section, name = key.split('.')
+      value, default = cfg[section][name], defaults[section][name]
+      if value != default and not on(cfg):
+        return key, value, f'its default {default!r}: it acts only with {needs}'
+  return None
+
+
 def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   """Checks every setting against its range (`check_ranges`), then the settings against each other
-  (MODEL_CHECKS) and against the device count (LAYOUT_CHECKS); returns the run plan."""
+  (MODEL_CHECKS, DORMANT) and against the device count (LAYOUT_CHECKS); returns the run plan."""
   check_ranges(cfg)
-  _raise_first(check(cfg) for check in MODEL_CHECKS)
+  _raise_first(check(cfg) for check in (*MODEL_CHECKS, _dormant))
   dp, pp, tp = resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, n_devices, cfg.mesh.cp)
   _raise_first(check(cfg, dp, pp, tp) for check in LAYOUT_CHECKS)
   t, p_ = cfg.train, cfg.pipeline

@@ -72,6 +72,17 @@ def folder(out: str) -> str:
   return o + PARTIAL
 
 
+def discard_empty(out: str, made: bool) -> None:
+  """After a run of prepare: OUT.partial removed when it is empty, and OUT too when this run `made`
+  it and it is empty (a refused prepare leaves no folder behind; finished units stay for a rerun)."""
+  o = _clean(out)
+  for folder in [o + PARTIAL] + [o] * made:
+    try:
+      os.rmdir(folder)
+    except OSError:  # absent, or holding something
+      pass
+
+
 def link(src: str, dst: str) -> None:
   """`dst` the same file as `src` (a hard link; a copy where links are not possible)."""
   if os.path.exists(dst):

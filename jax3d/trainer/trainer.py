@@ -58,17 +58,18 @@ class Trainer:
     self.setup = assemble.build(cfg, devices)
     cfg = self.cfg = self.setup.cfg
     self.workdir = workdir
-    # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
-    self._lock = (
-      lock_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
-      if workdir and jax.process_index() == 0
-      else None
-    )
     tasks_lib.check(cfg)  # eval.tasks: found, their data local (exit 2 before anything compiles)
     self._tasks: tasks_lib.TaskEvaluator | None = None
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     self.corpus = mixture_lib.for_config(cfg, self.tokenizer)
     data_lib.check_vocab(self.corpus, cfg.model.vocab_size)
+    # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
+    # Taken once the input is checked: a refused run makes no workdir.
+    self._lock = (
+      lock_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
+      if workdir and jax.process_index() == 0
+      else None
+    )
     self.plan, self.mesh = self.setup.plan, self.setup.mesh
     self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)
     self.quiet = not console
