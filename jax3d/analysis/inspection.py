@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jax3d.analysis.cp_comm import cp_attention_bytes
+from jax3d.analysis.cp_comm import KV_KINDS, KV_WHAT, cp_attention_bytes
 from jax3d.analysis.dp_comm import dp_comm
-from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_hlo
+from jax3d.analysis.hlo import attention_kernel, collectives, matmul_flops, multiplicities, parse_hlo
 from jax3d.model import formulas
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def expected_comm(s: Setup) -> dict:
       'spmd': 2 * iters * bsh * a / sp if p > 1 else 0.0,
     },
     'pp_edges': {'formula': edge, 'spmd': edge},
-    'cp': cp_attention_bytes(plan, dims.n_layers, dims.n_kv_heads, dims.head_dim, act),
+    'cp': cp_attention_bytes(plan, dims.n_layers, dims.n_kv_heads, dims.head_dim, act, dims.cp_strategy),
     'dp': {'formula': dp['wire'], 'spmd': dp['wire']},
     'p_local_bytes': dp['p_local'],
     'dp_grad_bytes': dp['grads'],
@@ -106,7 +106,7 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   cp   the attention's K/V all-gathers and dK/dV reduce-scatters over cp in the layers."""
   total = lambda pred, key='wire_bytes': sum(c[key] for c in colls if pred(c))
   tp_layers = lambda c: c['axes'] == 'tp' and c['in_layers']
-  kv = lambda c: c['axes'] == 'cp' and c['in_layers'] and c['kind'] in ('all-gather', 'reduce-scatter')
+  kv = lambda c: c['axes'] == 'cp' and c['in_layers'] and c['kind'] in KV_KINDS[e['cp']['strategy']]
   dp_grads = lambda c: (
     'dp' in c['axes'].split('+') and c['kind'] in ('all-reduce', 'reduce-scatter', 'all-to-all')
   )  # all-to-all: jax3d/parallel/compression.py
@@ -161,9 +161,7 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
       'spmd': e['dp']['spmd'],
     },
   ]
-  kv_cp = dict(
-    axis='cp', what='K/V all-gathers and dK/dV reduce-scatters (in the layers)', measured=total(kv)
-  )
+  kv_cp = dict(axis='cp', what=KV_WHAT[e['cp']['strategy']], measured=total(kv))
   out += [kv_cp | {k: e['cp'][k] for k in ('formula', 'spmd')}] if e['cp']['formula'] else []
   for c in out:
     c['ratio'] = c['measured'] / c['formula'] if c['formula'] else None
@@ -178,22 +176,6 @@ def memory(compiled: jax.stages.Compiled) -> dict:
   out = {k: int(getattr(ma, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
   out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
   return out
-
-
-ATTENTION_KERNELS = (  # (custom-call target prefix in the optimised HLO, the kernel's name)
-  ('__cudnn$fmha', 'cudnn'),
-  ('__gpu$xla.gpu.triton', 'triton'),
-)
-
-
-def attention_kernel(hlo_text: str) -> str:
-  """The attention kernel in an optimised HLO module: 'cudnn' (cuDNN's fused attention custom
-  calls), 'triton' (a Pallas kernel), 'blockwise' (ops from jax3d/model/blockwise.py, named in the
-  metadata), else 'xla' (dots and a softmax, fused by XLA)."""
-  for target, name in ATTENTION_KERNELS:
-    if f'custom_call_target="{target}' in hlo_text:
-      return name
-  return 'blockwise' if 'model/blockwise.py' in hlo_text else 'xla'
 
 
 def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
