@@ -95,6 +95,12 @@ class Corpus:
       self._orders[key] = epochs.Order(self.layout(seq_len, split).n_rows, seed)
     return self._orders[key]
 
+  @property
+  def evaluable(self) -> bool:
+    """Whether there is held-out data to evaluate on, two tokens at least (none: a run trains
+    without evaluating, and says so)."""
+    return self.held_out.size >= 2
+
   def describe(self) -> str:
     """One line: the source, the token counts of both streams and the vocabulary size."""
     return (
@@ -243,12 +249,13 @@ def _load(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | Non
     stream, starts = _tokens([(path, inputs.read_bytes(path, f'data.path={path!r}: '))], tok)
     train, ts, held, hs = _tail_split(stream, starts, eval_fraction)
     corpus = Corpus(train, held, text_vocab, f'text file {path}', ts, hs)
-  for name, arr in (('training', corpus.train), ('held-out', corpus.held_out)):
-    if arr.size < min_tokens:
-      raise ConfigError(
-        f'data.path={path!r} holds no usable {name} data: {arr.size} tokens, need at '
-        f'least {min_tokens} (train.seq_len + 1)'
-      )
+  # Rows are padded (the last of concat, every one of pack): data shorter than a row fills one.
+  # No held-out data (jax3d.prepare --eval_fraction=0) is a run without evaluation (`evaluable`).
+  if corpus.train.size < 2:
+    raise ConfigError(
+      f'data.path={path!r} holds no usable training data: {corpus.train.size} tokens, need at least 2 '
+      '(a document of two tokens: one input and one target)'
+    )
   return corpus
 
 

@@ -28,7 +28,7 @@ import ml_collections
 from jax3d import assemble, step as step_lib
 from jax3d.analysis import inspection
 from jax3d.data import corpus as data_lib, mixture as mixture_lib, tokenizer as tokenizer_lib
-from jax3d.errors import TrainingError
+from jax3d.errors import ConfigError, TrainingError
 from jax3d.planning import oom
 from jax3d.trainer import (
   checkpoint as ckpt_lib,
@@ -106,7 +106,10 @@ class Trainer:
 
   def summary(self) -> list[str]:
     """The start-up lines: mesh, model, memory, pipeline schedule, work per stage, data."""
-    return metrics_lib.summary_lines(self.setup, self.corpus.describe())
+    lines = metrics_lib.summary_lines(self.setup, self.corpus.describe())
+    if not self.corpus.evaluable:  # jax3d.prepare --eval_fraction=0: stated, then no evaluation
+      lines.append(f'  note: no held-out data in {self.corpus.source}: the run trains without evaluating')
+    return lines
 
   def init_state(self) -> str:
     """Restores the newest good checkpoint, or warm-starts, or initialises (jax3d/trainer/state.py).
@@ -171,6 +174,8 @@ class Trainer:
     `eval_losses` keeps it with a mixture's loss per source (eval_loss/NAME)."""
     for line in self.compile():
       self.log('  ' + line)
+    if not self.corpus.evaluable:
+      raise ConfigError(f'{self.corpus.source} holds no held-out data: nothing to evaluate on')
     self.eval_losses = evaluation.held_out_losses(
       self.setup, self.corpus, self._eval_step, self.state['params']
     )
