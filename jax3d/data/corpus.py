@@ -97,8 +97,7 @@ class Corpus:
 
   @property
   def evaluable(self) -> bool:
-    """Whether there is held-out data to evaluate on, two tokens at least (none: a run trains
-    without evaluating, and says so)."""
+    """Whether there are held-out tokens to evaluate on (none: a run trains without evaluating)."""
     return self.held_out.size >= 2
 
   def describe(self) -> str:
@@ -199,8 +198,8 @@ def load_corpus(
   path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | None = None, packing: str = 'auto'
 ) -> Corpus:
   """Reads the corpus named by `data.path` ('' = the standard library), text tokenized with `tok`
-  (default bytes), its rows made by `packing` (data.packing). Raises ConfigError when the path does
-  not exist or holds too little usable data for one sequence."""
+  (default bytes), its rows made by `packing` (data.packing). ConfigError when the path does not
+  exist or holds no document of two tokens to train on."""
   if packing not in packing_lib.PACKINGS:
     raise ConfigError(f'data.packing={packing!r} is invalid: one of {", ".join(packing_lib.PACKINGS)}')
   corpus = _load(path, eval_fraction, min_tokens, tok)
@@ -249,13 +248,9 @@ def _load(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | Non
     stream, starts = _tokens([(path, inputs.read_bytes(path, f'data.path={path!r}: '))], tok)
     train, ts, held, hs = _tail_split(stream, starts, eval_fraction)
     corpus = Corpus(train, held, text_vocab, f'text file {path}', ts, hs)
-  # Rows are padded (the last of concat, every one of pack): data shorter than a row fills one.
-  # No held-out data (jax3d.prepare --eval_fraction=0) is a run without evaluation (`evaluable`).
+  # Rows are padded: data shorter than a row fills one; no held-out data: no evaluation (`evaluable`).
   if corpus.train.size < 2:
-    raise ConfigError(
-      f'data.path={path!r} holds no usable training data: {corpus.train.size} tokens, need at least 2 '
-      '(a document of two tokens: one input and one target)'
-    )
+    raise ConfigError(f'data.path={path!r} holds no usable training data: {corpus.train.size} tokens, need 2')
   return corpus
 
 
