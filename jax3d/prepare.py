@@ -106,11 +106,16 @@ def main(argv: list[str] | None = None) -> int:
 def _prepare(args: cli.Args) -> int:
   from jax3d.data import staging
 
-  made = not os.path.exists(args.flags['out'])
+  made, refused = not os.path.exists(args.flags['out']), False
   try:
-    return _write(args)
-  finally:
-    staging.discard_empty(args.flags['out'], made)
+    status = _write(args)
+    refused = status == 2
+    return status
+  except ValueError:  # bad input (a ConfigError too): cli.run_command makes it one line, exit 2
+    refused = True
+    raise
+  finally:  # an interrupted run keeps its finished units for the rerun
+    staging.discard(args.flags['out'], made, refused)
 
 
 def _write(args: cli.Args) -> int:

@@ -72,10 +72,14 @@ def folder(out: str) -> str:
   return o + PARTIAL
 
 
-def discard_empty(out: str, made: bool) -> None:
-  """After a run of prepare: OUT.partial removed when it is empty, and OUT too when this run `made`
-  it and it is empty (a refused prepare leaves no folder behind; finished units stay for a rerun)."""
+def discard(out: str, made: bool, refused: bool) -> None:
+  """After a run of prepare: OUT.partial removed when it is empty; and OUT when this run `made` it
+  and it is empty, or the run was `refused` (bad input) and OUT holds only prepare's own files (its
+  finished units mean nothing for an input that is refused). A folder with anything else (a trained
+  tokenizer.json) stays, and so does an interrupted run's: a rerun resumes from its units."""
   o = _clean(out)
+  if made and refused and os.path.isdir(o) and all(OURS.match(n) for n in os.listdir(o)):
+    shutil.rmtree(o)
   for folder in [o + PARTIAL] + [o] * made:
     try:
       os.rmdir(folder)
