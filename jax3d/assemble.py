@@ -157,6 +157,9 @@ def _resolve(
 ) -> tuple[ml_collections.ConfigDict, hf_config.HFModel | None]:
   """`resolve`, and the Hugging Face folder it read (None without an import); `saved` as in build."""
   cfg = config_lib.editable(cfg)  # a copy (cfg is left as it is), a typed Config written back
+  if cfg.lora.init_from:  # absolute; lora.rank, alpha and targets from the PEFT adapter's own config
+    config_lib.set_key(cfg, 'lora.init_from', os.path.abspath(cfg.lora.init_from))
+    peft.with_lora(cfg, cfg.lora.init_from)
   hf = hf_config.read(cfg.checkpoint.init_from) if hf_config.is_hf(cfg.checkpoint.init_from) else None
   if hf is not None:
     hf_config.check_tensors(hf)
@@ -166,16 +169,19 @@ def _resolve(
       os.path.exists(os.path.join(hf.path, n)) for n in ('tokenizer.json', 'tokenizer.model')
     ):
       config_lib.set_key(cfg, 'data.tokenizer', hf.path)
-  else:
-    if cfg.checkpoint.init_from:  # a warm start's workdir: absolute, as Orbax reads it
-      config_lib.set_key(cfg, 'checkpoint.init_from', os.path.abspath(cfg.checkpoint.init_from))
+  elif cfg.checkpoint.init_from:  # a warm start's workdir: absolute, as Orbax reads it
+    config_lib.set_key(cfg, 'checkpoint.init_from', os.path.abspath(cfg.checkpoint.init_from))
   if cfg.data.path and os.path.exists(cfg.data.path):  # recorded in checkpoints: any cwd finds it
     config_lib.set_key(cfg, 'data.path', os.path.abspath(cfg.data.path))
-  if cfg.lora.init_from:  # absolute; lora.rank, alpha and targets from the PEFT adapter's own config
-    config_lib.set_key(cfg, 'lora.init_from', os.path.abspath(cfg.lora.init_from))
-    peft.with_lora(cfg, cfg.lora.init_from)
   if cfg.data.mixture:  # its paths absolute (recorded in checkpoints); its first source's tokenizer
     spec = apportion.parse(cfg.data.mixture, cfg.data.mixture_stages)
+    late = [step for step, _ in spec.stages[1:] if step >= cfg.train.steps]
+    if late:  # a stage no step reaches
+      raise ConfigError(
+        f'data.mixture_stages={cfg.data.mixture_stages!r}: the stage at step {late[0]} is at or past the '
+        f"run's end (train.steps={cfg.train.steps}, steps 0..{cfg.train.steps - 1}); every stage must "
+        f'start before train.steps'
+      )
     for key, value in zip(('data.mixture', 'data.mixture_stages'), spec.canonical(), strict=True):
       config_lib.set_key(cfg, key, value)
   shard_path = cfg.data.path or (spec.paths[0] if cfg.data.mixture else '')

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from jax3d import cli
 from jax3d.config import Config, ConfigError, typed, validated
 from jax3d.devices import gpu_target
+from jax3d.errors import UsageError
 from jax3d.planning import costmodel
 from jax3d.planning.costmodel import GB, Hardware, estimate
 from jax3d.planning.explain import explain
@@ -79,6 +80,7 @@ def run(args: cli.Args) -> int:
   # The model the trainer would train: an hf: import's config.json, a tokenizer's vocabulary.
   f, cfg = args.flags, assemble.resolve(args.cfg)
   target = gpu_target.parse(f['target']) if f['target'] else None
+  _target_agrees(args, target)
   hw = _hardware(f, target)
   if f['verify']:  # before jax starts a backend: n fake CPU devices (unless XLA_FLAGS is set)
     cli.prepare_devices(hw.n_devices)
@@ -129,6 +131,21 @@ def _verified(
     if target is None or out[-1][1]['fits']:
       break
   return out
+
+
+def _target_agrees(args: cli.Args, target: gpu_target.Target | None) -> None:
+  """--target sets the cluster: a --nodes, --gpus_per_node or --gpu_memory_gb given beside it must
+  say the same (UsageError naming the flag otherwise), never be overruled without a word."""
+  if target is None:
+    return
+  memory = round(target.memory_bytes / GB, 1)
+  fixed = {'nodes': target.nodes, 'gpus_per_node': target.per_node, 'gpu_memory_gb': memory}
+  for name, want in fixed.items():
+    if name in args.given and round(args.flags[name], 1) != want:
+      raise UsageError(
+        f'--{name}={args.given[name]} is invalid: --target={target.name} is {target.nodes} node(s) x '
+        f'{target.per_node} GPUs of {memory} GB; leave --{name} out or give {want}'
+      )
 
 
 def _hardware(f: dict, target: gpu_target.Target | None = None) -> Hardware:

@@ -105,6 +105,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args: cli.Args) -> int:
+  from jax3d.data import staging
+
+  made, refused = not os.path.exists(args.flags['out']), False
+  try:
+    status = _write(args)
+    refused = status == 2
+    return status
+  except ValueError:  # bad input (a ConfigError too): cli.run_command makes it one line, exit 2
+    refused = True
+    raise
+  finally:  # an interrupted run keeps its finished units for the rerun
+    staging.discard(args.flags['out'], made, refused)
+
+
+def _write(args: cli.Args) -> int:
   from jax3d.data import bpe, reading, shard_writer, staging, tokenizer as tok_lib
 
   f = args.flags

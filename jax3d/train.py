@@ -22,7 +22,7 @@ import os
 import sys
 
 from jax3d import cli, errors
-from jax3d.trainer import distributed
+from jax3d.trainer import distributed, rundir
 
 # The distributed flags are distributed.FLAGS, typed (an unset one falls back to its environment
 # variable: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX3D_DISTRIBUTED, ...).
@@ -86,6 +86,7 @@ def _run(args: cli.Args) -> int:
 
   multi = distributed.info().multi
   workdir = args.flags['workdir'] or os.path.join('runs', args.config_name)
+  made, status = not os.path.exists(workdir), 0
   trainer = None
   try:
     # A ConfigError here is bad input (exit 2), found before anything compiles; a CheckpointError
@@ -107,11 +108,13 @@ def _run(args: cli.Args) -> int:
     if not trainer.preempted and not multi:
       trainer.log('sample: ' + repr(trainer.sample()))
   except errors.Jax3dError as e:
-    return _fail(e, multi)
+    status = _fail(e, multi)
   finally:
     if trainer is not None:
       trainer.close()
-  return 0
+  if made and status == errors.BAD_INPUT and not multi:  # a refusal leaves no workdir behind
+    rundir.discard_unused(workdir)
+  return status
 
 
 def _fail(e: errors.Jax3dError, multi: bool) -> int:

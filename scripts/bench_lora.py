@@ -86,7 +86,9 @@ def run(shape: str, layout: tuple[int, int, int], name: str, steps: int) -> dict
   dp, pp, tp = layout
   keys = variant(name)
   over = SHAPES[shape] | {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp, 'train.remat': 'none'}
-  over |= {'pipeline.microbatches': 2 if pp > 1 else 1, 'lora.alpha': 2.0 * max(keys['lora.rank'], 1)} | keys
+  over |= {'pipeline.microbatches': 2 if pp > 1 else 1} | keys
+  if keys['lora.rank']:  # (a full fine-tune sets no lora.* key: it would act on nothing)
+    over['lora.alpha'] = 2.0 * keys['lora.rank']
   cfg = config_lib.load_config('tiny', over)
   s = assemble.build(cfg, jax.devices()[: dp * pp * tp])
   bench = assemble.benchmark(s, steps)

@@ -23,6 +23,7 @@ import sys
 import time
 import zipfile
 
+import numpy as np
 import pytest
 
 from jax3d import cli
@@ -128,6 +129,7 @@ def _shards(d: str) -> None:
   shard_writer.tokenize(
     os.path.join(d, 'text.jsonl'), os.path.join(d, 'ids_recorded'), 'bytes', workers=1, progress=False
   )
+  shutil.copytree(os.path.join(d, 'ids_recorded'), os.path.join(d, 'shards_ok'))
   index_file = os.path.join(d, 'ids_recorded', 'index.json')
   index = json.load(open(index_file))
   shard = os.path.join(d, 'ids_recorded', index['train'][0]['file'])
@@ -142,11 +144,34 @@ def _shards(d: str) -> None:
   json.dump(index, open(os.path.join(d, 'ids_scanned', 'index.json'), 'w'))
 
 
+def _adapters_and_tasks(d: str) -> None:
+  """PEFT adapter folders damaged two ways (weights cut short, config not JSON) and a folder of
+  task YAMLs one of which does not parse."""
+  from safetensors.numpy import save_file
+
+  config = {'peft_type': 'LORA', 'r': 4, 'lora_alpha': 8, 'target_modules': ['q_proj', 'v_proj']}
+  for name in ('peft_truncated', 'peft_badjson'):
+    os.makedirs(os.path.join(d, name))
+    weights = os.path.join(d, name, 'adapter_model.safetensors')
+    save_file(
+      {'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': np.ones((4, 64), np.float32)},
+      weights,
+    )
+    with open(os.path.join(d, name, 'adapter_config.json'), 'w') as f:
+      f.write(json.dumps(config) if name == 'peft_truncated' else json.dumps(config)[:-5])
+  with open(weights := os.path.join(d, 'peft_truncated', 'adapter_model.safetensors'), 'r+b') as f:
+    f.truncate(os.path.getsize(weights) - 100)
+  os.makedirs(os.path.join(d, 'badyaml'))
+  with open(os.path.join(d, 'badyaml', 'my_task.yaml'), 'w') as f:
+    f.write('task: my_task\ndataset_path: json\n  output_type: [\n')
+
+
 @pytest.fixture(scope='module')
 def made(tmp_path_factory):
   d = str(tmp_path_factory.mktemp('inputs'))
   _write_files(d)
   _shards(d)
+  _adapters_and_tasks(d)
   return d
 
 
@@ -524,6 +549,59 @@ TABLE = [
     ["--tokenizer='FILES/image.png'", 'not a valid SentencePiece'],
   ),
   (['sample', '--workdir=FILES/plain'], ['--workdir=FILES/plain: no checkpoint in FILES/plain/checkpoints']),
+  # --- issue 56: settings that act on nothing, damaged adapters and task files, paths and flags ----
+  (
+    T,
+    ['--config.lora.init_from=FILES/peft_truncated', '--config.checkpoint.init_from=hf:FILES/nohf'],
+    ["lora.init_from='FILES/peft_truncated'", 'adapter_model.safetensors is not a readable safetensors file'],
+  ),
+  (
+    T,
+    ['--config.lora.init_from=FILES/peft_badjson', '--config.checkpoint.init_from=hf:FILES/nohf'],
+    ["lora.init_from='FILES/peft_badjson'", 'adapter_config.json is not valid JSON'],
+  ),
+  (T, ['--config.lora.alpha=32'], ['lora.alpha=32.0 is invalid', 'acts only with lora.rank > 0']),
+  (T, ['--config.lora.targets=q,v'], ["lora.targets='q,v' is invalid", 'acts only with lora.rank > 0']),
+  (T, ['--config.lora.dropout=0.1'], ['lora.dropout=0.1 is invalid', 'acts only with lora.rank > 0']),
+  (
+    T,
+    ['--config.lora.rank=200'],
+    ['lora.rank=200 is invalid', 'at most 128', 'the k projection (256 x 128)'],
+  ),
+  (T, ['--config.eval.tasks_limit=5'], ['eval.tasks_limit=5 is invalid', 'acts only with eval.tasks']),
+  (T, ['--config.eval.tasks_include_path=FILES'], ["eval.tasks_include_path='FILES'", 'eval.tasks']),
+  (T, ['--config.train.cp_strategy=ring'], ["train.cp_strategy='ring' is invalid", 'mesh.cp > 1']),
+  (
+    T,
+    [
+      '--config.data.mixture=a=1:FILES/shards_ok,b=1:FILES/shards_ok',
+      '--config.data.mixture_stages=1000:a=1,b=3',
+    ],
+    ["data.mixture_stages='1000:a=1,b=3'", 'the stage at step 1000', 'train.steps=300'],
+  ),
+  (
+    T,
+    ['--config.data.mixture=a=1:FILES/shards_ok,b=1:FILES/ids_recorded'],
+    ['holds token id 300 (the largest)', 'model.vocab_size=256'],
+  ),
+  (
+    [
+      'eval',
+      '--config.checkpoint.init_from=hf:FILES/nohf',
+      '--tasks=my_task',
+      '--include_path=FILES/badyaml',
+    ],
+    ["task 'my_task'", 'FILES/badyaml/my_task.yaml', 'does not load'],
+  ),
+  (['inspect', '--hlo=/proc/step.hlo'], ['--hlo=/proc/step.hlo is invalid', 'that can be written']),
+  (
+    ['plan', '--target=h100x16', '--nodes=4'],
+    ['--nodes=4 is invalid', '--target=h100x16 is 2 node(s)', 'give 2'],
+  ),
+  (
+    [*PREP, '--input=FILES/rows.parquet', '--split=validation', '--out=FILES/o'],
+    ['--split=validation: FILES/rows.parquet has no splits'],
+  ),
 ]
 COMMON = ('--noprogress', '--workers=1')
 IDS = [
@@ -616,6 +694,14 @@ def test_the_table_changed_no_input_file(results):
   assert {k: after[k] for k in before} == before
   new = sorted(set(after) - set(before))
   assert all(n.startswith(('out', 'runs' + os.sep)) for n in new), new
+
+
+def test_the_table_left_no_folder_behind(results, made):
+  """A refused train makes no workdir (nor its .lock and empty files), a refused prepare no output
+  folder: the cases' own --workdir (runs/i) and --out (out...) folders do not exist afterwards."""
+  left = [n for n in os.listdir(made) if n.startswith('out')]
+  left += [f'runs/{n}' for n in (os.listdir(f'{made}/runs') if os.path.isdir(f'{made}/runs') else [])]
+  assert not left, left
 
 
 def test_compile_log_shows_a_compile(tmp_path):

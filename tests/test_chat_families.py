@@ -153,3 +153,61 @@ def test_stock_templates_ids_and_masks_equal_transformers(tmp_path, base_tokeniz
     ids, w = chat.encode(t, tok, [('c', CONVERSATIONS[3])])[0]
     sup = tok.tok.decode([i for i, x in zip(ids, w, strict=True) if x], skip_special_tokens=False)
     assert sup == 'Paris.<|im_end|>\n<think>\nAlso Europe.\n</think>\n\nRome.<|im_end|>\n'
+
+
+def _assistant_spans(text: str) -> list[tuple[int, int]]:
+  """The assistant turns of a ChatML text, read off the text alone: from the end of each
+  '<|im_start|>assistant\\n' header to the end of the '<|im_end|>\\n' that closes it."""
+  head, end, spans, at = '<|im_start|>assistant\n', '<|im_end|>\n', [], 0
+  while (a := text.find(head, at)) >= 0:
+    b = text.index(end, a) + len(end)
+    spans.append((a + len(head), b))
+    at = b
+  return spans
+
+
+def test_reasoning_turns_are_supervised_as_rendered(tmp_path, base_tokenizer):  # noqa: F811
+  """Qwen3's stock template over a conversation whose every answer starts with its <think> block
+  (inline, and as reasoning_content): the earlier turns render without their reasoning and the last
+  turn with it, and the weights are 1 on exactly the tokens of the assistant turns as the text
+  renders them (spans read off the rendered text, not by jax3d.data.chat), the last turn's <think>
+  block included. Through prepare, a padded row (pack) holds the whole conversation, fewer tokens
+  than one row and no held-out split, and its targets' weights are the same."""
+  from jax3d.data import corpus as corpus_lib, prepare
+
+  conv = [
+    {'role': 'system', 'content': 'You reason first.'},
+    {'role': 'user', 'content': 'Capital of France?'},
+    {'role': 'assistant', 'content': '<think>\nEurope, west.\n</think>\n\nParis.'},
+    {'role': 'user', 'content': 'Of Italy?'},
+    {'role': 'assistant', 'content': 'Rome.', 'reasoning_content': 'South of France.'},
+    {'role': 'user', 'content': 'Of Spain?'},
+    {'role': 'assistant', 'content': '<think>\nIberia; the middle of it.\n</think>\n\nMadrid.'},
+  ]
+  folder = _folder(tmp_path / 'qwen3', base_tokenizer, 'qwen3', _marked('qwen3')[0])
+  t, tok = chat.load_template(folder), tok_lib.load(folder)
+  text = chat.render(t, conv)
+  assert 'Europe, west.' not in text and 'South of France.' not in text
+  last = '<think>\nIberia; the middle of it.\n</think>\n\nMadrid.<|im_end|>\n'
+  assert text.endswith(last)
+  enc = tok.tok.encode(text, add_special_tokens=False)
+  want = chat.token_weights(enc.offsets, _assistant_spans(text))
+  ids, w = chat.encode(t, tok, [('c', conv)])[0]
+  assert ids == enc.ids
+  np.testing.assert_array_equal(w, want)
+  sup = tok.tok.decode([i for i, x in zip(ids, w, strict=True) if x], skip_special_tokens=False)
+  assert sup == 'Paris.<|im_end|>\nRome.<|im_end|>\n' + last
+
+  (tmp_path / 'c.jsonl').write_text(json.dumps({'messages': conv}) + '\n')
+  out = str(tmp_path / 'shards')
+  prepare.tokenize(
+    str(tmp_path / 'c.jsonl'), out, folder, 'messages', 0.0, workers=1, progress=False, fmt='chat'
+  )
+  seq = 2 * len(ids)  # one row holds the conversation, padded
+  corpus = corpus_lib.load_corpus(out, 0.05, seq + 1, tok, 'auto')
+  assert corpus.packing == 'pack' and not corpus.evaluable
+  row = corpus_lib.batch_at(corpus, 0, 0, 1, seq)
+  n = len(ids) - 1  # targets: every token but the first
+  np.testing.assert_array_equal(row['targets'][0, :n], ids[1:])
+  np.testing.assert_array_equal(row['weights'][0, :n], want[1:])
+  assert not row['weights'][0, n:].any()

@@ -149,3 +149,41 @@ def _script(name: str):
 
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'scripts'))
   return __import__(name)
+
+
+def test_startup_lines_of_a_ring_run():
+  """train.cp_strategy=ring at dp2 cp4 (2 layers, 2 KV heads of 8, 8 rows of 64 tokens per dp
+  rank, fp32): the mesh line names cp, the compiled step's attention line says blockwise as the
+  parameters line does, and the K/V figure is the ring's formula of docs/formulas.md computed here:
+  per layer the blocks (own: b*s/c tokens) go c-1 steps round forward and c-1 backward, their fp32
+  dK/dV accumulators c steps, 2 (c-1)/c * 2*b*s*k*d_head*4 + 2*b*s*k*d_head*4 bytes; the key
+  segment ids (b*s/c int32) ride with the blocks, at most 2 (c-1) steps per layer."""
+  from jax3d import assemble
+  from jax3d.analysis import inspection
+  from jax3d.trainer import metrics
+
+  from helpers import setup_for
+
+  over = {'mesh__dp': 2, 'mesh__cp': 4, 'model__n_layers': 2, 'model__n_kv_heads': 2, 'train__seq_len': 64}
+  cfg = small_cfg(
+    train__attention='blockwise', train__global_batch_size=16, train__cp_strategy='ring', **over
+  )
+  s = setup_for(cfg)
+  r = assemble.compile_train_step(s).analysis()
+  start = metrics.summary_lines(s, 'data')
+  assert 'mesh dp=2 x pp=1 x cp=4 x tp=1' in start[0], start[0]
+  assert 'attention blockwise over cp=4 (ring)' in start[2], start[2]
+  lines = inspection.summary_lines(r)
+  assert any(x.endswith(f'attention: {inspection.KERNEL_NAMES["blockwise"]}') for x in lines), lines
+  layers, cp, b, seq, kv, hd = 2, 4, 8, 64, 2, 64 // 8
+  whole = 2 * b * seq * kv * hd * 4
+  formula = layers * (2 * (cp - 1) / cp * whole + whole)
+  segments = layers * 2 * (cp - 1) * b * seq // cp * 4
+  (line,) = [x for x in lines if x.startswith('comm per device')]
+  got = float(re.search(r'cp [\d.]+ MiB \(K/V ([\d.]+) MiB\)', line).group(1))
+  assert got == pytest.approx((formula + segments) / 2**20, abs=0.005), line  # printed to 0.01 MiB
+  (check,) = [c for c in r['checks'] if c['axis'] == 'cp']
+  assert check['formula'] == pytest.approx(formula, rel=1e-12)
+  # the blocks' bytes exactly, plus at most the segment ids' (XLA shares some of their transfers)
+  assert formula < check['measured'] <= formula + segments, (check, segments)
+  assert not any('note: K/V' in x for x in lines), lines

@@ -229,3 +229,36 @@ def test_train_cli_exits_3_when_the_prefetch_thread_fails(tmp_path, monkeypatch,
   assert train_cli.main(argv) == 3
   errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith('error:')]
   assert len(errors) == 1 and 'disk on fire' in errors[0] and 'ValueError' in errors[0]
+
+
+def test_data_without_held_out_trains_without_evaluating(tmp_path):
+  """Shards prepared with --eval_fraction=0 train (eval.every set too): the start-up lines say
+  there is no held-out data, no evaluation record is written, and an explicit evaluate() is one
+  clear error. Data of fewer tokens than a row fills one padded row; one token is refused."""
+  import jax3d
+  from jax3d.data import prepare
+
+  from helpers import small_cfg
+
+  (tmp_path / 'a.txt').write_text('the quick brown fox jumps over the lazy dog. ' * 40)
+  prepare.tokenize(
+    str(tmp_path / 'a.txt'), str(tmp_path / 's'), 'bytes', eval_fraction=0.0, workers=1, progress=False
+  )
+  over = dict(data__path=str(tmp_path / 's'), train__steps=2, eval__every=1, log__progress=False)
+  over |= dict(model__n_layers=2, train__global_batch_size=8, train__seq_len=16)
+  t = jax3d.build(small_cfg(**over), devices=jax.devices()[:1])
+  try:
+    assert any('no held-out data' in line and 'trains without evaluating' in line for line in t.summary())
+    records = t.train()
+    assert [r['step'] for r in records if 'loss' in r][-1] == 2
+    assert not any('eval_loss' in r for r in records), records
+    with pytest.raises(config_lib.ConfigError, match='holds no held-out data'):
+      t.evaluate()
+  finally:
+    t.close()
+  (tmp_path / 'b.txt').write_bytes(b'hello worl')  # 10 tokens: less than one row of 33, 1 held out
+  c = corpus_lib.load_corpus(str(tmp_path / 'b.txt'), 0.1, 33)
+  assert c.layout(32).n_rows == 1 and not c.evaluable  # its 1 held-out token: nothing to evaluate
+  (tmp_path / 'c.txt').write_bytes(b'h')
+  with pytest.raises(config_lib.ConfigError, match='holds no usable training data: 0 tokens'):
+    corpus_lib.load_corpus(str(tmp_path / 'c.txt'), 0.1, 33)

@@ -115,6 +115,28 @@ def test_all_request_kinds_equal_lm_evals_hf_model(folders, layout):
   _check_equal(_run(folders, layout, tasks, LIMIT)[1], reference(folders, tasks, LIMIT), tasks)
 
 
+def test_is_greedy_needs_every_continuation_token_to_be_the_argmax(folders):
+  """lm-eval's is_greedy, per request: true for the model's own greedy continuation (transformers'
+  argmax at each position), false when exactly one of its tokens is not the argmax (the middle one
+  replaced, the last recomputed as the argmax after it), and false for one wrong last token."""
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  model, _ = folders
+  hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+  with torch.no_grad():
+    ranked = lambda ids: hf(torch.tensor([ids])).logits[0, -1].argsort(descending=True).tolist()
+  context = [0, 40, 71, 93, 12, 150]
+  g1 = ranked(context)[0]
+  g2, other = ranked(context + [g1])[:2]
+  g3 = ranked(context + [g1, g2])[0]
+  g3_after_other = ranked(context + [g1, other])[0]
+  last_wrong = ranked(context + [g1, g2])[1]
+  pairs = [(context, [g1, g2, g3]), (context, [g1, other, g3_after_other]), (context, [g1, g2, last_wrong])]
+  _, greedy = _jax_lm(model, (1, 1, 1)).score_tokens(pairs)
+  assert greedy.tolist() == [True, False, False]
+
+
 def test_packing_changes_no_loglikelihood(folders):
   """All requests packed into rows (few rows, several steps of 2 rows) = one request per row."""
   model, _ = folders

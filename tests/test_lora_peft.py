@@ -4,6 +4,7 @@ gradient norms agree within 1e-4, the adapters within a small fraction of one le
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -271,3 +272,25 @@ def test_adapters_jax3d_cannot_represent_are_refused_naming_the_entry(llama, tmp
     with pytest.raises(ConfigError, match=re.escape(words)):
       s = assemble.build(cfg, jax.devices()[:1])
       hf_weights.load_params(s)
+
+
+def test_exported_adapter_config_is_read_by_peft_as_the_run(tmp_path):
+  """The default suite's guard of the exports above (no compile): the adapter_config.json jax3d
+  writes for rank 4, alpha 8, dropout 0.1 on q and v reads back in peft as r=4, lora_alpha=8 (a
+  scaling of 2), dropout 0.1, the same modules, and in jax3d as the same lora.* settings."""
+  from jax3d import config as config_lib
+
+  from helpers import setup_for, small_cfg
+
+  over = dict(lora__rank=4, lora__alpha=8.0, lora__dropout=0.1, lora__targets='q,v', model__n_layers=2)
+  s = setup_for(small_cfg(**over))
+  out = tmp_path / 'adapter'
+  out.mkdir()
+  (out / peft_io.CONFIG).write_text(json.dumps(peft_io.config_json(s, str(tmp_path / 'base'))))
+  from safetensors.numpy import save_file
+
+  save_file({}, str(out / peft_io.WEIGHTS))  # read_config checks the weights file is readable
+  c = peft.LoraConfig.from_pretrained(str(out))
+  assert (c.r, c.lora_alpha, c.lora_dropout, sorted(c.target_modules)) == (4, 8.0, 0.1, ['q_proj', 'v_proj'])
+  cfg = peft_io.with_lora(config_lib.load_config('tiny'), str(out))
+  assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets) == (4, 8.0, 0.1, 'q,v')

@@ -78,6 +78,18 @@ def test_each_source_reads_its_own_epoch_order():
   np.testing.assert_array_equal(b['inputs'][:, 0] // 100_000 - 1, b['source'])  # the row's own source
 
 
+def test_sources_of_the_same_size_have_their_own_epoch_orders():
+  """Two sources with the same number of rows are shuffled by different permutations (each
+  source's epoch-order seed comes from the run's seed and its name), and the same run seed and
+  names give the same orders again."""
+  spec = 'a=0.5:/d/a,b=0.5:/d/b'
+  make = lambda: mixture.Mixture(apportion.parse(spec), [_source(1, 300), _source(1, 300)])
+  m = make()
+  a, b = (m.order(5, 16).orders[i].at(np.arange(m.layout(16).layouts[i].n_rows)) for i in (0, 1))
+  assert sorted(a) == sorted(b) and (a != b).mean() > 0.9
+  np.testing.assert_array_equal(make().order(5, 16).orders[1].at(np.arange(b.size)), b)
+
+
 class _OneProcess:
   def __init__(self, sharding, devices):
     self.sharding, self.devices = sharding, set(devices)

@@ -109,6 +109,27 @@ def test_1f1b_equals_plain_scan(p, m, v, policy, skip):
   check(p, m, v, policy, skip)
 
 
+def test_1f1b_head_that_cannot_split_counts_the_loss_once():
+  """The default suite's case of a head whole on every stage (p = 3 divides neither the 4 rows nor
+  the 4 positions of a micro-batch): the loss equals the plain scan's, so it is counted on the last
+  stage alone (on every stage it would be 3 times the reference). The loss alone, to stay cheap:
+  -m slow checks the gradients of the whole head too (test_1f1b_head_split_equals_plain_scan)."""
+  p, m = 3, 3
+  mesh = Mesh(
+    np.array(jax.devices()[:p]).reshape(1, p, 1), ('dp', 'pp', 'tp'), axis_types=(AxisType.Auto,) * 3
+  )
+  layers, head, x, side = inputs(p, m, 1)
+  stored = jax.device_put(
+    placement.from_canonical(layers, layers['w1'].shape[0], p, 1), NamedSharding(mesh, P('pp'))
+  )
+  piped = lambda s, h, x: pipeline.run_loss(
+    layer_fn, s, h, x, side, head_loss, mesh=mesh, repeats=1, policy='none', skip_bubbles=False
+  )
+  with jax.set_mesh(mesh):
+    loss = jax.jit(piped)(stored, head, x)
+  close(loss, sequential_loss(layers, head, x, side))
+
+
 # slow (10 s each): the default train-step test below splits its head by rows (2 per micro-batch, pp=2)
 @pytest.mark.slow
 @pytest.mark.parametrize('p,dp', [(2, 1), (8, 1)], ids=['rows', 'whole'])

@@ -127,6 +127,7 @@ NOT_BAD_INPUTS = (
   'test_train_declares_every_distributed_flag',
   'test_sequence_parallel_setting_resolves',
   'test_the_table_changed_no_input_file',  # the table's cases changed no file (counted by case)
+  'test_the_table_left_no_folder_behind',  # nor left a folder behind (counted by case)
   # input that is right to accept, read as the plain input is
   'test_a_compressed_jsonl_prepares_to_the_plain_one_shards',
   'test_a_folder_of_compressed_files_prepares_as_the_plain_folder',

@@ -44,9 +44,10 @@ SMALL = {
 PROMPT = 'def '
 
 
-def _cli(*args):
+def _cli(*args, **env_extra):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI makes its own 8 devices
   env.update(
+    **env_extra,
     JAX_PLATFORMS='cpu',
     PYTHONIOENCODING='utf-8',
     PYTHONPATH=os.pathsep.join([ROOT, env.get('PYTHONPATH', '')]),
@@ -219,3 +220,18 @@ def test_module_is_callable_as_the_api_function(run):
 
   assert jax3d.sample is module
   assert module(t, PROMPT, n_tokens=5, greedy=True) == jax3d.api.sample(t, PROMPT, n_tokens=5, greedy=True)
+
+
+def test_cli_prompt_past_the_context_exits_2(run):
+  """A prompt that fills model.max_seq_len leaves nothing to generate: one error line naming the
+  prompt's length and the limit, exit 2, before the weights load or anything compiles; one token
+  shorter, it generates."""
+  _, workdir = run
+  most = jax3d.load_config('tiny', SMALL).model.max_seq_len
+  r = _cli(f'--workdir={workdir}', '--prompt=' + 'x' * most, '--tokens=4', JAX_LOG_COMPILES='1')
+  err = r.stderr.decode()
+  lines = [l for l in err.splitlines() if l.startswith('error:')]
+  assert r.returncode == 2 and len(lines) == 1 and 'Compiling' not in err, err[-2000:]
+  assert f'is {most:,} tokens' in lines[0] and f'model.max_seq_len={most:,}' in lines[0], lines[0]
+  r = _cli(f'--workdir={workdir}', '--prompt=' + 'x' * (most - 1), '--tokens=4', '--greedy')
+  assert r.returncode == 0 and r.stdout.decode().startswith('x' * (most - 1)), r.stderr.decode()[-2000:]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jax3d.analysis.cp_comm import cp_attention_bytes
+from jax3d.analysis.cp_comm import KV_KINDS, KV_WHAT, cp_attention_bytes
 from jax3d.analysis.dp_comm import dp_comm
 from jax3d.model import formulas
 
@@ -69,7 +69,7 @@ def expected_comm(s: Setup) -> dict:
       'spmd': 2 * iters * bsh * a / sp if p > 1 else 0.0,
     },
     'pp_edges': {'formula': edge, 'spmd': edge},
-    'cp': cp_attention_bytes(plan, dims.n_layers, dims.n_kv_heads, dims.head_dim, act),
+    'cp': cp_attention_bytes(plan, dims.n_layers, dims.n_kv_heads, dims.head_dim, act, dims.cp_strategy),
     'dp': {'formula': dp['wire'], 'spmd': dp['wire']},
     'p_local_bytes': dp['p_local'],
     'dp_grad_bytes': dp['grads'],
@@ -100,7 +100,7 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
   cp   the attention's K/V all-gathers and dK/dV reduce-scatters over cp in the layers."""
   total = lambda pred, key='wire_bytes': sum(c[key] for c in colls if pred(c))
   tp_layers = lambda c: c['axes'] == 'tp' and c['in_layers']
-  kv = lambda c: c['axes'] == 'cp' and c['in_layers'] and c['kind'] in ('all-gather', 'reduce-scatter')
+  kv = lambda c: c['axes'] == 'cp' and c['in_layers'] and c['kind'] in KV_KINDS[e['cp']['strategy']]
   dp_grads = lambda c: (
     'dp' in c['axes'].split('+') and c['kind'] in ('all-reduce', 'reduce-scatter', 'all-to-all')
   )  # all-to-all: jax3d/parallel/compression.py
@@ -159,7 +159,7 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
     out.append(
       {
         'axis': 'cp',
-        'what': 'K/V all-gathers and dK/dV reduce-scatters (in the layers)',
+        'what': KV_WHAT[e['cp']['strategy']],
         'measured': total(kv),
         'formula': e['cp']['formula'],
         'spmd': e['cp']['spmd'],

@@ -280,3 +280,34 @@ def matmul_flops(hlo: dict) -> float:
       k = int(np.prod([dims[int(c)] for c in cdims.group(1).split(',') if c])) if cdims and dims else 1
       total += 2.0 * out_elems * k * mult[cname]
   return total
+
+
+ATTENTION_KERNELS = (  # (custom-call target prefix in the optimised HLO, the kernel's name)
+  ('__cudnn$fmha', 'cudnn'),
+  ('__gpu$xla.gpu.triton', 'triton'),
+)
+
+
+def attention_kernel(hlo_text: str) -> str:
+  """The attention kernel in an optimised HLO module: 'cudnn' (cuDNN's fused attention custom
+  calls), 'triton' (a Pallas kernel), 'blockwise' (ops from jax3d/model/blockwise.py, named in the
+  metadata), else 'xla' (dots and a softmax, fused by XLA)."""
+  for target, name in ATTENTION_KERNELS:
+    if f'custom_call_target="{target}' in hlo_text:
+      return name
+  blockwise = 'model/blockwise.py' in hlo_text or _calls(hlo_text, 'jax3d/model/cp_attention.py', 'attend')
+  return 'blockwise' if blockwise else 'xla'
+
+
+def _calls(hlo_text: str, file: str, function: str) -> bool:
+  """Whether the module's stack frames hold `function` of the file ending in `file`: context
+  parallelism's attention (mesh.cp > 1) runs the blockwise kernel inside per-device regions whose
+  ops keep only the caller's frames (cp_attention.attend, whose kernel is always blockwise)."""
+  files, _, rest = hlo_text.partition('\nFunctionNames')
+  names = rest.partition('\nFileLocations')[0]
+  entry = re.compile(r'^(\d+) "([^"]*)"$', re.M)
+  f_ids = {i for i, n in entry.findall(files) if n.endswith(file)}
+  fn_ids = {i for i, n in entry.findall(names) if n == function}
+  return any(
+    re.search(rf'file_name_id={f} function_name_id={fn}\b', hlo_text) for f in f_ids for fn in fn_ids
+  )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jax3d.analysis.comm_checks import checks, expected_comm, summarize
-from jax3d.analysis.hlo import collectives, matmul_flops, multiplicities, parse_hlo
+from jax3d.analysis.hlo import attention_kernel, collectives, matmul_flops, multiplicities, parse_hlo
 from jax3d.model import formulas
 
 if TYPE_CHECKING:
@@ -28,22 +28,6 @@ def memory(compiled: jax.stages.Compiled) -> dict:
   out = {k: int(getattr(ma, f'{k}_size_in_bytes', 0) or 0) for k in ('argument', 'temp', 'output', 'alias')}
   out['total'] = out['argument'] + out['temp'] + out['output'] - out['alias']
   return out
-
-
-ATTENTION_KERNELS = (  # (custom-call target prefix in the optimised HLO, the kernel's name)
-  ('__cudnn$fmha', 'cudnn'),
-  ('__gpu$xla.gpu.triton', 'triton'),
-)
-
-
-def attention_kernel(hlo_text: str) -> str:
-  """The attention kernel in an optimised HLO module: 'cudnn' (cuDNN's fused attention custom
-  calls), 'triton' (a Pallas kernel), 'blockwise' (ops from jax3d/model/blockwise.py, named in the
-  metadata), else 'xla' (dots and a softmax, fused by XLA)."""
-  for target, name in ATTENTION_KERNELS:
-    if f'custom_call_target="{target}' in hlo_text:
-      return name
-  return 'blockwise' if 'model/blockwise.py' in hlo_text else 'xla'
 
 
 def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -102,10 +103,25 @@ def _no_file_on_the_way(path: str) -> bool:
 # Paths of a command's flags: a file where a folder is written (a workdir, an --out) is refused.
 FOLDER = Range(lambda v: os.path.isdir(v), 'an existing folder')
 NEW_OR_FOLDER = Range(_no_file_on_the_way, 'a folder, or a path where one can be made (not a file)')
-NEW_FILE = Range(  # a file a command writes: '' (none), or a path in an existing folder, not a folder
-  lambda v: v == '' or (not os.path.isdir(v) and os.path.isdir(os.path.dirname(os.path.abspath(v)))),
-  'a file path in an existing folder',
-)
+
+
+def _writable_in(folder: str) -> bool:
+  """Whether this process can create a file in `folder` (tried: permissions alone say nothing to
+  root, nor on a read-only mount); the unnamed file the probe makes is gone when it closes."""
+  try:
+    with tempfile.TemporaryFile(dir=folder):
+      return True
+  except OSError:
+    return False
+
+
+def _new_file(v: str) -> bool:
+  folder = os.path.dirname(os.path.abspath(v))
+  return v == '' or (not os.path.isdir(v) and os.path.isdir(folder) and _writable_in(folder))
+
+
+# a file a command writes: '' (none), or a path in an existing folder this process can write, not a folder
+NEW_FILE = Range(_new_file, 'a file path in an existing folder that can be written')
 
 
 def existing(what: str, prefix: str = '') -> Range:

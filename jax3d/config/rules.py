@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jax3d.config.keys import Config
-from jax3d.config.values import HF_MODEL_TYPES
+from jax3d.config.keys import Config, Model
+from jax3d.config.values import HF_MODEL_TYPES, lora_targets
 
 # ---------------------------------------------------------------------------------------------
 # Settings against each other: each check returns (key, value, what is valid) when it fails.
@@ -128,6 +128,35 @@ def _lora_settings_need_rank(cfg: Config) -> Failure:
   return None
 
 
+def lora_sides(model_cfg: Model) -> dict[str, tuple[int, int]]:
+  """Each LoRA target's projection as (input features, output features)."""
+  m = model_cfg
+  q, kv = (
+    m.n_heads * (m.head_dim or m.d_model // m.n_heads),
+    m.n_kv_heads * (m.head_dim or m.d_model // m.n_heads),
+  )
+  io = {'q': (m.d_model, q), 'k': (m.d_model, kv), 'v': (m.d_model, kv), 'o': (q, m.d_model)}
+  return io | {'gate': (m.d_model, m.d_ff), 'up': (m.d_model, m.d_ff), 'down': (m.d_ff, m.d_model)}
+
+
+def _lora_rank_fits_layers(cfg: Config) -> Failure:
+  """A rank past a projection's smaller side adds nothing an update of full rank lacks, and holds
+  more parameters than the projection itself (a trainable share over 100%)."""
+  sides = lora_sides(cfg.model)
+  targets = [t for t in lora_targets(cfg.lora.targets) if t in sides]
+  if cfg.lora.rank and targets:
+    small = min(targets, key=lambda t: min(sides[t]))
+    most = min(sides[small])
+    if cfg.lora.rank > most:
+      return (
+        'lora.rank',
+        cfg.lora.rank,
+        f'at most {most}, the smaller side of the {small} projection ({sides[small][0]} x '
+        f'{sides[small][1]}) of lora.targets={cfg.lora.targets!r}: a larger rank adapts nothing more',
+      )
+  return None
+
+
 MODEL_CHECKS: tuple[Callable[[Config], Failure], ...] = (
   _heads_divide_d_model,
   _head_size_even,
@@ -138,6 +167,7 @@ MODEL_CHECKS: tuple[Callable[[Config], Failure], ...] = (
   _llama3_frequencies,
   _hf_model_type_holds_features,
   _lora_settings_need_rank,
+  _lora_rank_fits_layers,
 )
 
 

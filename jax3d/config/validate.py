@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import ml_collections
 
 from jax3d.config import forms
+from jax3d.config.forms import base_config
 from jax3d.config.keys import Config
 from jax3d.config.ranges import has_kind
 from jax3d.config.rules import LAYOUT_CHECKS, MODEL_CHECKS, Failure, padded_vocab
@@ -153,9 +154,38 @@ def checked(cfg: ml_collections.ConfigDict) -> Config:
   return forms.typed(cfg)
 
 
+# Settings that act only beside another: (keys, whether that other setting is on, what turns it on).
+# One of the keys set away from its default while the other is off is refused, never ignored.
+DORMANT = (
+  (
+    ('lora.targets', 'lora.alpha', 'lora.dropout'),
+    lambda cfg: cfg.lora.rank > 0,
+    'lora.rank > 0 (lora.rank=0 is no adapters: a full fine-tune)',
+  ),
+  (
+    ('eval.tasks_every', 'eval.tasks_limit', 'eval.tasks_include_path', 'eval.tasks_num_fewshot'),
+    lambda cfg: bool(cfg.eval.tasks),
+    "eval.tasks (eval.tasks='' runs no task)",
+  ),
+  (('train.cp_strategy',), lambda cfg: cfg.mesh.cp > 1, 'mesh.cp > 1 (mesh.cp=1 splits no sequence)'),
+)
+
+
+def _dormant(cfg: ml_collections.ConfigDict) -> Failure:
+  """The first setting of DORMANT set while the setting it acts with is off."""
+  defaults = base_config()
+  for names, on, needs in DORMANT:
+    for key in names:
+      section, name = key.split('.')
+      value, default = cfg[section][name], defaults[section][name]
+      if value != default and not on(cfg):
+        return key, value, f'its default {default!r}: it acts only with {needs}'
+  return None
+
+
 def validate(cfg: ml_collections.ConfigDict, n_devices: int) -> RunPlan:
   """Checks every setting against its range (`check_ranges`), then the settings against each other
-  (MODEL_CHECKS) and against the device count (LAYOUT_CHECKS); returns the run plan."""
+  (MODEL_CHECKS, DORMANT) and against the device count (LAYOUT_CHECKS); returns the run plan."""
   return validated(cfg, n_devices)[1]
 
 
@@ -163,6 +193,7 @@ def validated(cfg: ml_collections.ConfigDict, n_devices: int) -> tuple[Config, R
   """`validate`, and the config in its typed form (what the build path hands to the code)."""
   c = checked(cfg)
   _raise_first(check(c) for check in MODEL_CHECKS)
+  _raise_first([_dormant(cfg)])
   dp, pp, tp = resolve_mesh(c.mesh.dp, c.mesh.pp, c.mesh.tp, n_devices, c.mesh.cp)
   _raise_first(check(c, dp, pp, tp) for check in LAYOUT_CHECKS)
   t, p_ = c.train, c.pipeline

@@ -95,6 +95,11 @@ class Corpus:
       self._orders[key] = epochs.Order(self.layout(seq_len, split).n_rows, seed)
     return self._orders[key]
 
+  @property
+  def evaluable(self) -> bool:
+    """Whether there are held-out tokens to evaluate on (none: a run trains without evaluating)."""
+    return self.held_out.size >= 2
+
   def describe(self) -> str:
     """One line: the source, the token counts of both streams and the vocabulary size."""
     return (
@@ -193,8 +198,8 @@ def load_corpus(
   path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | None = None, packing: str = 'auto'
 ) -> Corpus:
   """Reads the corpus named by `data.path` ('' = the standard library), text tokenized with `tok`
-  (default bytes), its rows made by `packing` (data.packing). Raises ConfigError when the path does
-  not exist or holds too little usable data for one sequence."""
+  (default bytes), its rows made by `packing` (data.packing). ConfigError when the path does not
+  exist or holds no document of two tokens to train on."""
   if packing not in PACKINGS:
     raise ConfigError(f'data.packing={packing!r} is invalid: one of {", ".join(PACKINGS)}')
   corpus = _load(path, eval_fraction, min_tokens, tok)
@@ -243,12 +248,9 @@ def _load(path: str, eval_fraction: float, min_tokens: int, tok: Tokenizer | Non
     stream, starts = _tokens([(path, inputs.read_bytes(path, f'data.path={path!r}: '))], tok)
     train, ts, held, hs = _tail_split(stream, starts, eval_fraction)
     corpus = Corpus(train, held, text_vocab, f'text file {path}', ts, hs)
-  for name, arr in (('training', corpus.train), ('held-out', corpus.held_out)):
-    if arr.size < min_tokens:
-      raise ConfigError(
-        f'data.path={path!r} holds no usable {name} data: {arr.size} tokens, need at '
-        f'least {min_tokens} (train.seq_len + 1)'
-      )
+  # Rows are padded: data shorter than a row fills one; no held-out data: no evaluation (`evaluable`).
+  if corpus.train.size < 2:
+    raise ConfigError(f'data.path={path!r} holds no usable training data: {corpus.train.size} tokens, need 2')
   return corpus
 
 

@@ -85,6 +85,11 @@ class Mixture:
     self._layouts: dict = {}
     self._orders: dict = {}
 
+  @property
+  def evaluable(self) -> bool:
+    """Whether every source has held-out data (the held-out batches draw on all of them)."""
+    return all(s.evaluable for s in self.sources)
+
   def describe(self) -> str:
     """One line per source: its name, weight now and what it holds."""
     w = self.spec.stages[0][1]

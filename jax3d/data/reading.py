@@ -53,6 +53,11 @@ def input_files(path: str, split: str = '') -> tuple[str, list[str]]:
   if path.startswith(hf_datasets.HF) or (os.path.isdir(path) and (files := hf_datasets.saved(path, split))):
     files = hf_datasets.cached(path, split) if path.startswith(hf_datasets.HF) else files
     return os.path.commonpath([os.path.dirname(f) for f in files]) if files else path, files
+  if split:  # a file or a folder of files is read whole: it has no splits to choose from
+    raise ConfigError(
+      f'--split={split}: {path} has no splits (it is read whole); --split chooses a split of a '
+      'DatasetDict folder (save_to_disk) or an hf:NAME input: leave it out'
+    )
   if os.path.isdir(path):
     plain = documents.TEXT_SUFFIXES + JSONL_SUFFIXES
     return path, list(documents.iter_files(path, inputs.with_compressed(plain) + arrow_tables.SUFFIXES))

@@ -72,6 +72,21 @@ def folder(out: str) -> str:
   return o + PARTIAL
 
 
+def discard(out: str, made: bool, refused: bool) -> None:
+  """After a run of prepare: OUT.partial removed when it is empty; and OUT when this run `made` it
+  and it is empty, or the run was `refused` (bad input) and OUT holds only prepare's own files (its
+  finished units mean nothing for an input that is refused). A folder with anything else (a trained
+  tokenizer.json) stays, and so does an interrupted run's: a rerun resumes from its units."""
+  o = _clean(out)
+  if made and refused and os.path.isdir(o) and all(OURS.match(n) for n in os.listdir(o)):
+    shutil.rmtree(o)
+  for folder in [o + PARTIAL] + [o] * made:
+    try:
+      os.rmdir(folder)
+    except OSError:  # absent, or holding something
+      pass
+
+
 def link(src: str, dst: str) -> None:
   """`dst` the same file as `src` (a hard link; a copy where links are not possible)."""
   if os.path.exists(dst):

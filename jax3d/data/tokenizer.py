@@ -149,6 +149,29 @@ def bos_note(tok: Tokenizer) -> str | None:
   )
 
 
+def prompt_ids(tok: Tokenizer, prompt: str, n_tokens: int, max_len: int) -> list[int]:
+  """The prompt's token ids (with the special tokens the tokenizer adds itself); ConfigError when
+  it leaves no room in the model's context (`max_len`, model.max_seq_len) for the `n_tokens` > 0
+  to generate: the context would drop the prompt's start, and the text not continue it."""
+  ids = tok.encode(prompt, add_special_tokens=True)
+  if n_tokens > 0 and len(ids) >= max_len:
+    raise ConfigError(
+      f'the prompt (--prompt, sample.prompt) is {len(ids):,} tokens, and the model reads at most '
+      f'model.max_seq_len={max_len:,}: give a prompt of at most {max_len - 1:,} tokens, to leave room '
+      'for the text generated'
+    )
+  return ids
+
+
+def check_prompt(cfg: Any, prompt: str | None, n_tokens: int | None) -> None:
+  """`prompt_ids` for a run's config (its tokenizer, model.max_seq_len; sample.prompt and
+  sample.tokens where None): a sampling command checks the prompt before the weights load."""
+  prompt, n_tokens = (
+    cfg.sample[k] if v is None else v for k, v in (('prompt', prompt), ('tokens', n_tokens))
+  )
+  prompt_ids(load(cfg.data.tokenizer), prompt, n_tokens, cfg.model.max_seq_len)
+
+
 def find(spec: str) -> str:
   """The tokenizer file `spec` names: 'bytes', a tokenizer.json / .model file, or a folder holding
   tokenizer.json (preferred) or tokenizer.model. ConfigError when there is none."""

@@ -74,6 +74,12 @@ def load(names: Sequence[str], include_path: str | None = None) -> list[Any]:
     try:
       loaded = manager.load([name])
     except KeyError:
+      broken = _broken_yaml(include_path) if include_path else None
+      if broken:  # lm-eval skips a YAML it cannot read without a word: the likely cause, named
+        raise UsageError(
+          f'task {name!r}: not found, and {broken[0]} in --include_path={include_path} does not load: '
+          f'{broken[1]}'
+        ) from None
       where = f' nor in --include_path={include_path}' if include_path else ''
       raise UsageError(
         f'task {name!r}: no such task in lm-evaluation-harness{where} (a task YAML in a folder given '
@@ -88,6 +94,30 @@ def load(names: Sequence[str], include_path: str | None = None) -> list[Any]:
     objs = loaded['groups'].get(name) or loaded['tasks'].get(name)
     out += [objs] if objs is not None else list(loaded['tasks'].values())  # a tag: its tasks
   return out
+
+
+def _broken_yaml(folder: str) -> tuple[str, str] | None:
+  """(file, what is wrong, on one line) of the first task YAML under `folder` that is not a YAML
+  mapping (lm-eval's `!function` tags and the like read as plain values); None when all load."""
+  import yaml
+
+  class Loader(yaml.SafeLoader):
+    pass
+
+  Loader.add_multi_constructor('!', lambda loader, suffix, node: None)
+  for root, _, names in sorted(os.walk(folder)):
+    for n in sorted(names):
+      if not n.endswith(('.yaml', '.yml')):
+        continue
+      file = os.path.join(root, n)
+      try:
+        with open(file, 'rb') as f:
+          doc = yaml.load(f, Loader=Loader)  # noqa: S506 - a SafeLoader, tags read as None
+      except (OSError, yaml.YAMLError) as e:
+        return file, ' '.join(str(e).split())
+      if not isinstance(doc, dict):
+        return file, f'a task YAML is a mapping (task: NAME, ...), not {type(doc).__name__}'
+  return None
 
 
 def evaluate(

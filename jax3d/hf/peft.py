@@ -55,9 +55,13 @@ def read_config(path: str) -> dict:
   file = os.path.join(path, CONFIG)
   if not os.path.exists(file) or not os.path.exists(os.path.join(path, WEIGHTS)):
     raise _bad(path, f'a PEFT adapter folder holds {CONFIG} and {WEIGHTS}; {path} does not')
-  with open(file) as f:
-    c = json.load(f)
-  if c.get('peft_type') != 'LORA':
+  try:
+    with open(file) as f:
+      c = json.load(f)
+  except ValueError as e:
+    raise _bad(path, f'{file} is not valid JSON ({e})') from None
+  if not isinstance(c, dict) or c.get('peft_type') != 'LORA':
+    c = c if isinstance(c, dict) else {}
     raise _bad(path, f'{file} has peft_type={c.get("peft_type")!r}; only LORA adapters load')
   for key, want in UNSUPPORTED.items():
     if c.get(key, want) not in (want, None, [], {}):
@@ -65,6 +69,10 @@ def read_config(path: str) -> dict:
   modules = c.get('target_modules')
   if not isinstance(modules, list) or not modules or any(m not in BY_MODULE for m in modules):
     raise _bad(path, f'{file} has target_modules={modules!r}; a list of {", ".join(BY_MODULE)}')
+  try:  # a damaged or truncated weights file: refused here, before anything is built
+    safetensors_io.header(os.path.join(path, WEIGHTS))
+  except ValueError as e:
+    raise _bad(path, str(e)) from None
   return c
 
 
@@ -99,10 +107,7 @@ def load(path: str, setup: Setup, abstract: Any) -> Any:
   """The adapters of the folder `path` as jax3d parameters: `abstract` is the adapters' part of the
   abstract parameters (ShapeDtypeStructs with shardings), filled in the setup's layer order."""
   reader, file = safetensors_io.Reader(), os.path.join(path, WEIGHTS)
-  from safetensors import safe_open
-
-  with safe_open(file, 'numpy') as f:
-    shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+  shapes = {k: shape for k, (shape, _) in safetensors_io.header(file).items()}
   n = setup.dims.n_layers
 
   def make(p: tuple, a: jax.ShapeDtypeStruct) -> jax.Array:

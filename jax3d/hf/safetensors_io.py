@@ -37,6 +37,19 @@ def _header(file: str) -> tuple[int, dict]:
     return 8 + n, json.loads(f.read(n))
 
 
+def header(file: str) -> dict[str, tuple[tuple[int, ...], str]]:
+  """name -> (shape, safetensors dtype) of every tensor in `file`, from its header (no data read);
+  ValueError naming the file when it is not a readable safetensors file (a damaged header, a
+  truncated file: the library checks the data's length against the header's offsets)."""
+  from safetensors import safe_open
+
+  try:
+    with safe_open(file, 'numpy') as f:
+      return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+  except Exception as e:  # noqa: BLE001 - the library's SafetensorError and OSError alike
+    raise ValueError(f'{file} is not a readable safetensors file ({str(e)[:200]})') from None
+
+
 class Reader:
   """Blocks of the tensors of some safetensors files; handles are opened once and kept."""
 

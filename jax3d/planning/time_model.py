@@ -69,7 +69,7 @@ def traffic_bytes(cfg: Config, plan: RunPlan) -> dict:
 
 def cp_traffic(cfg: Config, plan: RunPlan) -> float:
   """Bytes each device sends over cp per step (jax3d/analysis/cp_comm.py, docs/formulas.md): the
-  K/V all-gathers and dK/dV reduce-scatters of every layer the SPMD loop runs, and the weight
+  K/V collectives of every layer the SPMD loop runs (train.cp_strategy's), and the weight
   gradients' all-reduce over cp (the parameters are replicated over cp)."""
   from jax3d.analysis import cp_comm
 
@@ -77,7 +77,9 @@ def cp_traffic(cfg: Config, plan: RunPlan) -> float:
     return 0.0
   m, t = cfg.model, cfg.train
   hd = m.head_dim or m.d_model // m.n_heads
-  attention = cp_comm.cp_attention_bytes(plan, m.n_layers, m.n_kv_heads, hd, BYTES[t.compute_dtype])
+  attention = cp_comm.cp_attention_bytes(
+    plan, m.n_layers, m.n_kv_heads, hd, BYTES[t.compute_dtype], t.cp_strategy
+  )
   local = memory_model.local_params(cfg, plan)
   n_grads = memory_model.lora_local_params(cfg, plan) if cfg.lora.rank else sum(local.values())
   return attention['spmd'] + cp_comm.cp_grad_bytes(n_grads, plan.cp, BYTES[t.grad_reduce_dtype])

@@ -85,11 +85,14 @@ def verify(
 
 
 def held_out_tokens(setup: Setup) -> np.ndarray:
-  """The run's first held-out batch of inputs (one accumulation chunk's rows), as evaluation reads it."""
-  from jax3d.data import mixture as mixture_lib, tokenizer as tokenizer_lib
+  """The run's first held-out batch of inputs (one accumulation chunk's rows), as evaluation reads it;
+  the first training batch's where the data has no held-out split."""
+  from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, tokenizer as tokenizer_lib
 
   cfg, plan = setup.cfg, setup.plan
   corpus = mixture_lib.for_config(cfg, tokenizer_lib.load(cfg.data.tokenizer))
+  if not corpus.evaluable:
+    return corpus_lib.batch_at(corpus, cfg.train.seed, 0, plan.chunk_batch, plan.seq_len)['inputs']
   return mixture_lib.eval_batches(corpus, cfg.train.seed, 1, plan.chunk_batch, plan.seq_len)[0][1]['inputs']
 
 

@@ -226,6 +226,8 @@ class _Loop:
       )
 
   def _evaluate(self, step: int) -> None:
+    if not self.host.corpus.evaluable:  # no held-out data: said at start-up, nothing to evaluate
+      return
     loss = self.host.evaluate()
     self.host.steplog.evaluation(step, loss, {k: v for k, v in self.host.eval_losses.items() if '/' in k})
 

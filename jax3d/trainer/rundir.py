@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -11,3 +12,15 @@ def checkpoint_dir(workdir: str) -> str:
   (Orbax reads only absolute ones): every read of a workdir goes through here."""
   workdir = os.path.abspath(workdir)
   return workdir if os.path.basename(workdir) == 'checkpoints' else os.path.join(workdir, 'checkpoints')
+
+
+def discard_unused(workdir: str) -> bool:
+  """Removes `workdir` when it holds nothing of a run (a refused one made it): no file but its
+  .lock and empty ones (an empty metrics.jsonl, an empty checkpoints folder). Returns whether it did."""
+  for root, _, names in os.walk(workdir):
+    for name in names:
+      path = os.path.join(root, name)
+      if not (path == os.path.join(workdir, '.lock') or os.path.isfile(path) and os.path.getsize(path) == 0):
+        return False
+  shutil.rmtree(workdir, ignore_errors=True)
+  return True

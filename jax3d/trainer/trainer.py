@@ -28,7 +28,7 @@ import ml_collections
 from jax3d import assemble, step as step_lib
 from jax3d.analysis import inspection
 from jax3d.data import corpus as corpus_lib, mixture as mixture_lib, tokenizer as tokenizer_lib
-from jax3d.errors import TrainingError
+from jax3d.errors import ConfigError, TrainingError
 from jax3d.planning import oom
 from jax3d.trainer import (
   checkpoint as ckpt_lib,
@@ -58,17 +58,18 @@ class Trainer:
     self.setup = assemble.build(cfg, devices)
     cfg = self.cfg = self.setup.cfg
     self.workdir = workdir
-    # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
-    self._lock = (
-      lock_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
-      if workdir and jax.process_index() == 0
-      else None
-    )
     task_eval.check(cfg)  # eval.tasks: found, their data local (exit 2 before anything compiles)
     self._tasks: task_eval.TaskEvaluator | None = None
     self.tokenizer = tokenizer_lib.load(cfg.data.tokenizer)
     self.corpus = mixture_lib.for_config(cfg, self.tokenizer)
     corpus_lib.check_vocab(self.corpus, cfg.model.vocab_size)
+    # One run per workdir (process 0 holds the lock for all); CheckpointError if another holds it.
+    # Taken once the input is checked: a refused run makes no workdir.
+    self._lock = (
+      lock_lib.WorkdirLock(workdir, warn=lambda m: print(f'warning: {m}', file=sys.stderr, flush=True))
+      if workdir and jax.process_index() == 0
+      else None
+    )
     self.plan, self.mesh = self.setup.plan, self.setup.mesh
     self.console = metrics_lib.Console(cfg.train.steps, live=console and cfg.log.progress)
     self.quiet = not console
@@ -105,7 +106,10 @@ class Trainer:
 
   def summary(self) -> list[str]:
     """The start-up lines: mesh, model, memory, pipeline schedule, work per stage, data."""
-    return metrics_lib.summary_lines(self.setup, self.corpus.describe())
+    lines = metrics_lib.summary_lines(self.setup, self.corpus.describe())
+    if not self.corpus.evaluable:  # jax3d.prepare --eval_fraction=0: stated, then no evaluation
+      lines.append(f'  note: no held-out data in {self.corpus.source}: the run trains without evaluating')
+    return lines
 
   def init_state(self) -> str:
     """Restores the newest good checkpoint, or warm-starts, or initialises (jax3d/trainer/state.py).
@@ -170,6 +174,8 @@ class Trainer:
     `eval_losses` keeps it with a mixture's loss per source (eval_loss/NAME)."""
     for line in self.compile():
       self.log('  ' + line)
+    if not self.corpus.evaluable:
+      raise ConfigError(f'{self.corpus.source} holds no held-out data: nothing to evaluate on')
     self.eval_losses = evaluation.held_out_losses(
       self.setup, self.corpus, self._eval_step, self.state['params']
     )

@@ -167,11 +167,13 @@ def sample_workdir(
   import jax
 
   from jax3d import config as config_lib
+  from jax3d.data import tokenizer as tokenizer_lib
 
   checkpoint_steps(workdir)
   cfg = config_lib.load_config(config) if config else saved_config(workdir)
   devices = list(devices if devices is not None else jax.devices())
   cfg = sampling_config(cfg, len(devices), overrides)
+  tokenizer_lib.check_prompt(cfg, prompt, n_tokens)  # before the weights load
   setup, params, _ = load_params(workdir, cfg, devices, saved=not config)
   return _text(setup, params, prompt, n_tokens, temperature, top_k, seed)
 
@@ -216,11 +218,13 @@ def sample_hf(
   import jax
 
   from jax3d import assemble, config as config_lib
+  from jax3d.data import tokenizer as tokenizer_lib
   from jax3d.hf import weights
 
   devices = list(devices if devices is not None else jax.devices())
   cfg = config_lib.load_config(config or 'tiny', {**dict(overrides or {}), 'checkpoint.init_from': init_from})
   cfg = sampling_config(assemble.resolve(cfg), len(devices))
+  tokenizer_lib.check_prompt(cfg, prompt, n_tokens)  # before the weights load
   setup = assemble.build(cfg, devices[: _n_devices(cfg, len(devices))])
   return _text(setup, weights.load_params(setup), prompt, n_tokens, temperature, top_k, seed)
 
@@ -267,7 +271,7 @@ def generate_text(
 
   cfg, plan = setup.cfg, setup.plan
   tok = tokenizer_lib.load(cfg.data.tokenizer)
-  ids = tok.encode(prompt, add_special_tokens=True)
+  ids = tokenizer_lib.prompt_ids(tok, prompt, n_tokens, cfg.model.max_seq_len)
   note = tokenizer_lib.bos_note(tok)
   if note:
     print(f'note: {note}', file=sys.stderr)
