@@ -552,12 +552,12 @@ TABLE = [
   # --- issue 56: settings that act on nothing, damaged adapters and task files, paths and flags ----
   (
     T,
-    ['--config.lora.init_from=FILES/peft_truncated', '--config.checkpoint.init_from=hf:FILES/nohf'],
+    ['--config.lora.init_from=FILES/peft_truncated', '--config.checkpoint.init_from=hf:FILES'],
     ["lora.init_from='FILES/peft_truncated'", 'adapter_model.safetensors is not a readable safetensors file'],
   ),
   (
     T,
-    ['--config.lora.init_from=FILES/peft_badjson', '--config.checkpoint.init_from=hf:FILES/nohf'],
+    ['--config.lora.init_from=FILES/peft_badjson', '--config.checkpoint.init_from=hf:FILES'],
     ["lora.init_from='FILES/peft_badjson'", 'adapter_config.json is not valid JSON'],
   ),
   (T, ['--config.lora.alpha=32'], ['lora.alpha=32.0 is invalid', 'acts only with lora.rank > 0']),
@@ -587,7 +587,7 @@ TABLE = [
   (
     [
       'eval',
-      '--config.checkpoint.init_from=hf:FILES/nohf',
+      '--config.checkpoint.init_from=hf:FILES',
       '--tasks=my_task',
       '--include_path=FILES/badyaml',
     ],
