@@ -173,7 +173,7 @@ def test_reasoning_turns_are_supervised_as_rendered(tmp_path, base_tokenizer):  
   renders them (spans read off the rendered text, not by jax3d.data.chat), the last turn's <think>
   block included. Through prepare, a padded row (pack) holds the whole conversation, fewer tokens
   than one row and no held-out split, and its targets' weights are the same."""
-  from jax3d.data import corpus as corpus_lib, prepare
+  from jax3d.data import corpus as corpus_lib, shard_writer
 
   conv = [
     {'role': 'system', 'content': 'You reason first.'},
@@ -200,7 +200,7 @@ def test_reasoning_turns_are_supervised_as_rendered(tmp_path, base_tokenizer):  
 
   (tmp_path / 'c.jsonl').write_text(json.dumps({'messages': conv}) + '\n')
   out = str(tmp_path / 'shards')
-  prepare.tokenize(
+  shard_writer.tokenize(
     str(tmp_path / 'c.jsonl'), out, folder, 'messages', 0.0, workers=1, progress=False, fmt='chat'
   )
   seq = 2 * len(ids)  # one row holds the conversation, padded

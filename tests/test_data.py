@@ -236,12 +236,12 @@ def test_data_without_held_out_trains_without_evaluating(tmp_path):
   there is no held-out data, no evaluation record is written, and an explicit evaluate() is one
   clear error. Data of fewer tokens than a row fills one padded row; one token is refused."""
   import jax3d
-  from jax3d.data import prepare
+  from jax3d.data import shard_writer
 
   from helpers import small_cfg
 
   (tmp_path / 'a.txt').write_text('the quick brown fox jumps over the lazy dog. ' * 40)
-  prepare.tokenize(
+  shard_writer.tokenize(
     str(tmp_path / 'a.txt'), str(tmp_path / 's'), 'bytes', eval_fraction=0.0, workers=1, progress=False
   )
   over = dict(data__path=str(tmp_path / 's'), train__steps=2, eval__every=1, log__progress=False)
