@@ -300,12 +300,12 @@ def test_fused_attention_memory_keeps_the_layer_input_where_d_model_is_seq():
 def test_plugin_without_a_gpu_runs_jax_on_cpu(monkeypatch):
   """JAX's CUDA plugin installed and no GPU: JAX_PLATFORMS=cpu, unless the user chose platforms."""
   monkeypatch.setattr(gpu_target, 'plugin_installed', lambda: True)
-  monkeypatch.setattr(gpu_target.gpu, 'gpu_present', lambda env: False)
+  monkeypatch.setattr(gpu_target.gpu_flags, 'gpu_present', lambda env: False)
   env = {}
   assert gpu_target.hide_unusable_plugin(env) and env['JAX_PLATFORMS'] == 'cpu'
   env = {'JAX_PLATFORMS': 'cuda'}
   assert not gpu_target.hide_unusable_plugin(env) and env['JAX_PLATFORMS'] == 'cuda'
-  monkeypatch.setattr(gpu_target.gpu, 'gpu_present', lambda env: True)
+  monkeypatch.setattr(gpu_target.gpu_flags, 'gpu_present', lambda env: True)
   env = {}
   assert not gpu_target.hide_unusable_plugin(env) and 'JAX_PLATFORMS' not in env
 

@@ -74,7 +74,7 @@ def test_the_features_are_read_and_matter(families):
     path, model = families[family]
     s, params = _imported(path, (1, 1, 1))
     for key, value in keys.items():
-      assert s.cfg.model[key] == value, (family, key)
+      assert getattr(s.cfg.model, key) == value, (family, key)
     if without[family] is None:
       continue
     s_off = dataclasses.replace(s, dims=dataclasses.replace(s.dims, **without[family]))
