@@ -168,6 +168,19 @@ DORMANT = (
     "eval.tasks (eval.tasks='' runs no task)",
   ),
   (('train.cp_strategy',), lambda cfg: cfg.mesh.cp > 1, 'mesh.cp > 1 (mesh.cp=1 splits no sequence)'),
+  (
+    (
+      'moe.top_k',
+      'moe.norm_topk_prob',
+      'moe.d_expert',
+      'moe.d_shared',
+      'moe.capacity_factor',
+      'moe.aux_loss_coef',
+      'moe.z_loss_coef',
+    ),
+    lambda cfg: cfg.moe.num_experts > 0,
+    'moe.num_experts > 0 (moe.num_experts=0 is a dense MLP)',
+  ),
 )
 
 

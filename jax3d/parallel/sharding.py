@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (jax3d/parallel/mesh.py builds the mesh with them)
 CP = 'cp'  # the context-parallel axis: in the mesh only when mesh.cp > 1 (jax3d/parallel/context.py)
+EP = 'ep'  # the expert-parallel axis: in the mesh only when mesh.ep > 1 (jax3d/model/moe.py)
 
 Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 
@@ -54,9 +55,11 @@ def logical_rules(
   sequence_parallel: bool = False,
   micro: str | None = None,
   context: bool = False,
+  expert: bool = False,
 ) -> Rules:
   """The table above; `batch_all` and `micro` are the pipeline's choice for the batch outside its
-  loop; `context`: mesh.cp > 1 (the sequence over the 'cp' axis)."""
+  loop; `context`: mesh.cp > 1 (the sequence over the 'cp' axis); `expert`: mesh.ep > 1 (the
+  experts over 'ep')."""
   rows = (CP, DP) if context else DP  # cp-major rows (context.rows)
   return (
     ('batch', DP),
@@ -76,6 +79,10 @@ def logical_rules(
     ('qkv', None),
     ('gate_up', None),
     ('lora', None),
+    ('experts', EP if expert else None),
+    ('router', None),
+    ('expert_slots', None),
+    ('capacity', None),
   )
 
 
@@ -153,6 +160,25 @@ def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
   mesh = jax.sharding.get_abstract_mesh()
   cp = CP in mesh.axis_names and CP not in mesh.manual_axes
   return _manual(fn, in_logical, out_logical, {TP, CP} if cp else {TP})
+
+
+def manual_over(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axis: str) -> Any:
+  """`fn` in a shard_map manual over the one mesh axis `axis` (ep: the experts' all-to-all), nested
+  in the context, its specs the logical names resolved by the rules in force (the rules inside name
+  no manual axis)."""
+  inner = lambda *a: _with_rules_without(fn, {axis})(*a)
+  return _manual(inner, in_logical, out_logical, {axis})
+
+
+def _with_rules_without(fn: Any, axes: set[str]) -> Any:
+  def run(*args):
+    rules = _RULES.get()
+    if rules is None:
+      return fn(*args)
+    with use_rules(without(rules, axes)):
+      return fn(*args)
+
+  return run
 
 
 def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, check_vma: bool = True) -> Any:

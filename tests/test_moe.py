@@ -1,0 +1,195 @@
+"""The mixture-of-experts block (jax3d/model/moe.py) against a plain loop written here (every token
+through its k experts, the capacity's drops by their rank), gradients too; the router statistics
+and losses in the train step; layouts equal one device."""
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax3d import assemble, step as step_lib
+from jax3d.model import llama, moe
+from jax3d.model.dims import Dims
+
+from helpers import canonical, fixed_batches, run_steps, setup_for, small_cfg
+
+E, K, D, F = 4, 2, 16, 8
+
+
+def dims(cf: float = 4.0, norm: bool = True) -> Dims:
+  return Dims(
+    2, D, 2, 2, 32, 256, 256, n_experts=E, top_k=K, norm_topk_prob=norm, d_expert=F, capacity_factor=cf
+  )
+
+
+def reference(params, x_btd, cap, norm):
+  """The plain loop: softmax, top-k, renormalise; a token's j-th choice of expert e is dropped when
+  at least `cap` assignments to e rank before it (choices before tokens: every first choice first)."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  x = np.asarray(x_btd, np.float64)
+  b, t, d = x.shape
+  y = np.zeros_like(x)
+  stats = np.zeros((b, E + 3))
+  for i in range(b):
+    logits = x[i] @ p['router']
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind='stable')[:, :K]
+    taken = np.zeros(E, int)
+    counts = np.zeros(E)
+    dropped = 0
+    for j in range(K):
+      for tok in range(t):
+        e = top[tok, j]
+        counts[e] += 1
+        w = probs[tok, e] / (probs[tok, top[tok]].sum() if norm else 1.0)
+        if taken[e] >= cap:
+          dropped += 1
+          continue
+        taken[e] += 1
+        gu = np.einsum('d,dgf->gf', x[i, tok], p['experts_gate_up'][e])
+        h = gu[0] / (1 + np.exp(-gu[0])) * gu[1]
+        y[i, tok] += w * (h @ p['experts_down'][e])
+    lse = np.log(np.exp(logits).sum(-1))
+    aux = E * np.sum(counts / t * probs.mean(0))
+    stats[i] = np.concatenate([counts / (t * K), [dropped / (t * K), aux, np.mean(lse**2)]])
+  return y, stats
+
+
+def init(dm, b=3, t=10, seed=0):
+  x = jax.random.normal(jax.random.key(seed), (b, t, D), jnp.float32)
+  params = nn.unbox(moe.MoeMlp(dm).init(jax.random.key(1), x)['params'])
+  params = {k: v * (20.0 if k == 'router' else 1.0) for k, v in params.items()}  # decisive routing
+  return params, x
+
+
+@pytest.mark.parametrize('cf,norm', [(4.0, True), (0.5, True), (4.0, False)])
+def test_block_equals_plain_loop(cf, norm):
+  dm = dims(cf, norm)
+  params, x = init(dm)
+  y, stats = moe.MoeMlp(dm).apply({'params': params}, x)
+  cap = moe.capacity(dm, x.shape[1])
+  assert cap == (10 if cf == 4.0 else math.ceil(0.5 * 10 * K / E))
+  y_ref, stats_ref = reference(params, x, cap, norm)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(stats, stats_ref, rtol=1e-5, atol=1e-6)
+  assert (stats[:, E] > 0).any() == (cf < 1)  # the small capacity drops, the large one does not
+
+
+def test_block_gradients_equal_plain_loop():
+  """Gradients of a weighted sum of the outputs and of the load-balancing and z losses, against
+  the loop's by central differences in float64 (the loop is the definition; jax's through it)."""
+  dm = dims(0.75)
+  params, x = init(dm, b=2, t=6)
+  cap = moe.capacity(dm, 6)
+  c = np.asarray(jax.random.normal(jax.random.key(7), x.shape))
+
+  def loss(p, x):
+    y, stats = moe.MoeMlp(dm).apply({'params': p}, x)
+    return jnp.sum(y * c) + jnp.sum(stats[:, E + 1]) + 0.1 * jnp.sum(stats[:, E + 2])
+
+  def loss_ref(p, x):
+    y, stats = reference(p, x, cap, True)
+    return np.sum(y * c) + np.sum(stats[:, E + 1]) + 0.1 * np.sum(stats[:, E + 2])
+
+  g_p, g_x = jax.grad(loss, argnums=(0, 1))(params, x)
+  rng = np.random.default_rng(0)
+  for name in ('router', 'experts_gate_up', 'experts_down'):
+    for _ in range(3):
+      idx = tuple(rng.integers(0, s) for s in params[name].shape)
+      eps = 1e-4
+      hi = {k: np.asarray(v, np.float64).copy() for k, v in params.items()}
+      lo = {k: v.copy() for k, v in hi.items()}
+      hi[name][idx] += eps
+      lo[name][idx] -= eps
+      num = (loss_ref(hi, x) - loss_ref(lo, x)) / (2 * eps)
+      np.testing.assert_allclose(g_p[name][idx], num, rtol=2e-3, atol=2e-4)
+  idx = (1, 3, 5)
+  hi, lo = np.asarray(x, np.float64).copy(), np.asarray(x, np.float64).copy()
+  hi[idx] += 1e-4
+  lo[idx] -= 1e-4
+  np.testing.assert_allclose(
+    g_x[idx], (loss_ref(params, hi) - loss_ref(params, lo)) / 2e-4, rtol=2e-3, atol=2e-4
+  )
+
+
+MOE = {
+  'moe__num_experts': 4,
+  'moe__top_k': 2,
+  'moe__d_expert': 32,
+  'moe__capacity_factor': 2.0,
+  'moe__z_loss_coef': 1e-3,
+  'model__n_layers': 4,
+}
+
+
+@functools.cache
+def one_device():
+  return run_steps(small_cfg(**MOE))
+
+
+def check(over, rtol=1e-5):
+  losses, grads, _ = run_steps(small_cfg(**MOE, **over))
+  r_losses, r_grads, _ = one_device()
+  np.testing.assert_allclose(losses, r_losses, rtol=rtol)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7), grads, r_grads)
+  assert losses[2] < losses[0]
+
+
+@pytest.mark.parametrize(
+  'over',
+  [
+    {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2},
+    pytest.param(
+      {
+        'mesh__dp': 2,
+        'mesh__pp': 2,
+        'mesh__tp': 2,
+        'pipeline__microbatches': 2,
+        'pipeline__schedule': '1f1b',
+      },
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
+def test_moe_layouts_equal_one_device(over):
+  check(over)
+
+
+def step_metrics(over):
+  cfg = small_cfg(**{**MOE, **over})
+  s = setup_for(cfg)
+  state = step_lib.make_init(s)(cfg.train.seed)
+  batch = {k: jax.device_put(v, s.batch_sharding) for k, v in fixed_batches(cfg, 1)[0].items()}
+  params = canonical(s, state['params'])
+  return s, params, batch, assemble.compile_train_step(s)(state, batch)[1]
+
+
+def test_router_metrics_are_the_layers_statistics():
+  """The step's moe_* metrics (read from the probe's gradient) equal the layers' statistics
+  computed here layer by layer (mean over sequences and layers), on one device and on (2,2,2)
+  with two micro-batches and two accumulation chunks; the loss holds the router losses."""
+  s, params, batch, m = step_metrics({'moe__capacity_factor': 0.5})
+  x = llama.embed_apply(s.dims, params, batch['inputs'])
+  x = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+  for i in range(s.dims.n_layers):
+    layer = jax.tree.map(lambda a, i=i: a[i], params['layers'])
+    x = llama.block_apply(s.dims, layer, x, stats_row=True)
+  b = batch['inputs'].shape[0]
+  mean = np.asarray(x[:, -1, : E + 3]).sum(0) / (b * s.dims.n_layers)
+  np.testing.assert_allclose(m['moe_load'], mean[:E], rtol=1e-5)
+  np.testing.assert_allclose(np.sum(m['moe_load']), 1.0, rtol=1e-6)
+  assert float(m['moe_dropped']) > 0.05  # capacity 0.5 drops
+  for key, i in (('moe_dropped', E), ('moe_aux_loss', E + 1), ('moe_z_loss', E + 2)):
+    np.testing.assert_allclose(m[key], mean[i], rtol=1e-5)
+  y = llama.head_apply(s.dims, params, x[:, :-1])
+  ce = float(np.mean(llama.token_cross_entropy(y, batch['targets'])))
+  np.testing.assert_allclose(m['loss'], ce + 0.01 * mean[E + 1] + 1e-3 * mean[E + 2], rtol=1e-5)
+  over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, 'train__grad_accum': 2}
+  m2 = step_metrics({'moe__capacity_factor': 0.5, **over})[3]
+  for key in ('moe_load', 'moe_dropped', 'moe_aux_loss', 'moe_z_loss', 'loss'):
+    np.testing.assert_allclose(m2[key], m[key], rtol=1e-5)
