@@ -572,7 +572,11 @@ TABLE = [
   (T, ['--config.eval.tasks_include_path=FILES'], ["eval.tasks_include_path='FILES'", 'eval.tasks']),
   (T, ['--config.train.cp_strategy=ring'], ["train.cp_strategy='ring' is invalid", 'mesh.cp > 1']),
   # --- issue 55: mixture of experts -------------------------------------------------------------
-  (T, ['--config.moe.num_experts=4', '--config.moe.top_k=5'], ['moe.top_k=5 is invalid', 'at most moe.num_experts=4']),
+  (
+    T,
+    ['--config.moe.num_experts=4', '--config.moe.top_k=5'],
+    ['moe.top_k=5 is invalid', 'at most moe.num_experts=4'],
+  ),
   (T, ['--config.moe.num_experts=4', '--config.moe.capacity_factor=0'], ['moe.capacity_factor=0', '> 0']),
   (T, ['--config.moe.num_experts=-2'], ['moe.num_experts=-2 is invalid', '>= 0 (0 = dense)']),
   (T, ['--config.moe.top_k=4'], ['moe.top_k=4 is invalid', 'acts only with moe.num_experts > 0']),

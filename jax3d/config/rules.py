@@ -52,15 +52,19 @@ def _llama3_frequencies(cfg: Config) -> Failure:
 
 
 def _hf_model_type_holds_features(cfg: Config) -> Failure:
-  m = cfg.model
-  need = {'': (m.qkv_bias, m.qk_norm), 'qwen2': (True, False), 'qwen3': (False, True)}
-  want = need.get(m.hf_model_type, (False, False))
-  if m.hf_model_type and (m.qkv_bias, m.qk_norm) != want:
+  m, moe = cfg.model, cfg.moe
+  need = {'qwen2': (True, False, False), 'qwen3': (False, True, False), 'mixtral': (False, False, True)}
+  want = (need | {'qwen3_moe': (False, True, True)}).get(m.hf_model_type, (False, False, False))
+  have = (m.qkv_bias, m.qk_norm, moe.num_experts > 0)
+  moe_only = moe.num_experts > 0 and (
+    moe.d_shared or (m.hf_model_type == 'mixtral' and not moe.norm_topk_prob)
+  )
+  if m.hf_model_type and (have != want or moe_only):
     return (
       'model.hf_model_type',
       m.hf_model_type,
-      f'an architecture that holds qkv_bias={m.qkv_bias}, qk_norm={m.qk_norm} '
-      f'({"; ".join(f"{k or chr(39) * 2}: {v}" for k, v in HF_MODEL_TYPES.items())})',
+      f'an architecture that holds qkv_bias={m.qkv_bias}, qk_norm={m.qk_norm}, '
+      f'moe.num_experts={moe.num_experts} ({"; ".join(f"{k or chr(39) * 2}: {v}" for k, v in HF_MODEL_TYPES.items())})',
     )
   if m.qkv_bias and m.qk_norm:
     return 'model.qk_norm', m.qk_norm, 'false with model.qkv_bias=true (no exported architecture has both)'
