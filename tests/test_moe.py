@@ -117,11 +117,12 @@ def test_block_gradients_equal_plain_loop():
   )
 
 
+EXPERTS = 8
 MOE = {
-  'moe__num_experts': 4,
+  'moe__num_experts': EXPERTS,
   'moe__top_k': 2,
   'moe__d_expert': 32,
-  'moe__capacity_factor': 2.0,
+  'moe__capacity_factor': 4.0,  # E / k: every assignment has a slot
   'moe__z_loss_coef': 1e-3,
   'model__n_layers': 4,
 }
@@ -140,24 +141,50 @@ def check(over, rtol=1e-5):
   assert losses[2] < losses[0]
 
 
-@pytest.mark.parametrize(
-  'over',
-  [
-    {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2},
-    pytest.param(
-      {
-        'mesh__dp': 2,
-        'mesh__pp': 2,
-        'mesh__tp': 2,
-        'pipeline__microbatches': 2,
-        'pipeline__schedule': '1f1b',
-      },
-      marks=pytest.mark.slow,
-    ),
-  ],
-)
+SLOW = pytest.mark.slow
+EP_LAYOUTS = [
+  pytest.param({'mesh__ep': 8}, id='ep8'),
+  pytest.param({'mesh__ep': 2, 'mesh__tp': 2, 'mesh__dp': 2}, id='ep2-tp2-dp2'),
+  pytest.param({'mesh__ep': 4, 'mesh__pp': 2, 'pipeline__microbatches': 2}, id='ep4-pp2'),
+  pytest.param(
+    {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}, id='dp2-pp2-tp2', marks=SLOW
+  ),
+  pytest.param(
+    {'mesh__ep': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, 'pipeline__schedule': '1f1b'},
+    id='ep2-pp2-tp2-1f1b',
+    marks=SLOW,
+  ),
+  pytest.param(
+    {'mesh__ep': 2, 'mesh__pp': 2, 'pipeline__microbatches': 4, 'pipeline__repeats': 2, 'mesh__dp': 2},
+    id='ep2-pp2-dp2-circular',
+    marks=SLOW,
+  ),
+  pytest.param({'mesh__ep': 4, 'mesh__dp': 2, 'train__shard_optimizer': True}, id='ep4-zero1', marks=SLOW),
+  pytest.param({'mesh__ep': 2, 'mesh__dp': 4, 'train__shard_params': True}, id='ep2-zero3', marks=SLOW),
+  pytest.param(
+    {'mesh__ep': 4, 'mesh__dp': 2, 'train__grad_accum': 2, 'train__remat': 'full'},
+    id='ep4-accum-remat',
+    marks=SLOW,
+  ),
+]
+
+
+@pytest.mark.parametrize('over', EP_LAYOUTS)
 def test_moe_layouts_equal_one_device(over):
+  """Losses of 3 steps and the step-1 gradients of every layout with ep equal one device's within
+  1e-5 (the capacity drops nothing)."""
   check(over)
+
+
+def test_expert_parallel_dispatch_is_an_all_to_all():
+  """With ep the compiled step moves the experts' slots by all-to-all (not by gathering the
+  experts' weights), and each device holds 1/ep of the experts."""
+  cfg = small_cfg(**MOE, mesh__ep=4, mesh__dp=2)
+  s = setup_for(cfg)
+  hlo = assemble.compile_train_step(s).executable.as_text()
+  assert hlo.count('all-to-all') >= 4 * cfg.model.n_layers  # there and back, forward and backward
+  gu = s.param_shardings['layers']['moe']['experts_gate_up']
+  assert gu.shard_shape((cfg.model.n_layers, EXPERTS, 64, 2, 32))[1] == EXPERTS // 4
 
 
 def step_metrics(over):
@@ -180,15 +207,15 @@ def test_router_metrics_are_the_layers_statistics():
     layer = jax.tree.map(lambda a, i=i: a[i], params['layers'])
     x = llama.block_apply(s.dims, layer, x, stats_row=True)
   b = batch['inputs'].shape[0]
-  mean = np.asarray(x[:, -1, : E + 3]).sum(0) / (b * s.dims.n_layers)
-  np.testing.assert_allclose(m['moe_load'], mean[:E], rtol=1e-5)
+  mean = np.asarray(x[:, -1, : EXPERTS + 3]).sum(0) / (b * s.dims.n_layers)
+  np.testing.assert_allclose(m['moe_load'], mean[:EXPERTS], rtol=1e-5)
   np.testing.assert_allclose(np.sum(m['moe_load']), 1.0, rtol=1e-6)
   assert float(m['moe_dropped']) > 0.05  # capacity 0.5 drops
-  for key, i in (('moe_dropped', E), ('moe_aux_loss', E + 1), ('moe_z_loss', E + 2)):
+  for key, i in (('moe_dropped', EXPERTS), ('moe_aux_loss', EXPERTS + 1), ('moe_z_loss', EXPERTS + 2)):
     np.testing.assert_allclose(m[key], mean[i], rtol=1e-5)
   y = llama.head_apply(s.dims, params, x[:, :-1])
   ce = float(np.mean(llama.token_cross_entropy(y, batch['targets'])))
-  np.testing.assert_allclose(m['loss'], ce + 0.01 * mean[E + 1] + 1e-3 * mean[E + 2], rtol=1e-5)
+  np.testing.assert_allclose(m['loss'], ce + 0.01 * mean[EXPERTS + 1] + 1e-3 * mean[EXPERTS + 2], rtol=1e-5)
   over = {'mesh__dp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2, 'train__grad_accum': 2}
   m2 = step_metrics({'moe__capacity_factor': 0.5, **over})[3]
   for key in ('moe_load', 'moe_dropped', 'moe_aux_loss', 'moe_z_loss', 'loss'):

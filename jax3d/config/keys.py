@@ -79,6 +79,9 @@ class Mesh:
   allow_tp_across_hosts: bool = key(False, ANY)  # refuse a tp group that spans hosts unless forced
   # context parallel: devices sharing each row's tokens (a 4th mesh axis 'cp' when > 1)
   cp: int = key(1, POSITIVE)
+  # expert parallel: devices splitting a mixture's experts (a 4th mesh axis 'ep' when > 1), data
+  # parallel outside the experts; divides moe.num_experts
+  ep: int = key(1, POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,7 +182,7 @@ def _moe_settings(cfg: Config) -> Failure:
     (
       'train.sequence_parallel',
       cfg.train.sequence_parallel,
-      cfg.train.sequence_parallel == 'true',
+      cfg.train.sequence_parallel != 'false',
       f'false ({not_yet})',
     ),
     (
@@ -308,6 +308,26 @@ def _context_parallel(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   return None
 
 
+def _expert_parallel(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
+  """mesh.ep > 1: a mixture whose experts and micro-batch rows divide over ep."""
+  ep, e, t = cfg.mesh.ep, cfg.moe.num_experts, cfg.train
+  if ep == 1:
+    return None
+  if not e:
+    return 'mesh.ep', ep, '1 without a mixture of experts (moe.num_experts=0: nothing to split)'
+  if e % ep:
+    return 'mesh.ep', ep, f'a divisor of moe.num_experts={e} (each ep rank holds num_experts/ep experts)'
+  per = dp * cfg.pipeline.microbatches * t.grad_accum * ep
+  if t.global_batch_size % per:
+    return (
+      'train.global_batch_size',
+      t.global_batch_size,
+      f'must be divisible by mesh.dp*pipeline.microbatches*train.grad_accum*mesh.ep = {per} '
+      '(each micro-batch is split over dp, then over ep)',
+    )
+  return None
+
+
 def _moe_1f1b_rows(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   """1F1B splits each micro-batch's head over pp by rows, else by positions: with a mixture of
   experts the positions hold the router statistics' row too, so the rows must split."""
@@ -332,6 +352,7 @@ LAYOUT_CHECKS: tuple[Callable[[Config, int, int, int], Failure], ...] = (
   _batch_divides,
   _context_parallel,
   _moe_1f1b_rows,
+  _expert_parallel,
 )
 
 

@@ -88,6 +88,26 @@ def _swiglu_experts(x_becd: jax.Array, gu_Ed2f: jax.Array, down_Efd: jax.Array, 
   return jnp.einsum('becf,efd->becd', h, down_Efd.astype(dtype))
 
 
+def _swiglu_experts_vjp(
+  x_becd: jax.Array, gu_Ed2f: jax.Array, down_Efd: jax.Array, g_becd: jax.Array, dtype: Any
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The gradients of `_swiglu_experts` with respect to its slots and weights, written out (the
+  expert-parallel backward region runs it: jax3d/parallel/expert.py), in the operands' dtypes."""
+  x, w_gu, w_down = x_becd.astype(dtype), gu_Ed2f.astype(dtype), down_Efd.astype(dtype)
+  gu = jnp.einsum('becd,edgf->becgf', x, w_gu).astype(jnp.float32)
+  gate, up = gu[..., 0, :], gu[..., 1, :]
+  sig = jax.nn.sigmoid(gate)
+  h = (gate * sig * up).astype(dtype)
+  g = g_becd.astype(dtype)
+  d_down = jnp.einsum('becf,becd->efd', h, g)
+  dh = jnp.einsum('becd,efd->becf', g, w_down).astype(jnp.float32)
+  d_gate = dh * up * (sig + gate * sig * (1 - sig))  # silu'(g) = s + g s (1 - s)
+  d_gu = jnp.stack([d_gate, dh * gate * sig], axis=-2).astype(dtype)
+  d_x = jnp.einsum('becgf,edgf->becd', d_gu, w_gu)
+  d_w_gu = jnp.einsum('becd,becgf->edgf', x, d_gu)
+  return d_x.astype(x_becd.dtype), d_w_gu.astype(gu_Ed2f.dtype), d_down.astype(down_Efd.dtype)
+
+
 def dispatch_combine(
   x_btd: jax.Array,
   w_btk: jax.Array,
@@ -107,7 +127,9 @@ def dispatch_combine(
     return jnp.zeros((n_experts * cap + 1, d), x_nd.dtype).at[slot_n].add(x_nd)
 
   buf = jax.vmap(scatter)(x_bnd, slot_bn)[:, :-1].reshape(b, n_experts, cap, d)
-  y_becd = expert.exchange(lambda x, gu, down: _swiglu_experts(x, gu, down, dtype), buf, gu_Ed2f, down_Efd)
+  run = lambda x, gu, down: _swiglu_experts(x, gu, down, dtype)
+  run_vjp = lambda x, gu, down, g: _swiglu_experts_vjp(x, gu, down, g, dtype)
+  y_becd = expert.exchange(run, run_vjp, buf, gu_Ed2f, down_Efd)
   y_bsd = jnp.concatenate([y_becd.reshape(b, n_experts * cap, d), jnp.zeros((b, 1, d), y_becd.dtype)], 1)
   y_bnd = jnp.take_along_axis(y_bsd, slot_bn[..., None], axis=1)  # the dropped read the zero slot
   w_bn = jnp.swapaxes(w_btk, 1, 2).reshape(b, k * t, 1).astype(jnp.float32)

@@ -23,25 +23,40 @@ SLOTS = ('batch', 'expert_slots', 'capacity', 'embed')  # rows over dp and ep, e
 WEIGHTS = (('experts', 'embed', 'gate_up', 'mlp'), ('experts', 'mlp', 'embed'))  # experts over ep
 
 
-def over_ep() -> bool:
-  """Whether the mesh in context has an 'ep' axis not manual yet (the experts are split over it)."""
+def over_ep(rows: int) -> bool:
+  """Whether the mesh in context has an 'ep' axis not manual yet (the experts are split over it)
+  that divides `rows` (the initialisation's one-row trace, or decoding one sequence, runs the
+  experts under the compiler's partitioning instead: the same numbers, the weights gathered)."""
   mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and EP in mesh.axis_names and EP not in mesh.manual_axes
+  on = not mesh.empty and EP in mesh.axis_names and EP not in mesh.manual_axes
+  return on and rows % mesh.shape[EP] == 0
 
 
 def exchange(
   experts: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+  experts_vjp: Callable[..., tuple[jax.Array, jax.Array, jax.Array]],
   buf_becd: jax.Array,
   gu_Ed2f: jax.Array,
   down_Efd: jax.Array,
 ) -> jax.Array:
   """`experts(slots, gate_up, down)` on every expert's slots: directly without an ep axis, else on
-  each ep rank's own experts, the slots all-to-all'ed there and back."""
-  if not over_ep():
+  each ep rank's own experts, the slots all-to-all'ed there and back. `experts_vjp(slots, gate_up,
+  down, g)`: the gradients of its three operands (the backward region runs it: see below)."""
+  if not over_ep(buf_becd.shape[0]):
     return experts(buf_becd, gu_Ed2f, down_Efd)
 
-  def local(buf, gu, down):
-    buf = jax.lax.all_to_all(buf, EP, 1, 0, tiled=True)  # [ep*b, E/ep, C, d]: all rows, own experts
-    return jax.lax.all_to_all(experts(buf, gu, down), EP, 0, 1, tiled=True)  # own rows, all experts
+  there = lambda a: jax.lax.all_to_all(a, EP, 1, 0, tiled=True)  # [b, E] -> [ep*b, E/ep]: own experts
+  back = lambda a: jax.lax.all_to_all(a, EP, 0, 1, tiled=True)  # [ep*b, E/ep] -> [b, E]: own rows
 
-  return sharding.manual_over(local, (SLOTS, *WEIGHTS), SLOTS, EP)(buf_becd, gu_Ed2f, down_Efd)
+  def local(buf, gu, down):
+    return back(experts(there(buf), gu, down))
+
+  def local_vjp(buf, gu, down, g):  # the transpose of an all-to-all is the one back
+    d_buf, d_gu, d_down = experts_vjp(there(buf), gu, down, there(g))
+    return back(d_buf), d_gu, d_down
+
+  # Forward and backward as two regions without shard_map's check (one region differentiated inside
+  # the pipeline's shard_map gets residuals that name dp before ep, an order Shardy rejects:
+  # sharding.device_local_vjp), with the backward written out (experts_vjp).
+  region = sharding.device_local_vjp(local, (SLOTS, *WEIGHTS), SLOTS, 0, local_vjp, axes={EP})
+  return region(buf_becd, gu_Ed2f, down_Efd)

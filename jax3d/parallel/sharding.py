@@ -60,9 +60,9 @@ def logical_rules(
   """The table above; `batch_all` and `micro` are the pipeline's choice for the batch outside its
   loop; `context`: mesh.cp > 1 (the sequence over the 'cp' axis); `expert`: mesh.ep > 1 (the
   experts over 'ep')."""
-  rows = (CP, DP) if context else DP  # cp-major rows (context.rows)
+  rows = (CP, DP) if context else (DP, EP) if expert else DP  # cp-major rows (context.rows)
   return (
-    ('batch', DP),
+    ('batch', (DP, EP) if expert else DP),
     ('rows', rows),
     ('rows_sp', ((CP, DP, TP) if context else (DP, TP)) if sequence_parallel else rows),
     ('batch_all', batch_all),
@@ -162,26 +162,13 @@ def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
   return _manual(fn, in_logical, out_logical, {TP, CP} if cp else {TP})
 
 
-def manual_over(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, axis: str) -> Any:
-  """`fn` in a shard_map manual over the one mesh axis `axis` (ep: the experts' all-to-all), nested
-  in the context, its specs the logical names resolved by the rules in force (the rules inside name
-  no manual axis)."""
-  inner = lambda *a: _with_rules_without(fn, {axis})(*a)
-  return _manual(inner, in_logical, out_logical, {axis})
-
-
-def _with_rules_without(fn: Any, axes: set[str]) -> Any:
-  def run(*args):
-    rules = _RULES.get()
-    if rules is None:
-      return fn(*args)
-    with use_rules(without(rules, axes)):
-      return fn(*args)
-
-  return run
-
-
-def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, check_vma: bool = True) -> Any:
+def device_local(
+  fn: Any,
+  in_logical: tuple[tuple, ...],
+  out_logical: tuple,
+  check_vma: bool = True,
+  axes: set[str] | None = None,
+) -> Any:
   """`fn` on each device's own blocks: a shard_map manual over every mesh axis not manual yet
   (nested in the pipeline's or the explicit reduction's shard_map, or at the top), its specs the
   logical names resolved by the rules in force; an axis a spec does not name is replicated. For a
@@ -189,9 +176,10 @@ def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, che
   nothing is left to partition. `check_vma=False` for a region that jax may split (partial
   evaluation, e.g. a scan hoisting its loop-invariant part): jax 0.10 then gives the residuals the
   newly manual axes alone, where with the check it names the enclosing shard_map's too (dp), an
-  order Shardy rejects."""
+  order Shardy rejects. `axes`: manual over these alone (ep: the experts' all-to-all), the others
+  left as they are."""
   mesh = jax.sharding.get_abstract_mesh()
-  axes = set(mesh.axis_names) - set(mesh.manual_axes)
+  axes = (set(mesh.axis_names) - set(mesh.manual_axes)) if axes is None else axes
   return _manual(fn, in_logical, out_logical, axes, check_vma) if axes else fn
 
 
@@ -202,8 +190,10 @@ def device_local_vjp(
   n_nondiff: int,
   backward: Any = None,
   saved: tuple[tuple, ...] = (),
+  axes: set[str] | None = None,
+  check: bool | None = None,
 ) -> Any:
-  """`fn` run on each device's own blocks (`device_local`) with a custom VJP: forward and backward
+  """`fn` run on each device's own blocks (`device_local`; manual over `axes` alone where given) with a custom VJP: forward and backward
   as two separate per-device regions. Differentiating one region instead makes the kernel's
   internal residuals (cuDNN's softmax statistics, the bias, a logsumexp) outputs of a shard_map
   nested in the pipeline's, which jax 0.10 gives the wrong global shape or an invalid sharding, or
@@ -216,8 +206,8 @@ def device_local_vjp(
   shard_map's check of them). With `saved` (the logical names of more outputs of `fn`: its
   residuals, e.g. a logsumexp), `fn` returns (out, *residuals), which the forward keeps and the
   backward takes: `backward(*inputs, out, *residuals, g)`."""
-  check = backward is None
-  fwd_region = device_local(fn, in_logical, (out_logical, *saved) if saved else out_logical, check)
+  check = backward is None if check is None else check
+  fwd_region = device_local(fn, in_logical, (out_logical, *saved) if saved else out_logical, check, axes)
 
   def bwd_local(*args):
     *primals, g = args
@@ -226,7 +216,7 @@ def device_local_vjp(
 
   n_diff = len(in_logical) - n_nondiff
   bwd_in = in_logical + ((out_logical, *saved) if saved else ()) + (out_logical,)
-  bwd_region = device_local(bwd_local, bwd_in, in_logical[:n_diff], check)
+  bwd_region = device_local(bwd_local, bwd_in, in_logical[:n_diff], check, axes)
 
   # A region without the check returns values typed invariant over the enclosing shard_map's manual
   # axes (the pipeline's): typed back as varying like the operands (out: the first's; each
