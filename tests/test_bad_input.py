@@ -587,6 +587,16 @@ TABLE = [
   ),
   (
     T,
+    ['--config.mesh.ep=2', '--config.mesh.dp=-1'],
+    ['mesh.ep=2 is invalid', '1 without a mixture of experts'],
+  ),
+  (
+    T,
+    ['--config.moe.num_experts=6', '--config.mesh.ep=4', '--config.mesh.dp=1', '--config.mesh.pp=1'],
+    ['mesh.ep=4 is invalid', 'a divisor of moe.num_experts=6'],
+  ),
+  (
+    T,
     ['--config.moe.num_experts=4', '--config.lora.rank=4', '--config.lora.targets=q,up'],
     ["lora.targets='q,up' is invalid", 'attention projections only'],
   ),

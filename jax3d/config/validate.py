@@ -89,13 +89,12 @@ def _fail(key: str, value: Any, valid: str) -> NoReturn:
   raise ConfigError(f'{key}={value!r} is invalid: {valid}')
 
 
-def resolve_mesh(
-  dp: int, pp: int, tp: int, n_devices: int, cp: int = 1, ep: int = 1
-) -> tuple[int, int, int]:
+def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int, cp: int = 1, ep: int = 1) -> tuple[int, int, int]:
   """Fills one -1 axis with the devices left over; checks dp*ep*cp*pp*tp == n_devices."""
   _check_range('mesh.cp', cp)
   _check_range('mesh.ep', ep)
-  cp *= ep  # the two optional axes count alike here
+  extra = {name: v for name, v in (('cp', cp), ('ep', ep)) if v > 1}  # the optional axes
+  cp *= ep  # they count alike here
   sizes = {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp}
   for k, v in sizes.items():
     _check_range(k, v)
@@ -112,7 +111,7 @@ def resolve_mesh(
     sizes[free[0]] = n_devices // fixed
   total = cp * math.prod(sizes.values())
   if total != n_devices:
-    cp_words = ('(cp*ep)*', f'{cp}*') if cp > 1 else ('', '')
+    cp_words = (''.join(f'{k}*' for k in extra), ''.join(f'{v}*' for v in extra.values()))
     raise ConfigError(
       f'mesh dp*{cp_words[0]}pp*tp = {sizes["mesh.dp"]}*{cp_words[1]}{sizes["mesh.pp"]}*{sizes["mesh.tp"]} = '
       f'{total}, but {n_devices} devices are visible (use -1 on one axis to fill)'
