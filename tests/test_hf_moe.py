@@ -107,6 +107,32 @@ def test_logits_equal_transformers_with_tp_and_pp(models, family):
   assert H.rel_err(H.jax3d_logits(s, params, toks), H.hf_logits(model, toks)) < TOL
 
 
+@pytest.mark.parametrize('layout', [{'mesh.ep': 2, 'mesh.tp': 2}, {'mesh.ep': 4, 'mesh.tp': 2}])
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_logits_equal_transformers_with_ep(models, family, layout):
+  """Imported straight onto layouts with the experts split over ep (each device reads its experts'
+  blocks): transformers' logits."""
+  import jax
+
+  from jax3d import assemble
+  from jax3d.hf import weights
+
+  path, model = models[family, True]
+  over = {'mesh.dp': 1, 'mesh.pp': 1, 'pipeline.microbatches': 1, **layout}
+  cfg = H.jax3d_cfg(path, (1, 1, 1), **{'train.seq_len': SEQ, **DROP_NOTHING, **over})
+  n = over['mesh.dp'] * over['mesh.ep'] * over['mesh.tp']
+  s = assemble.build(cfg, jax.devices()[:n])
+  params = weights.load_params(s)
+  assert (
+    params['layers']['moe']['experts_down'].sharding.shard_shape(
+      (4, E, 32 if family == 'qwen3_moe' else 96, 64)
+    )[1]
+    == E // over['mesh.ep']
+  )
+  toks = H.tokens(seq=SEQ)
+  assert H.rel_err(H.jax3d_logits(s, params, toks), H.hf_logits(model, toks)) < TOL
+
+
 @pytest.mark.parametrize('family', list(FAMILIES))
 def test_greedy_generation_matches_transformers(models, family):
   path, model = models[family, False]

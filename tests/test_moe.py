@@ -176,15 +176,33 @@ def test_moe_layouts_equal_one_device(over):
   check(over)
 
 
-def test_expert_parallel_dispatch_is_an_all_to_all():
-  """With ep the compiled step moves the experts' slots by all-to-all (not by gathering the
-  experts' weights), and each device holds 1/ep of the experts."""
-  cfg = small_cfg(**MOE, mesh__ep=4, mesh__dp=2)
+@pytest.mark.parametrize(
+  'over',
+  [
+    pytest.param({'mesh__ep': 4, 'mesh__dp': 2}, id='ep4-dp2'),
+    pytest.param(
+      {'mesh__ep': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}, id='ep2-pp2', marks=SLOW
+    ),
+    pytest.param({'mesh__ep': 4, 'mesh__dp': 2, 'train__remat': 'full'}, id='ep4-remat-full', marks=SLOW),
+  ],
+)
+def test_expert_parallel_dispatch_is_the_formulas_all_to_alls(over):
+  """With ep the compiled step moves the experts' slots by all-to-all over ep (not by gathering
+  the experts' weights), exactly the bytes of docs/formulas.md (jax3d/analysis/ep_comm.py: 5 per
+  layer and micro-batch, every pipeline iteration), and each device holds 1/ep of the experts."""
+  cfg = small_cfg(**MOE, **over)
   s = setup_for(cfg)
-  hlo = assemble.compile_train_step(s).executable.as_text()
-  assert hlo.count('all-to-all') >= 4 * cfg.model.n_layers  # there and back, forward and backward
+  r = assemble.compile_train_step(s).analysis()
+  (check,) = [c for c in r['checks'] if c['axis'] == 'ep']
+  assert check['measured'] > 0
+  np.testing.assert_allclose(check['measured'], check['spmd'], rtol=1e-6)
+  weights = {EXPERTS * 64 * 2 * 32 * 4, EXPERTS * 32 * 64 * 4}  # one layer's experts, whole (fp32)
+  gathered = [
+    c for c in r['collectives'] if c['kind'] == 'all-gather' and c['buffer_bytes'] / c['count'] in weights
+  ]
+  assert not gathered  # the experts stay on their ep ranks: their tokens travel, not their weights
   gu = s.param_shardings['layers']['moe']['experts_gate_up']
-  assert gu.shard_shape((cfg.model.n_layers, EXPERTS, 64, 2, 32))[1] == EXPERTS // 4
+  assert gu.shard_shape((cfg.model.n_layers, EXPERTS, 64, 2, 32))[1] == EXPERTS // cfg.mesh.ep
 
 
 def step_metrics(over):

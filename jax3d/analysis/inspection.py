@@ -50,6 +50,7 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
       'dp': plan.dp,
       'pp': plan.pp,
       'tp': plan.tp,
+      'ep': plan.ep,
       'microbatches': plan.microbatches,
       'repeats': plan.repeats,
       'schedule': cfg.pipeline.schedule if plan.pp > 1 else 'none',
