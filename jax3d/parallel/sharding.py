@@ -1,8 +1,12 @@
 """Tensor parallelism and the one table from logical axis names (what the model speaks) to mesh axes.
 
-  batch      micro-batch rows inside the pipeline          -> dp
+  batch      micro-batch rows inside the pipeline          -> dp (dp and ep with mesh.ep > 1)
   rows       a layer's flattened rows b*t (outside SP)      -> dp, and with context parallelism
-             (mesh.cp > 1) cp and dp: cp-major rows (context.rows), each device's own tokens
+             (mesh.cp > 1) cp and dp: cp-major rows (context.rows), each device's own tokens;
+             dp and ep with expert parallelism (mesh.ep > 1)
+  experts    a mixture's experts (jax3d/model/moe.py)       -> ep (replicated without it)
+  router, expert_slots, capacity                          -> replicated (the router's experts,
+             the dispatched slots' expert and capacity axes: jax3d/parallel/expert.py)
   seq        the sequence                                   -> replicated, or cp when mesh.cp > 1
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
              (microbatch.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
@@ -191,13 +195,13 @@ def device_local_vjp(
   backward: Any = None,
   saved: tuple[tuple, ...] = (),
   axes: set[str] | None = None,
-  check: bool | None = None,
 ) -> Any:
-  """`fn` run on each device's own blocks (`device_local`; manual over `axes` alone where given) with a custom VJP: forward and backward
-  as two separate per-device regions. Differentiating one region instead makes the kernel's
-  internal residuals (cuDNN's softmax statistics, the bias, a logsumexp) outputs of a shard_map
-  nested in the pipeline's, which jax 0.10 gives the wrong global shape or an invalid sharding, or
-  split over a free axis (dp) before a manual one, which Shardy rejects (BUILD_NOTES.md).
+  """`fn` run on each device's own blocks (`device_local`; manual over `axes` alone where given)
+  with a custom VJP: forward and backward as two separate per-device regions. Differentiating one
+  region instead makes the kernel's internal residuals (cuDNN's softmax statistics, the bias, a
+  logsumexp) outputs of a shard_map nested in the pipeline's, which jax 0.10 gives the wrong global
+  shape or an invalid sharding, or split over a free axis (dp) before a manual one, which Shardy
+  rejects (BUILD_NOTES.md).
 
   The forward region keeps its inputs; the backward region returns the inputs' cotangents (zeros
   for the last `n_nondiff`, made from integers). Without `backward` it runs `jax.vjp` of `fn` (its
@@ -206,7 +210,7 @@ def device_local_vjp(
   shard_map's check of them). With `saved` (the logical names of more outputs of `fn`: its
   residuals, e.g. a logsumexp), `fn` returns (out, *residuals), which the forward keeps and the
   backward takes: `backward(*inputs, out, *residuals, g)`."""
-  check = backward is None if check is None else check
+  check = backward is None
   fwd_region = device_local(fn, in_logical, (out_logical, *saved) if saved else out_logical, check, axes)
 
   def bwd_local(*args):
