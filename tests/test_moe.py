@@ -294,3 +294,25 @@ def test_lora_on_attention_with_ep_equals_one_device():
   np.testing.assert_allclose(losses, r_losses, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, r_grads)
   assert losses[2] < losses[0]
+
+
+@pytest.mark.parametrize(
+  'over', [{'mesh__ep': 4, 'mesh__dp': 2}, {'mesh__ep': 2, 'mesh__tp': 2, 'mesh__dp': 2}]
+)
+def test_planner_counts_the_layers_parameters_a_device_holds(over):
+  """The memory model's layer parameters per device (the experts over tp and ep, the router whole)
+  equal what the shardings give each device; the formula's total equals the leaves' count."""
+  from jax3d.planning import memory_model
+
+  cfg = small_cfg(**MOE, **over)
+  s = setup_for(cfg)
+  layers = s.abstract_state['params']['layers']
+  held = sum(
+    int(np.prod(sh.shard_shape(a.shape)))
+    for a, sh in zip(jax.tree.leaves(layers), jax.tree.leaves(s.param_shardings['layers']), strict=True)
+  )
+  assert memory_model.local_params(s.cfg, s.plan)['layers'] == held
+  total = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(s.abstract_state['params']))
+  probe = EXPERTS + 3  # the router statistics' probe: no weight
+  padded = (s.dims.vocab_padded - s.dims.vocab_size) * s.dims.d_model * 2
+  assert s.dims.param_count() == total - probe - padded

@@ -83,14 +83,17 @@ PEAK_TFLOPS = (
 )
 
 
-def layer_params(dims: Dims, tp: int = 1, active: bool = False) -> int:
-  """Parameters of one decoder layer on one of `tp` shards: the matrices split, the norms and a
-  router whole; `active`: of a mixture of experts only the top_k experts a token goes through."""
+def layer_params(dims: Dims, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+  """Parameters of one decoder layer on one of `tp` (and `ep`) shards: the matrices split over tp,
+  a mixture's routed experts over tp and ep, the norms and a router whole; `active`: of a mixture
+  of experts only the top_k experts a token goes through."""
   d, hd, n, k = dims.d_model, dims.head_dim, dims.n_heads, dims.n_kv_heads
-  matrices = d * hd * (2 * n + 2 * k) + mlp_matrices(dims, active)
+  routed = mlp_matrices(dims, active) - 3 * d * dims.d_shared if dims.n_experts else 0
+  matrices = d * hd * (2 * n + 2 * k) + mlp_matrices(dims, active) - routed
   biases = hd * (n + 2 * k) if dims.qkv_bias else 0  # split with their heads
   router = d * dims.n_experts
-  return (matrices + biases) // tp + 2 * d + (2 * hd if dims.qk_norm else 0) + router
+  norms = 2 * d + (2 * hd if dims.qk_norm else 0)
+  return (matrices + biases) // tp + routed // (tp * ep) + norms + router
 
 
 def mlp_matrices(dims: Dims, active: bool = False) -> int:
