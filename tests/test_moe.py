@@ -316,3 +316,23 @@ def test_planner_counts_the_layers_parameters_a_device_holds(over):
   probe = EXPERTS + 3  # the router statistics' probe: no weight
   padded = (s.dims.vocab_padded - s.dims.vocab_size) * s.dims.d_model * 2
   assert s.dims.param_count() == total - probe - padded
+
+
+@pytest.mark.parametrize(
+  'name,devices,total,active',
+  [('qwen3_30b_a3b', 8, 30.53e9, 3.35e9), ('mixtral_8x7b', 16, 46.70e9, 12.88e9)],
+)
+def test_gpu_target_configs_are_the_published_models(name, devices, total, active):
+  """configs/qwen3_30b_a3b.py (h100x8) and configs/mixtral_8x7b.py (h100x16) validate on their
+  targets' device counts with ep, and count the published models' parameters (active: the top-k
+  experts and the input embedding)."""
+  from jax3d import config as config_lib
+  from jax3d.model import formulas
+  from jax3d.model.dims import Dims
+
+  cfg = config_lib.load_config(f'configs/{name}.py')
+  typed, plan = config_lib.validated(cfg, devices)
+  assert plan.ep > 1 and plan.n_devices == devices
+  dims = Dims.from_config(typed, plan)
+  np.testing.assert_allclose(dims.param_count(), total, rtol=2e-3)
+  np.testing.assert_allclose(formulas.model_params(dims) + dims.vocab_size * dims.d_model, active, rtol=5e-3)

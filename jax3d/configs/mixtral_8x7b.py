@@ -1,6 +1,8 @@
 """Mixtral 8x7B shapes (for GPU runs and planning): 32 layers, d 4096, GQA 32/8, 8 experts of 14336
-per layer (top-2), vocab 32000; 46.7B parameters, 12.9B active. On 16 GPUs (2 nodes of 8): the
-experts over ep=8 inside a node (one expert per GPU), dp=2 across the nodes.
+per layer (top-2), vocab 32000; 46.7B parameters, 12.9B active. On 16 GPUs (2 nodes of 8): two
+pipeline stages (one per node), in each the experts over ep=4 (two per GPU) and Megatron-split over
+tp=2: 55.8 GB per H100 compiled (XLA:GPU, --target=h100x16). dp=2 x ep=8 compiles to 96.7 GB, with
+ZeRO-3 to 206.9 GB (ZeRO-3 does not shard over ep: BUILD_NOTES.md).
 
 python -m jax3d.inspect --config=configs/mixtral_8x7b.py --target=h100x16
 """
@@ -12,7 +14,8 @@ from jax3d.config import base_config
 
 def get_config() -> ml_collections.ConfigDict:
   c = base_config()
-  c.mesh.dp, c.mesh.ep, c.mesh.pp, c.mesh.tp = 2, 8, 1, 1
+  c.mesh.dp, c.mesh.ep, c.mesh.pp, c.mesh.tp = 1, 4, 2, 2
+  c.pipeline.microbatches = 4
   c.model.n_layers = 32
   c.model.d_model = 4096
   c.model.n_heads = 32
@@ -32,6 +35,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.compute_dtype = 'bfloat16'
   c.train.param_dtype = 'bfloat16'  # master weights and Adam in bf16: ZeRO does not shard over ep
   c.train.remat = 'full'
-  c.train.shard_params = True
   c.train.loss_chunks = 8
   return c
