@@ -336,3 +336,19 @@ def test_gpu_target_configs_are_the_published_models(name, devices, total, activ
   dims = Dims.from_config(typed, plan)
   np.testing.assert_allclose(dims.param_count(), total, rtol=2e-3)
   np.testing.assert_allclose(formulas.model_params(dims) + dims.vocab_size * dims.d_model, active, rtol=5e-3)
+
+
+def test_oom_ladder_offers_more_expert_parallelism():
+  """Qwen3-30B-A3B as dp=8 on 80 GB GPUs: the ladder's ep rung moves the dp ranks into ep (16
+  experts per GPU) and prices it by the experts' parameters it no longer holds."""
+  import re
+
+  from jax3d import config as config_lib
+  from jax3d.planning.oom import oom_ladder
+
+  cfg = config_lib.load_config('configs/qwen3_30b_a3b.py', {'mesh.dp': 8, 'mesh.ep': 1})
+  lines = oom_ladder(cfg, config_lib.validate(cfg, 8), 80e9)
+  (rung,) = [line for line in lines if line.startswith('4e.')]
+  assert 'ep=8 (16 per device)' in rung and '--config.mesh.ep=8 --config.mesh.dp=1' in rung
+  before, after = (float(x) for x in re.search(r'([\d.]+) GB -> ([\d.]+) GB', rung).groups())
+  assert after < before / 3  # the experts are 95% of the parameters
