@@ -166,3 +166,31 @@ def test_export_round_trip_is_bit_identical(models, family, fused, tmp_path):
   assert sorted(sd) == sorted(model.state_dict())
   for name, t in model.state_dict().items():
     np.testing.assert_array_equal(sd[name].numpy(), t.numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize(
+  'edit,words',
+  [
+    ({'mlp_only_layers': [0]}, 'mlp_only_layers=[0]'),
+    ({'decoder_sparse_step': 2}, 'decoder_sparse_step=2'),
+    ({'num_experts_per_tok': None}, 'lacks num_local_experts or num_experts_per_tok'),
+  ],
+)
+def test_a_mixture_jax3d_does_not_compute_is_refused(models, tmp_path, edit, words):
+  """Dense layers among the experts (Qwen3-MoE's mlp_only_layers, decoder_sparse_step) are not
+  built: refused by name before anything compiles, as is a mixture without its top-k."""
+  import shutil
+
+  from jax3d.config import ConfigError
+  from jax3d.hf import config as hf_config
+
+  src, _ = models['qwen3_moe', True]
+  dst = str(tmp_path / 'edited')
+  shutil.copytree(src, dst)
+  with open(os.path.join(dst, 'config.json')) as f:
+    c = json.load(f)
+  c.update(edit)
+  with open(os.path.join(dst, 'config.json'), 'w') as f:
+    json.dump(c, f)
+  with pytest.raises(ConfigError, match=words.replace('[', r'\[').replace(']', r'\]')):
+    hf_config.read(dst)
