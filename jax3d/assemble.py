@@ -70,7 +70,7 @@ def build(
     dims, attention=attention.resolve(choice, devices, cfg.train.compute_dtype, dims.head_dim)
   )
   rules = sharding.logical_rules(
-    microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan), plan.cp > 1
+    microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan), plan.cp > 1, plan.ep > 1
   )
   s = Setup(
     cfg=cfg,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from jax3d.model import llama, lora
+from jax3d.model import llama, lora, moe
 from jax3d.parallel import context, data_parallel, microbatch, pipeline, sharding
 
 if TYPE_CHECKING:
@@ -34,11 +34,15 @@ Batch = dict[str, jax.Array]
 DOC_KEYS = ('segment_ids', 'positions', lora.NOISE)
 
 
-def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.Array:
+def loss_sum(
+  params: Any, batch: Batch, s: Setup, manual: bool = False, norm: jax.Array | None = None
+) -> jax.Array:
   """sum(w * CE) of one accumulation chunk: `batch` holds inputs and targets [b, t], and optionally
   weights (None: 1) and DOC_KEYS (without: one causal sequence per row). `manual`: traced inside
   data_parallel's shard_map (manual over dp and pp): the rows are this device's, the layers this
-  stage's, and the sum is this device's share (summed over dp and pp by the caller)."""
+  stage's, and the sum is this device's share (summed over dp and pp by the caller). With `norm`
+  (training: the global batch's weight sum) and a mixture of experts, plus norm times the router
+  losses' share of these rows (`router_loss`)."""
   if manual:
     batch = {k: microbatch.local_rows(v, s.plan) for k, v in batch.items()}
   elif s.zero3:  # ZeRO-3: the weights outside the loop (embedding, head, norm) gathered before use
@@ -46,9 +50,10 @@ def loss_sum(params: Any, batch: Batch, s: Setup, manual: bool = False) -> jax.A
   if not manual:  # mesh.cp > 1: each row in the cp layout (the explicit path's arrive laid out)
     batch = context.lay_out(batch, s.plan.cp)
   if pipeline.in_loop_loss(s.cfg.pipeline.schedule, s.plan):  # 1F1B: the head and loss in the loop
-    return _pipelined_loss_sum(params, batch, s, manual)
-  y_btd = hidden(params, batch['inputs'], s, manual, {k: batch[k] for k in DOC_KEYS if k in batch})
-  return _head_loss_sum(params, y_btd, batch, s)
+    return _pipelined_loss_sum(params, batch, s, manual, norm)
+  doc = {k: batch[k] for k in DOC_KEYS if k in batch}
+  y_btd = _layers(params, llama.embed_apply(s.dims, params, batch['inputs']), s, manual, doc)
+  return _head_loss_sum(params, y_btd, batch, s, norm)
 
 
 def gathered_outside_loop(params: Any, s: Setup) -> Any:
@@ -60,26 +65,78 @@ def gathered_outside_loop(params: Any, s: Setup) -> Any:
   return {k: gather(k, v) for k, v in params.items()}
 
 
-def _head_loss_sum(head: Any, y_btd: jax.Array, side: Batch, s: Setup) -> jax.Array:
+def _head_loss_sum(
+  head: Any, y_btd: jax.Array, side: Batch, s: Setup, norm: jax.Array | None = None
+) -> jax.Array:
   """sum(w * CE) of the head over the last layer's output, in train.loss_chunks pieces (or fewer
-  that divide 1F1B's 1/pp of the positions): the one head and loss of both schedules."""
+  that divide 1F1B's 1/pp of the positions): the one head and loss of both schedules; with a
+  mixture of experts the output's last position is the router statistics' row (taken off here),
+  and with `norm` the router losses join (`router_loss`)."""
+  y_btd, acc_bs = _split_stats_row(s, y_btd)
   chunks = math.gcd(s.cfg.train.loss_chunks, y_btd.shape[1])
-  return llama.head_loss_sum(s.dims, head, y_btd, side['targets'], side.get('weights'), chunks)
+  ce = llama.head_loss_sum(s.dims, head, y_btd, side['targets'], side.get('weights'), chunks)
+  return ce if acc_bs is None or norm is None else ce + norm * router_loss(head, acc_bs, s)
 
 
-def _pipelined_loss_sum(params: Any, batch: Batch, s: Setup, manual: bool) -> jax.Array:
+def router_loss(head: Any, acc_bs: jax.Array, s: Setup) -> jax.Array:
+  """The router losses' share of these rows: (aux_loss_coef * sum of the rows' load-balancing
+  losses + z_loss_coef * sum of their z-losses) / (global batch * layers), so the whole batch's is
+  the mean over sequences and layers on every layout; plus the statistics' sum times the zero
+  probe (llama.STATS_PROBE), which adds nothing but whose gradient is that sum over every row
+  (summed over dp, micro-batches and accumulation chunks as every gradient is: `router_metrics`)."""
+  e, m = s.dims.n_experts, s.cfg.moe
+  tot_s = jnp.sum(acc_bs, axis=0)
+  per = s.plan.global_batch * s.dims.n_layers
+  losses = (m.aux_loss_coef * tot_s[e + 1] + m.z_loss_coef * tot_s[e + 2]) / per
+  return losses + jnp.dot(tot_s, head['head'][llama.STATS_PROBE])
+
+
+def router_metrics(grads: Any, s: Setup) -> tuple[Any, dict[str, jax.Array]]:
+  """(grads with the probe's zeroed, the router statistics of the step): each expert's share of the
+  token assignments (`moe_load`, mean over layers), the dropped share (`moe_dropped`), the
+  load-balancing and z losses (mean over sequences and layers, before their coefficients). None
+  without a mixture of experts, or with LoRA (the head, and its probe, frozen)."""
+  head = grads.get('head', {}) if isinstance(grads, dict) else {}
+  if not s.dims.n_experts or llama.STATS_PROBE not in head:
+    return grads, {}
+  e, per = s.dims.n_experts, s.plan.global_batch * s.dims.n_layers
+  mean = head[llama.STATS_PROBE] / per
+  grads = {**grads, 'head': {**head, llama.STATS_PROBE: jnp.zeros_like(head[llama.STATS_PROBE])}}
+  return grads, {
+    'moe_load': mean[:e],
+    'moe_dropped': mean[e],
+    'moe_aux_loss': mean[e + 1],
+    'moe_z_loss': mean[e + 2],
+  }
+
+
+def _with_stats_row(s: Setup, x_btd: jax.Array) -> jax.Array:
+  """x with one more position, zero, for the router statistics the layers add (mixture of experts)."""
+  return jnp.concatenate([x_btd, jnp.zeros_like(x_btd[:, :1])], axis=1) if s.dims.n_experts else x_btd
+
+
+def _split_stats_row(s: Setup, y_btd: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+  """(the layers' output, the router statistics' row [b, S] fp32 or None)."""
+  if not s.dims.n_experts:
+    return y_btd, None
+  return y_btd[:, :-1], y_btd[:, -1, : moe.n_stats(s.dims)].astype(jnp.float32)
+
+
+def _pipelined_loss_sum(
+  params: Any, batch: Batch, s: Setup, manual: bool, norm: jax.Array | None
+) -> jax.Array:
   """embed -> the 1F1B pipeline, with the head and loss of each micro-batch inside (split over pp),
   from its per-row side inputs (every [B, T] array but the inputs; the layers read DOC_KEYS)."""
   head = {k: params[k] for k in ('head', 'embed') if k == 'head' or s.dims.tie_embeddings}  # what it reads
 
-  x_btd = llama.embed_apply(s.dims, params, batch['inputs'])
+  x_btd = _with_stats_row(s, llama.embed_apply(s.dims, params, batch['inputs']))
   return pipeline.loss(
     _block_fn(s, batch['inputs'].shape[1]),
     params['layers'],
     head,
     x_btd,
     {k: v for k, v in batch.items() if k != 'inputs'},
-    lambda head, y_btd, side: _head_loss_sum(head, y_btd, side, s),
+    lambda head, y_btd, side: _head_loss_sum(head, y_btd, side, s, norm),
     mesh=s.mesh,
     plan=s.plan,
     rules=s.rules,
@@ -97,7 +154,8 @@ def _block_fn(s: Setup, seq_len: int) -> Callable:
   def layer(p, h, side):
     noise = (side[lora.NOISE], lora.layer_salt(p)) if lora.NOISE in side else None  # training only
     ids, pos = side.get('segment_ids'), side.get('positions')
-    return llama.block_apply(s.dims, p, h, pos, seq_len=sp_len, segment_ids=ids, noise=noise)
+    stats = bool(s.dims.n_experts)  # the router statistics' row rides at the end of x
+    return llama.block_apply(s.dims, p, h, pos, seq_len=sp_len, segment_ids=ids, noise=noise, stats_row=stats)
 
   return layer
 
@@ -116,8 +174,16 @@ def hidden(
 ) -> jax.Array:
   """The last layer's output [b, t, d] (embed -> the pipeline), what the head reads."""
   x_btd = llama.embed_apply(s.dims, params, tokens_bt)
+  return _split_stats_row(s, _layers(params, x_btd, s, manual, doc))[0]
+
+
+def _layers(params: Any, x_btd: jax.Array, s: Setup, manual: bool, doc: Batch | None) -> jax.Array:
+  """The embedded batch through the pipeline (with the router statistics' row of a mixture of
+  experts, `_with_stats_row`: [b, t + 1, d] out)."""
+  seq_len = x_btd.shape[1]
+  x_btd = _with_stats_row(s, x_btd)
   return pipeline.apply(
-    _block_fn(s, tokens_bt.shape[1]),
+    _block_fn(s, seq_len),
     params['layers'],
     x_btd,
     doc or None,
@@ -168,11 +234,13 @@ def loss_and_grads(params: Any, batch: Batch, residual: Any, s: Setup) -> tuple[
   norm = weight_sum(batch)  # global
   params, frozen = lora.trainable(s.dims, params)  # LoRA: only the adapters are differentiated
   if not s.explicit_dp:
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(lora.merge(p, frozen), b, s) / norm)
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(lora.merge(p, frozen), b, s, norm=norm) / norm)
     return (*accumulate(grad_fn, params, batch, s.plan.grad_accum), residual)
 
   def local_grads(params, frozen, batch, norm):  # one device's rows: dp and pp are manual here
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(lora.merge(p, frozen), b, s, manual=True) / norm)
+    grad_fn = jax.value_and_grad(
+      lambda p, b: loss_sum(lora.merge(p, frozen), b, s, manual=True, norm=norm) / norm
+    )
     with sharding.use_rules(sharding.without_dp_pp(s.rules)):
       return accumulate(grad_fn, params, batch, s.plan.grad_accum, first_outside=True)
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax3d import optim
 from jax3d.data import global_batch
-from jax3d.loss import loss_and_grads, loss_sum, weight_sum
+from jax3d.loss import loss_and_grads, loss_sum, router_metrics, weight_sum
 from jax3d.model import llama, lora
 from jax3d.parallel import data_parallel, sharding
 
@@ -58,6 +58,7 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
     batch = {**batch, lora.NOISE: jax.lax.with_sharding_constraint(words, s.batch_sharding)}
   with sharding.use_rules(s.rules):
     loss, grads, residual = loss_and_grads(state['params'], batch, state.get('grad_residual'), s)
+  grads, router = router_metrics(grads, s)  # mixture of experts: the probe's gradient, read and zeroed
   params, frozen = lora.trainable(s.dims, state['params'])  # the base (LoRA) passes through unchanged
   if s.zero1:  # ZeRO-1: gradients in the moments' layout, the update on each rank's slice only
     zero = lora.trainable(s.dims, s.zero_shardings)[0]  # (the explicit path delivered the slices)
@@ -89,7 +90,7 @@ def train_step(state: State, batch: Batch, s: Setup) -> tuple[State, dict]:
     new_state['grad_residual'] = residual
   # The rate the optimizer used: its schedule count (frozen on skipped steps), not the step counter.
   lr = s.lr_schedule(optim.lr_schedule_count(state['opt_state'], default=state['step']))
-  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'finite': ok}
+  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'finite': ok} | router
   return new_state, metrics
 
 

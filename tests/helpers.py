@@ -40,7 +40,7 @@ def small_cfg(**over):
 
 
 def setup_for(cfg):
-  n = cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.pp * cfg.mesh.tp
+  n = cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.ep * cfg.mesh.pp * cfg.mesh.tp
   return assemble.build(cfg, jax.devices()[:n])
 
 

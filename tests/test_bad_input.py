@@ -571,6 +571,35 @@ TABLE = [
   (T, ['--config.eval.tasks_limit=5'], ['eval.tasks_limit=5 is invalid', 'acts only with eval.tasks']),
   (T, ['--config.eval.tasks_include_path=FILES'], ["eval.tasks_include_path='FILES'", 'eval.tasks']),
   (T, ['--config.train.cp_strategy=ring'], ["train.cp_strategy='ring' is invalid", 'mesh.cp > 1']),
+  # --- issue 55: mixture of experts -------------------------------------------------------------
+  (
+    T,
+    ['--config.moe.num_experts=4', '--config.moe.top_k=5'],
+    ['moe.top_k=5 is invalid', 'at most moe.num_experts=4'],
+  ),
+  (T, ['--config.moe.num_experts=4', '--config.moe.capacity_factor=0'], ['moe.capacity_factor=0', '> 0']),
+  (T, ['--config.moe.num_experts=-2'], ['moe.num_experts=-2 is invalid', '>= 0 (0 = dense)']),
+  (T, ['--config.moe.top_k=4'], ['moe.top_k=4 is invalid', 'acts only with moe.num_experts > 0']),
+  (
+    T,
+    ['--config.moe.num_experts=4', '--config.mesh.cp=2', '--config.mesh.pp=1'],
+    ['mesh.cp=2 is invalid', 'not supported yet with moe.num_experts=4'],
+  ),
+  (
+    T,
+    ['--config.mesh.ep=2', '--config.mesh.dp=-1'],
+    ['mesh.ep=2 is invalid', '1 without a mixture of experts'],
+  ),
+  (
+    T,
+    ['--config.moe.num_experts=6', '--config.mesh.ep=4', '--config.mesh.dp=1', '--config.mesh.pp=1'],
+    ['mesh.ep=4 is invalid', 'a divisor of moe.num_experts=6'],
+  ),
+  (
+    T,
+    ['--config.moe.num_experts=4', '--config.lora.rank=4', '--config.lora.targets=q,up'],
+    ["lora.targets='q,up' is invalid", 'attention projections only'],
+  ),
   (
     T,
     [

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jax3d.analysis import ep_comm
 from jax3d.analysis.cp_comm import KV_KINDS, KV_WHAT, cp_attention_bytes
 from jax3d.analysis.dp_comm import dp_comm
+from jax3d.analysis.ep_comm import ep_dispatch_bytes
 from jax3d.model import formulas
 
 if TYPE_CHECKING:
@@ -34,7 +36,9 @@ def expected_comm(s: Setup) -> dict:
       with train.grad_reduce_dtype bfloat16/int8 the reduce half moves 2/1 bytes per element (int8
       scales not counted), and under ZeRO-1 the all-gather half moves the parameters' bytes.
   cp: per layer per micro-batch, K and V all-gathered forward and backward and dK, dV
-      reduce-scattered, 3 (c-1)/c * 2*b*s*(k/t)*d_head * bytes (jax3d/analysis/cp_comm.py)."""
+      reduce-scattered, 3 (c-1)/c * 2*b*s*(k/t)*d_head * bytes (jax3d/analysis/cp_comm.py).
+  ep: per layer per micro-batch, 5 all-to-alls of the dispatched slots, 5 (e-1)/e * b*E*C*d * bytes
+      (jax3d/analysis/ep_comm.py)."""
   plan, dims, a = s.plan, s.dims, s.plan.grad_accum
   p, v, m, t, d = plan.pp, plan.repeats, plan.microbatches, plan.tp, plan.dp
   act = np.dtype(dims.dtype).itemsize
@@ -70,12 +74,22 @@ def expected_comm(s: Setup) -> dict:
     },
     'pp_edges': {'formula': edge, 'spmd': edge},
     'cp': cp_attention_bytes(plan, dims.n_layers, dims.n_kv_heads, dims.head_dim, act, dims.cp_strategy),
+    'ep': ep_dispatch_bytes(
+      plan, dims.n_layers, dims.n_experts, _capacity(s), dims.d_model, act, s.cfg.train.remat
+    ),
     'dp': {'formula': dp['wire'], 'spmd': dp['wire']},
     'p_local_bytes': dp['p_local'],
     'dp_grad_bytes': dp['grads'],
     'layer_bytes_local': dp['layers_local'],
     'bsh_bytes': bsh,
   }
+
+
+def _capacity(s: Setup) -> int:
+  dims = s.dims
+  if not dims.n_experts:
+    return 0
+  return ep_comm.capacity(dims.capacity_factor, s.plan.seq_len, dims.top_k, dims.n_experts)
 
 
 def summarize(colls: list[dict]) -> dict:
@@ -155,6 +169,16 @@ def checks(colls: list[dict], e: dict) -> list[dict]:
       'spmd': e['dp']['spmd'],
     },
   ]
+  if e['ep']['formula']:
+    out.append(
+      {
+        'axis': 'ep',
+        'what': "experts' all-to-alls over ep (in the layers, fwd+bwd)",
+        'measured': total(lambda c: c['axes'] == 'ep' and c['kind'] == 'all-to-all'),
+        'formula': e['ep']['formula'],
+        'spmd': e['ep']['spmd'],
+      }
+    )
   if e['cp']['formula']:
     out.append(
       {

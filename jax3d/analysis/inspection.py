@@ -50,6 +50,7 @@ def analyze(compiled: jax.stages.Compiled, s: Setup) -> dict:
       'dp': plan.dp,
       'pp': plan.pp,
       'tp': plan.tp,
+      'ep': plan.ep,
       'microbatches': plan.microbatches,
       'repeats': plan.repeats,
       'schedule': cfg.pipeline.schedule if plan.pp > 1 else 'none',
@@ -119,8 +120,9 @@ def summary_lines(r: dict) -> list[str]:
 def render(r: dict) -> str:
   """The human-readable report of `python -m jax3d.inspect`."""
   lay, m = r['layout'], r['memory_bytes']
+  ep = f' ep={lay["ep"]}' if lay.get('ep', 1) > 1 else ''
   out = [
-    f'layout dp={lay["dp"]} pp={lay["pp"]} tp={lay["tp"]}  m={lay["microbatches"]} v={lay["repeats"]} '
+    f'layout dp={lay["dp"]} pp={lay["pp"]} tp={lay["tp"]}{ep}  m={lay["microbatches"]} v={lay["repeats"]} '
     f'accum={lay["grad_accum"]}  b={lay["micro_batch_per_dp_shard"]} s={lay["seq_len"]}  '
     f'remat={lay["remat"]} {lay["compute_dtype"]}  on {r["device_kind"]}',
     '',

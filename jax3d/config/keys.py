@@ -79,6 +79,27 @@ class Mesh:
   allow_tp_across_hosts: bool = key(False, ANY)  # refuse a tp group that spans hosts unless forced
   # context parallel: devices sharing each row's tokens (a 4th mesh axis 'cp' when > 1)
   cp: int = key(1, POSITIVE)
+  # expert parallel: devices splitting a mixture's experts (a 4th mesh axis 'ep' when > 1), data
+  # parallel outside the experts; divides moe.num_experts
+  ep: int = key(1, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Moe:
+  """`moe.*` (jax3d/model/moe.py)."""
+
+  # routed experts per layer; 0 = a dense SwiGLU MLP (no mixture of experts)
+  num_experts: int = key(0, at_least(0, '0 = dense'))
+  top_k: int = key(2, POSITIVE)  # experts each token is sent to; at most num_experts
+  # renormalise the top-k routing weights to sum to 1 (Mixtral: true; the HF config's norm_topk_prob)
+  norm_topk_prob: bool = key(True, ANY)
+  d_expert: int = key(0, at_least(0, '0 = model.d_ff'))  # one expert's SwiGLU hidden size; 0 = model.d_ff
+  # hidden size of a shared expert every token also goes through (0 = none)
+  d_shared: int = key(0, at_least(0, '0 = no shared expert'))
+  # slots per expert = ceil(capacity_factor * tokens * top_k / num_experts) per sequence; tokens over it dropped
+  capacity_factor: float = key(1.25, above(0))
+  aux_loss_coef: float = key(0.01, NON_NEGATIVE)  # load-balancing loss coefficient (Switch/Mixtral form)
+  z_loss_coef: float = key(0.0, NON_NEGATIVE)  # router z-loss coefficient (ST-MoE: mean logsumexp^2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +307,7 @@ class Config:
   mesh: Mesh = dataclasses.field(default_factory=Mesh)
   pipeline: Pipeline = dataclasses.field(default_factory=Pipeline)
   model: Model = dataclasses.field(default_factory=Model)
+  moe: Moe = dataclasses.field(default_factory=Moe)
   train: Train = dataclasses.field(default_factory=Train)
   data: Data = dataclasses.field(default_factory=Data)
   log: Log = dataclasses.field(default_factory=Log)

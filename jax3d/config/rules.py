@@ -52,15 +52,19 @@ def _llama3_frequencies(cfg: Config) -> Failure:
 
 
 def _hf_model_type_holds_features(cfg: Config) -> Failure:
-  m = cfg.model
-  need = {'': (m.qkv_bias, m.qk_norm), 'qwen2': (True, False), 'qwen3': (False, True)}
-  want = need.get(m.hf_model_type, (False, False))
-  if m.hf_model_type and (m.qkv_bias, m.qk_norm) != want:
+  m, moe = cfg.model, cfg.moe
+  need = {'qwen2': (True, False, False), 'qwen3': (False, True, False), 'mixtral': (False, False, True)}
+  want = (need | {'qwen3_moe': (False, True, True)}).get(m.hf_model_type, (False, False, False))
+  have = (m.qkv_bias, m.qk_norm, moe.num_experts > 0)
+  moe_only = moe.num_experts > 0 and (
+    moe.d_shared or (m.hf_model_type == 'mixtral' and not moe.norm_topk_prob)
+  )
+  if m.hf_model_type and (have != want or moe_only):
     return (
       'model.hf_model_type',
       m.hf_model_type,
-      f'an architecture that holds qkv_bias={m.qkv_bias}, qk_norm={m.qk_norm} '
-      f'({"; ".join(f"{k or chr(39) * 2}: {v}" for k, v in HF_MODEL_TYPES.items())})',
+      f'an architecture that holds qkv_bias={m.qkv_bias}, qk_norm={m.qk_norm}, '
+      f'moe.num_experts={moe.num_experts} ({"; ".join(f"{k or chr(39) * 2}: {v}" for k, v in HF_MODEL_TYPES.items())})',
     )
   if m.qkv_bias and m.qk_norm:
     return 'model.qk_norm', m.qk_norm, 'false with model.qkv_bias=true (no exported architecture has both)'
@@ -157,6 +161,43 @@ def _lora_rank_fits_layers(cfg: Config) -> Failure:
   return None
 
 
+def _moe_settings(cfg: Config) -> Failure:
+  """A mixture of experts (moe.num_experts > 0): k of the experts, room in the residual stream for
+  the router statistics' row (jax3d/model/moe.py), and what it is not built with yet."""
+  e, m = cfg.moe.num_experts, cfg.moe
+  if not e:
+    return None
+  if m.top_k > e:
+    return 'moe.top_k', m.top_k, f'at most moe.num_experts={e}'
+  if cfg.model.d_model < e + 3:
+    return (
+      'moe.num_experts',
+      e,
+      f'at most model.d_model - 3 = {cfg.model.d_model - 3} (the router statistics ride in one row of the stream)',
+    )
+  not_yet = f'not supported yet with moe.num_experts={e} > 0'
+  adapted = sorted(set(lora_targets(cfg.lora.targets)) & {'gate', 'up', 'down'}) if cfg.lora.rank else []
+  unsupported = (
+    ('mesh.cp', cfg.mesh.cp, cfg.mesh.cp > 1, f'1 ({not_yet})'),
+    (
+      'train.sequence_parallel',
+      cfg.train.sequence_parallel,
+      cfg.train.sequence_parallel != 'false',
+      f'false ({not_yet})',
+    ),
+    (
+      'lora.targets',
+      cfg.lora.targets,
+      bool(adapted),
+      f'attention projections only (q,k,v,o): {not_yet} on the experts',
+    ),
+  )
+  for key, value, bad, valid in unsupported:
+    if bad:
+      return key, value, valid
+  return None
+
+
 MODEL_CHECKS: tuple[Callable[[Config], Failure], ...] = (
   _heads_divide_d_model,
   _head_size_even,
@@ -168,6 +209,7 @@ MODEL_CHECKS: tuple[Callable[[Config], Failure], ...] = (
   _hf_model_type_holds_features,
   _lora_settings_need_rank,
   _lora_rank_fits_layers,
+  _moe_settings,
 )
 
 
@@ -175,6 +217,13 @@ def _tp_divides_layers(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   for key in ('n_heads', 'n_kv_heads', 'd_ff'):
     if getattr(cfg.model, key) % tp:
       return f'model.{key}', getattr(cfg.model, key), f'must be divisible by mesh.tp={tp}'
+  for key in ('d_expert', 'd_shared'):
+    if cfg.moe.num_experts and getattr(cfg.moe, key) % tp:
+      return (
+        f'moe.{key}',
+        getattr(cfg.moe, key),
+        f'must be divisible by mesh.tp={tp} (the experts split over tp)',
+      )
   return None
 
 
@@ -259,6 +308,41 @@ def _context_parallel(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
   return None
 
 
+def _expert_parallel(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
+  """mesh.ep > 1: a mixture whose experts and micro-batch rows divide over ep."""
+  ep, e, t = cfg.mesh.ep, cfg.moe.num_experts, cfg.train
+  if ep == 1:
+    return None
+  if not e:
+    return 'mesh.ep', ep, '1 without a mixture of experts (moe.num_experts=0: nothing to split)'
+  if e % ep:
+    return 'mesh.ep', ep, f'a divisor of moe.num_experts={e} (each ep rank holds num_experts/ep experts)'
+  per = dp * cfg.pipeline.microbatches * t.grad_accum * ep
+  if t.global_batch_size % per:
+    return (
+      'train.global_batch_size',
+      t.global_batch_size,
+      f'must be divisible by mesh.dp*pipeline.microbatches*train.grad_accum*mesh.ep = {per} '
+      '(each micro-batch is split over dp, then over ep)',
+    )
+  return None
+
+
+def _moe_1f1b_rows(cfg: Config, dp: int, pp: int, tp: int) -> Failure:
+  """1F1B splits each micro-batch's head over pp by rows, else by positions: with a mixture of
+  experts the positions hold the router statistics' row too, so the rows must split."""
+  t, m = cfg.train, cfg.pipeline.microbatches
+  rows = t.global_batch_size // max(1, dp * m * t.grad_accum)
+  if cfg.moe.num_experts and cfg.pipeline.schedule == '1f1b' and pp > 1 and rows % pp:
+    return (
+      'train.global_batch_size',
+      t.global_batch_size,
+      f'a multiple of mesh.dp*pipeline.microbatches*train.grad_accum*mesh.pp = {dp * m * t.grad_accum * pp} '
+      "(1F1B with a mixture of experts splits each micro-batch's rows over pp for the head)",
+    )
+  return None
+
+
 LAYOUT_CHECKS: tuple[Callable[[Config, int, int, int], Failure], ...] = (
   _tp_divides_layers,
   _tp_divides_vocab,
@@ -267,6 +351,8 @@ LAYOUT_CHECKS: tuple[Callable[[Config, int, int, int], Failure], ...] = (
   _interleaved_1f1b_groups,
   _batch_divides,
   _context_parallel,
+  _moe_1f1b_rows,
+  _expert_parallel,
 )
 
 

@@ -42,10 +42,11 @@ class RunPlan:
   sequence_parallel: bool = False  # train.sequence_parallel, resolved: on only with tp > 1
   skip_bubbles: bool | None = None  # pipeline.skip_bubbles; None = auto (decided by the devices)
   cp: int = 1  # mesh.cp: context parallel, devices sharing each row's tokens
+  ep: int = 1  # mesh.ep: expert parallel, devices splitting the experts (data parallel outside them)
 
   @property
-  def n_devices(self) -> int:  # dp * cp * pp * tp
-    return self.dp * self.cp * self.pp * self.tp
+  def n_devices(self) -> int:  # dp * ep * cp * pp * tp
+    return self.dp * self.ep * self.cp * self.pp * self.tp
 
   @property
   def chunk_batch(self) -> int:  # sequences per accumulation chunk
@@ -88,9 +89,12 @@ def _fail(key: str, value: Any, valid: str) -> NoReturn:
   raise ConfigError(f'{key}={value!r} is invalid: {valid}')
 
 
-def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int, cp: int = 1) -> tuple[int, int, int]:
-  """Fills one -1 axis with the devices left over; checks dp*cp*pp*tp == n_devices."""
+def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int, cp: int = 1, ep: int = 1) -> tuple[int, int, int]:
+  """Fills one -1 axis with the devices left over; checks dp*ep*cp*pp*tp == n_devices."""
   _check_range('mesh.cp', cp)
+  _check_range('mesh.ep', ep)
+  extra = {name: v for name, v in (('cp', cp), ('ep', ep)) if v > 1}  # the optional axes
+  cp *= ep  # they count alike here
   sizes = {'mesh.dp': dp, 'mesh.pp': pp, 'mesh.tp': tp}
   for k, v in sizes.items():
     _check_range(k, v)
@@ -107,7 +111,7 @@ def resolve_mesh(dp: int, pp: int, tp: int, n_devices: int, cp: int = 1) -> tupl
     sizes[free[0]] = n_devices // fixed
   total = cp * math.prod(sizes.values())
   if total != n_devices:
-    cp_words = ('cp*', f'{cp}*') if cp > 1 else ('', '')
+    cp_words = (''.join(f'{k}*' for k in extra), ''.join(f'{v}*' for v in extra.values()))
     raise ConfigError(
       f'mesh dp*{cp_words[0]}pp*tp = {sizes["mesh.dp"]}*{cp_words[1]}{sizes["mesh.pp"]}*{sizes["mesh.tp"]} = '
       f'{total}, but {n_devices} devices are visible (use -1 on one axis to fill)'
@@ -168,6 +172,19 @@ DORMANT = (
     "eval.tasks (eval.tasks='' runs no task)",
   ),
   (('train.cp_strategy',), lambda cfg: cfg.mesh.cp > 1, 'mesh.cp > 1 (mesh.cp=1 splits no sequence)'),
+  (
+    (
+      'moe.top_k',
+      'moe.norm_topk_prob',
+      'moe.d_expert',
+      'moe.d_shared',
+      'moe.capacity_factor',
+      'moe.aux_loss_coef',
+      'moe.z_loss_coef',
+    ),
+    lambda cfg: cfg.moe.num_experts > 0,
+    'moe.num_experts > 0 (moe.num_experts=0 is a dense MLP)',
+  ),
 )
 
 
@@ -194,13 +211,14 @@ def validated(cfg: ml_collections.ConfigDict, n_devices: int) -> tuple[Config, R
   c = checked(cfg)
   _raise_first(check(c) for check in MODEL_CHECKS)
   _raise_first([_dormant(cfg)])
-  dp, pp, tp = resolve_mesh(c.mesh.dp, c.mesh.pp, c.mesh.tp, n_devices, c.mesh.cp)
+  dp, pp, tp = resolve_mesh(c.mesh.dp, c.mesh.pp, c.mesh.tp, n_devices, c.mesh.cp, c.mesh.ep)
   _raise_first(check(c, dp, pp, tp) for check in LAYOUT_CHECKS)
   t, p_ = c.train, c.pipeline
   rows = t.global_batch_size // (dp * p_.microbatches * t.grad_accum) * t.seq_len
   plan = RunPlan(
     sequence_parallel=_sequence_parallel(t.sequence_parallel, rows, tp, c.mesh.cp),
     cp=c.mesh.cp,
+    ep=c.mesh.ep,
     dp=dp,
     pp=pp,
     tp=tp,

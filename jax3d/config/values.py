@@ -70,6 +70,8 @@ HF_MODEL_TYPES = {
   'mistral': 'no qkv_bias, no qk_norm',
   'qwen2': 'qkv_bias, no qk_norm',
   'qwen3': 'qk_norm, no qkv_bias',
+  'mixtral': 'moe.num_experts > 0, no qkv_bias, no qk_norm, moe.norm_topk_prob, no moe.d_shared',
+  'qwen3_moe': 'moe.num_experts > 0, qk_norm, no qkv_bias, no moe.d_shared',
 }
 HF_PREFIX = 'hf:'  # checkpoint.init_from=hf:FOLDER, a Hugging Face model folder
 DATA_PATHS = (

@@ -73,8 +73,12 @@ def _check_family(path: str, c: dict) -> None:
       path, f'{cfg_file} describes {arch} (model_type {model_type!r}); the families that load: {known}'
     )
   for key in ('num_local_experts', 'num_experts', 'n_routed_experts'):
-    if c.get(key):
-      raise _bad(path, f'{cfg_file} has {key}={c[key]} (mixture of experts); only dense models load')
+    if c.get(key) and not (fam.moe and key != 'n_routed_experts'):
+      raise _bad(path, f'{cfg_file} has {key}={c[key]} (mixture of experts); {arch} is a dense family')
+  if fam.moe and not (families.n_experts(c) and isinstance(c.get('num_experts_per_tok'), int)):
+    raise _bad(
+      path, f'{cfg_file} lacks num_local_experts or num_experts_per_tok ({arch} is a mixture of experts)'
+    )
   problem = families.check(c, model_type) or families.rope_problem(c)
   if problem:
     key, value, valid = problem
@@ -157,6 +161,14 @@ def model_keys(hf: HFModel) -> dict[str, Any]:
     'model.norm_eps': float(c.get('rms_norm_eps', 1e-6)),
     'model.max_seq_len': int(c.get('max_position_embeddings', 2048)),
   }
+  if fam.moe:  # Mixtral's intermediate_size is its experts'; Qwen3-MoE names them apart
+    keys |= {
+      'moe.num_experts': families.n_experts(c),
+      'moe.top_k': int(c['num_experts_per_tok']),
+      'moe.norm_topk_prob': bool(c.get('norm_topk_prob', hf.model_type == 'mixtral')),
+      'moe.d_expert': int(c.get('moe_intermediate_size') or c['intermediate_size']),
+      'moe.aux_loss_coef': float(c.get('router_aux_loss_coef', 0.0)),
+    }
   if kind != 'default':
     keys['model.rope_factor'] = float(spec['factor'])
   if kind == 'llama3':
@@ -207,6 +219,36 @@ def expected_shapes(hf: HFModel) -> dict[str, tuple[int, ...]]:
       out |= {p + 'self_attn.v_proj.bias': (k * h,)}
     if fam.qk_norm:
       out |= {p + 'self_attn.q_norm.weight': (h,), p + 'self_attn.k_norm.weight': (h,)}
+    if fam.moe:
+      for name in ('gate_proj', 'up_proj', 'down_proj'):
+        del out[p + f'mlp.{name}.weight']
+      out |= expert_shapes(hf, i, d, m['moe.num_experts'], m['moe.d_expert'])
+  return out
+
+
+def fused_experts(hf: HFModel) -> bool:
+  """Whether the folder holds transformers 5's fused expert tensors (else one per expert)."""
+  return 'model.layers.0.mlp.experts.gate_up_proj' in hf.tensors
+
+
+def expert_tensor_names(model_type: str, i: int, e: int) -> tuple[str, str, str, str]:
+  """Layer i's router and expert e's gate, up and down tensors, one per expert (the hub's layout)."""
+  fam = families.FAMILIES[model_type]
+  p = f'model.layers.{i}.{fam.moe_prefix}.'
+  return (p + 'gate.weight', *(p + f'experts.{e}.{n}.weight' for n in fam.expert_names))
+
+
+def expert_shapes(hf: HFModel, i: int, d: int, n_experts: int, f: int) -> dict[str, tuple[int, ...]]:
+  """Layer i's router and experts' tensors and their shapes, in the folder's layout."""
+  if fused_experts(hf):
+    p = f'model.layers.{i}.mlp.'
+    return {p + 'gate.weight': (n_experts, d), p + 'experts.gate_up_proj': (n_experts, 2 * f, d)} | {
+      p + 'experts.down_proj': (n_experts, d, f)
+    }
+  out = {expert_tensor_names(hf.model_type, i, 0)[0]: (n_experts, d)}
+  for e in range(n_experts):
+    _, gate, up, down = expert_tensor_names(hf.model_type, i, e)
+    out |= {gate: (f, d), up: (f, d), down: (d, f)}
   return out
 
 

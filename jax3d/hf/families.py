@@ -12,6 +12,12 @@ as a different model.
   mistral   MistralForCausalLM  a sliding window, accepted when it covers train.seq_len
   qwen2     Qwen2ForCausalLM    biases on q, k and v (Qwen2, Qwen2.5)
   qwen3     Qwen3ForCausalLM    per-head RMSNorm of q and k, head_dim != hidden/heads
+  mixtral   MixtralForCausalLM  a mixture of experts in every layer (top-k renormalised)
+  qwen3_moe Qwen3MoeForCausalLM Qwen3's attention, a mixture of experts in every layer
+
+A mixture's experts load from either layout: one tensor per expert and projection (what
+`save_pretrained` writes, the hub's files) or transformers 5's fused expert tensors
+(mlp.experts.gate_up_proj [E, 2f, d], mlp.experts.down_proj [E, d, f]) (`expert_names`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ class Family:
   architecture: str
   qkv_bias: bool = False
   qk_norm: bool = False
+  moe: bool = False
+  moe_prefix: str = 'mlp'  # the per-expert tensors' module (Mixtral's: block_sparse_moe)
+  expert_names: tuple[str, str, str] = ('gate_proj', 'up_proj', 'down_proj')  # per-expert gate, up, down
 
 
 FAMILIES = {
@@ -32,13 +41,19 @@ FAMILIES = {
   'mistral': Family('MistralForCausalLM'),
   'qwen2': Family('Qwen2ForCausalLM', qkv_bias=True),
   'qwen3': Family('Qwen3ForCausalLM', qk_norm=True),
+  'mixtral': Family(
+    'MixtralForCausalLM', moe=True, moe_prefix='block_sparse_moe', expert_names=('w1', 'w3', 'w2')
+  ),
+  'qwen3_moe': Family('Qwen3MoeForCausalLM', qk_norm=True, moe=True),
 }
 
 
-def family_of(qkv_bias: bool, qk_norm: bool, model_type: str = '') -> str:
+def family_of(qkv_bias: bool, qk_norm: bool, model_type: str = '', moe: bool = False) -> str:
   """The model_type an export writes: the one given (an import's), else the one the features need."""
   if model_type:
     return model_type
+  if moe:
+    return 'qwen3_moe' if qk_norm else 'mixtral'
   return 'qwen3' if qk_norm else 'qwen2' if qkv_bias else 'llama'
 
 
@@ -56,7 +71,7 @@ NEUTRAL = frozenset(
     'num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p '
     'repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size '
     'bad_words_ids num_return_sequences remove_invalid_values exponential_decay_length_penalty '
-    'suppress_tokens begin_suppress_tokens'
+    'suppress_tokens begin_suppress_tokens output_router_logits'
   ).split()
 )
 
@@ -66,7 +81,8 @@ READ = frozenset(
     'num_hidden_layers hidden_size num_attention_heads num_key_value_heads intermediate_size '
     'vocab_size head_dim rms_norm_eps rope_theta rope_scaling rope_parameters '
     'max_position_embeddings tie_word_embeddings sliding_window use_sliding_window '
-    'max_window_layers layer_types'
+    'max_window_layers layer_types num_local_experts num_experts num_experts_per_tok '
+    'moe_intermediate_size norm_topk_prob router_aux_loss_coef'
   ).split()
 )
 
@@ -101,6 +117,7 @@ def check(c: dict, model_type: str) -> tuple[str, Any, str] | None:
     # Qwen2's q/k/v biases are part of the architecture (the key is unused there); elsewhere
     # attention_bias adds an output-projection bias too, which jax3d does not have.
     'attention_bias': (lambda v: fam.qkv_bias or _off(v), 'false (no attention biases in this family)'),
+    'decoder_sparse_step': (lambda v: v == 1, '1 (every layer a mixture of experts)'),
   }
   for key, value in c.items():
     if key in NEUTRAL or key in READ:
@@ -148,3 +165,8 @@ def sliding_window(c: dict, model_type: str) -> int | None:
   if model_type == 'mistral' or c.get('use_sliding_window'):
     return int(window)
   return int(window) if 'sliding_attention' in (c.get('layer_types') or []) else None
+
+
+def n_experts(c: dict) -> int:
+  """The routed experts per layer of config.json `c` (0: dense), under any of the names used."""
+  return int(c.get('num_local_experts') or c.get('num_experts') or 0)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jax3d.hf import peft, safetensors_io
+from jax3d.hf import experts, peft, safetensors_io
 from jax3d.hf.config import HFModel
 from jax3d.model import llama, lora, quant
 
@@ -97,6 +97,8 @@ class _Blocks:
     if leaf == 'down/kernel':
       sf, sd = idx
       return self.read(p + 'mlp.down_proj.weight', sd, sf).T
+    if leaf.startswith('moe/'):
+      return experts.read_block(self.hf, self.dims, self.read, leaf, i, idx)
     raise KeyError(f'no Hugging Face tensor for layers/{leaf} (d={d}, f={f})')
 
   def block(self, path: tuple[str, ...], idx: tuple[slice, ...]) -> np.ndarray:
@@ -109,6 +111,8 @@ class _Blocks:
       return self.vocab_rows('model.embed_tokens.weight', *idx)
     if path == ('head', 'norm', 'scale'):
       return self.read('model.norm.weight', idx[0])
+    if path == ('head', llama.STATS_PROBE):  # the router statistics' probe: zero, not a weight
+      return np.zeros(np.arange(self.dims.n_experts + 3)[idx[0]].shape, np.float32)
     if path == ('head', 'out', 'kernel'):  # untied only: a tied head is the embedding
       sd, sv = idx
       return self.vocab_rows('lm_head.weight', sv, sd).T
@@ -186,9 +190,12 @@ def _adapters(setup: Setup, abstract: Any) -> Any:
 Fetch = Callable[[], np.ndarray]
 
 
-def hf_tensors(params: Any, setup: Setup) -> Iterator[tuple[str, tuple[int, ...], np.dtype, Fetch]]:
+def hf_tensors(
+  params: Any, setup: Setup, fused: bool = False
+) -> Iterator[tuple[str, tuple[int, ...], np.dtype, Fetch]]:
   """(name, shape, dtype, fetch) of every Hugging Face tensor of the model (no lm_head when tied),
-  where fetch() gathers one layer's slice of one parameter to the host (single-process runs)."""
+  where fetch() gathers one layer's slice of one parameter to the host (single-process runs); a
+  mixture's experts one tensor per expert, or with `fused` transformers 5's fused tensors."""
   dm = setup.dims
   d, h, k, n, v = dm.d_model, dm.head_dim, dm.n_kv_heads, dm.n_heads, dm.vocab_size
   g, dtype = n // k, np.dtype(dm.param_dtype)
@@ -215,6 +222,9 @@ def hf_tensors(params: Any, setup: Setup) -> Iterator[tuple[str, tuple[int, ...]
       yield p + 'self_attn.k_norm.weight', (h,), dtype, lambda i=i: lay('k_norm', i)
     yield p + 'self_attn.o_proj.weight', (d, n * h), dtype, lambda i=i: lay('o', i).reshape(n * h, d).T
     yield p + 'post_attention_layernorm.weight', (d,), dtype, lambda i=i: lay('mlp_norm', i)
+    if dm.n_experts:
+      yield from experts.hf_tensors(params, setup, i, position[i], fused)
+      continue
     yield p + 'mlp.gate_proj.weight', (dm.d_ff, d), dtype, lambda i=i: lay('gate_up', i)[:, 0].T
     yield p + 'mlp.up_proj.weight', (dm.d_ff, d), dtype, lambda i=i: lay('gate_up', i)[:, 1].T
     yield p + 'mlp.down_proj.weight', (d, dm.d_ff), dtype, lambda i=i: lay('down', i).T

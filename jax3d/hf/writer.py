@@ -47,8 +47,8 @@ def config_json(setup: Setup, tok: tok_lib.Tokenizer) -> dict:
   layout (rope_scaling beside rope_theta), which transformers 4 and 5 both read."""
   dm, m = setup.dims, setup.cfg.model
   dtype = str(np.dtype(dm.param_dtype))
-  model_type = families.family_of(dm.qkv_bias, dm.qk_norm, m.hf_model_type)
-  return {
+  model_type = families.family_of(dm.qkv_bias, dm.qk_norm, m.hf_model_type, moe=dm.n_experts > 0)
+  return _moe_keys(setup, model_type) | {
     'architectures': [families.FAMILIES[model_type].architecture],
     'model_type': model_type,
     'hidden_size': dm.d_model,
@@ -69,6 +69,33 @@ def config_json(setup: Setup, tok: tok_lib.Tokenizer) -> dict:
     'bos_token_id': tok.bos_id,
     'eos_token_id': tok.eos_id,
     'torch_dtype': dtype,
+  }
+
+
+def _moe_keys(setup: Setup, model_type: str) -> dict:
+  """config.json's mixture-of-experts keys (none for a dense model); ConfigError for a mixture
+  the family cannot hold (a shared expert; Mixtral's weights are always renormalised)."""
+  dm, moe = setup.dims, setup.cfg.moe
+  if not dm.n_experts:
+    return {}
+  if dm.d_shared or (model_type == 'mixtral' and not dm.norm_topk_prob):
+    raise ConfigError(
+      f'moe.d_shared={dm.d_shared}, moe.norm_topk_prob={dm.norm_topk_prob}: no Hugging Face family '
+      'jax3d exports holds a shared expert, nor (Mixtral) unnormalised top-k weights'
+    )
+  keys = {
+    'num_experts_per_tok': dm.top_k,
+    'router_aux_loss_coef': moe.aux_loss_coef,
+    'output_router_logits': False,
+  }
+  if model_type == 'mixtral':
+    return keys | {'num_local_experts': dm.n_experts, 'router_jitter_noise': 0.0, 'sliding_window': None}
+  return keys | {
+    'num_experts': dm.n_experts,
+    'moe_intermediate_size': dm.expert_ff,
+    'norm_topk_prob': dm.norm_topk_prob,
+    'decoder_sparse_step': 1,
+    'mlp_only_layers': [],
   }
 
 
@@ -95,12 +122,16 @@ def _copy_tokenizer(tok: tok_lib.Tokenizer, out: str) -> list[str]:
   return written
 
 
-def export(params: Any, setup: Setup, out: str, max_shard_bytes: int = 2 << 30) -> list[str]:
+def export(
+  params: Any, setup: Setup, out: str, max_shard_bytes: int = 2 << 30, fused_experts: bool = False
+) -> list[str]:
   """Writes the Hugging Face folder `out` from `params` (any layout of `setup`, one process);
-  returns the file names written."""
+  returns the file names written. A mixture's experts one tensor per expert (the hub's layout),
+  or with `fused_experts` transformers 5's fused tensors."""
   os.makedirs(out, exist_ok=True)
   tok = tok_lib.load(setup.cfg.data.tokenizer)
-  tensors = list(weights.hf_tensors(params, setup))
+  cfg = config_json(setup, tok)  # refuses what no family holds before any tensor is written
+  tensors = list(weights.hf_tensors(params, setup, fused_experts))
   groups, size = [[]], 0
   for t in tensors:  # consecutive tensors, max_shard_bytes per file (at least one tensor each)
     nbytes = int(np.prod(t[1])) * np.dtype(t[2]).itemsize
@@ -125,7 +156,6 @@ def export(params: Any, setup: Setup, out: str, max_shard_bytes: int = 2 << 30) 
     with open(os.path.join(out, 'model.safetensors.index.json'), 'w') as f:
       json.dump(index, f, indent=2)
     written.append('model.safetensors.index.json')
-  cfg = config_json(setup, tok)
   with open(os.path.join(out, 'config.json'), 'w') as f:
     json.dump(cfg, f, indent=2)
   gen = {k: cfg[k] for k in ('bos_token_id', 'eos_token_id') if cfg[k] is not None}

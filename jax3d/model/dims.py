@@ -39,6 +39,17 @@ class Dims:
   lora_dtype: Any = jnp.float32  # the adapters' (train.param_dtype; param_dtype is the base's)
   lora_dropout: float = 0.0  # lora.dropout: on the adapters' input in training steps
   base_int8: bool = False  # lora.base_dtype=int8: int8 projection kernels (jax3d/model/quant.py)
+  n_experts: int = 0  # moe.num_experts: the MLP a mixture of experts (jax3d/model/moe.py); 0 = dense
+  top_k: int = 2
+  norm_topk_prob: bool = True
+  d_expert: int = 0  # 0 = d_ff
+  d_shared: int = 0  # a shared expert's hidden size; 0 = none
+  capacity_factor: float = 1.25
+
+  @property
+  def expert_ff(self) -> int:
+    """One expert's SwiGLU hidden size (moe.d_expert, or model.d_ff)."""
+    return self.d_expert or self.d_ff
 
   @property
   def lora_scale(self) -> float:
@@ -88,6 +99,12 @@ class Dims:
       lora_dtype=jnp.dtype(cfg.train.param_dtype),
       lora_dropout=float(cfg.lora.dropout),
       base_int8=bool(cfg.lora.rank) and cfg.lora.base_dtype == 'int8',
+      n_experts=cfg.moe.num_experts,
+      top_k=cfg.moe.top_k,
+      norm_topk_prob=cfg.moe.norm_topk_prob,
+      d_expert=cfg.moe.d_expert,
+      d_shared=cfg.moe.d_shared,
+      capacity_factor=float(cfg.moe.capacity_factor),
     )
 
   def param_count(self) -> int:

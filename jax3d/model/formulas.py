@@ -3,11 +3,14 @@
 Parameters (`dims` is a jax3d.model.dims.Dims, or anything with its fields and `head_dim`):
 
   per layer        2*d (two RMSNorm scales) + d*hd*(2*n + 2*k) (q, o; k, v) + 3*d*f (gate, up, down)
-                   + hd*(n + 2*k) with q/k/v biases (qkv_bias) + 2*hd with q/k norms (qk_norm)
+                   + hd*(n + 2*k) with q/k/v biases (qkv_bias) + 2*hd with q/k norms (qk_norm);
+                   a mixture of experts: E*3*d*f_e (experts) + d*E (router) + 3*d*f_s (a shared
+                   expert) in place of 3*d*f
   embedding/head   2*V*d (input table, output projection) + d (final norm); V*d + d when tied
   total            L * per layer + embedding/head, with the real vocabulary V (padded rows excluded)
 
-Model FLOPs and MFU: the standard numerator (PaLM appendix B) over the hardware's peak.
+Model FLOPs and MFU: the standard numerator (PaLM appendix B) over the hardware's peak. With a
+mixture of experts P counts the parameters a token uses: its top_k experts of the E.
 
   model FLOPs per token = 6 * P + 12 * L * h * s
   MFU = tokens/s * model FLOPs per token / (peak FLOP/s per device * devices)
@@ -49,6 +52,10 @@ class Dims(Protocol):
   qkv_bias: bool
   qk_norm: bool
   tie_embeddings: bool
+  n_experts: int
+  top_k: int
+  d_expert: int
+  d_shared: int
 
   @property
   def head_dim(self) -> int: ...
@@ -76,12 +83,26 @@ PEAK_TFLOPS = (
 )
 
 
-def layer_params(dims: Dims, tp: int = 1) -> int:
-  """Parameters of one decoder layer on one of `tp` shards: the matrices split, the norms whole."""
+def layer_params(dims: Dims, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+  """Parameters of one decoder layer on one of `tp` (and `ep`) shards: the matrices split over tp,
+  a mixture's routed experts over tp and ep, the norms and a router whole; `active`: of a mixture
+  of experts only the top_k experts a token goes through."""
   d, hd, n, k = dims.d_model, dims.head_dim, dims.n_heads, dims.n_kv_heads
-  matrices = d * hd * (2 * n + 2 * k) + 3 * d * dims.d_ff
+  routed = mlp_matrices(dims, active) - 3 * d * dims.d_shared if dims.n_experts else 0
+  matrices = d * hd * (2 * n + 2 * k) + mlp_matrices(dims, active) - routed
   biases = hd * (n + 2 * k) if dims.qkv_bias else 0  # split with their heads
-  return (matrices + biases) // tp + 2 * d + (2 * hd if dims.qk_norm else 0)
+  router = d * dims.n_experts
+  norms = 2 * d + (2 * hd if dims.qk_norm else 0)
+  return (matrices + biases) // tp + routed // (tp * ep) + norms + router
+
+
+def mlp_matrices(dims: Dims, active: bool = False) -> int:
+  """The feed-forward matrices of one layer: 3*d*f, or a mixture's experts (all E, or top_k of
+  them when `active`) and its shared expert."""
+  if not dims.n_experts:
+    return 3 * dims.d_model * dims.d_ff
+  experts = dims.top_k if active else dims.n_experts
+  return 3 * dims.d_model * (experts * (dims.d_expert or dims.d_ff) + dims.d_shared)
 
 
 def int8_layer_bytes(dims: Dims, tp: int = 1) -> float:
@@ -89,7 +110,7 @@ def int8_layer_bytes(dims: Dims, tp: int = 1) -> float:
   matrices in int8, a float32 scale per output channel (split over tp for the column-parallel
   qkv and gate/up, whole for the row-parallel o and down), the norms and biases in bfloat16."""
   d, hd, n, k, f = dims.d_model, dims.head_dim, dims.n_heads, dims.n_kv_heads, dims.d_ff
-  matrices = d * hd * (2 * n + 2 * k) + 3 * d * f
+  matrices = d * hd * (2 * n + 2 * k) + mlp_matrices(dims)
   scales = (hd * (n + 2 * k) + 2 * f) / tp + 2 * d
   rest = layer_params(dims, tp) - matrices / tp
   return matrices / tp + 4 * scales + 2 * rest
@@ -119,9 +140,10 @@ def param_count(dims: Dims) -> int:
 
 
 def model_params(dims: Dims) -> int:
-  """P of the MFU numerator: every parameter except the input embedding table (a lookup; a tied
-  table is also the head's matmul, and stays)."""
-  return param_count(dims) - (0 if dims.tie_embeddings else dims.vocab_size * dims.d_model)
+  """P of the MFU numerator: every parameter a token uses except the input embedding table (a
+  lookup; a tied table is also the head's matmul, and stays); of a mixture, its top_k experts."""
+  active = dims.n_layers * layer_params(dims, active=True) + embed_head_params(dims)
+  return active - (0 if dims.tie_embeddings else dims.vocab_size * dims.d_model)
 
 
 def attention_flops_per_token(dims: Dims, seq_len: int) -> float:

@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax3d.model import lora, quant
+from jax3d.model import lora, moe, quant
 from jax3d.model.dims import Dims
 from jax3d.model.layers import Block, KVCache, RMSNorm, normal_init
 from jax3d.parallel.sharding import constrain
 
 PyTree = Any  # nested dicts of arrays (or of their abstract shapes)
+STATS_PROBE = 'moe_stats'  # the head's zero vector whose gradient is the router statistics' sum
 
 
 class Embed(nn.Module):
@@ -73,6 +74,13 @@ class Head(nn.Module):
     if dm.vocab_padded > dm.vocab_size:  # padded entries can never be predicted
       pad_v = jnp.arange(dm.vocab_padded) >= dm.vocab_size
       logits_btv = jnp.where(pad_v, -1e30, logits_btv)
+    if dm.n_experts:  # the router statistics' probe: zero, its gradient their sum (jax3d/loss.py)
+      self.param(
+        STATS_PROBE,
+        nn.with_logical_partitioning(nn.initializers.zeros_init(), ('router',)),
+        (moe.n_stats(dm),),
+        jnp.float32,
+      )
     return constrain(logits_btv, ('batch_all', 'seq', 'vocab'))
 
 
@@ -183,13 +191,16 @@ def block_apply(
   seq_len: int | None = None,
   segment_ids: jax.Array | None = None,
   noise: tuple[jax.Array, jax.Array] | None = None,
+  stats_row: bool = False,
 ) -> jax.Array | tuple[jax.Array, KVCache]:
   """One layer: x, or (x, new cache) when a KV cache is given; with `seq_len`, x is the flattened
   rows [b*t, d] of sequence parallelism; `positions_t` [t] or per row [b, t], and `segment_ids`
   [b, t] for rows of documents (see Block); `noise`: a training step's LoRA dropout words [b, t]
-  and the layer's salt (jax3d/model/lora.py), or none (no dropout)."""
+  and the layer's salt (jax3d/model/lora.py), or none (no dropout); `stats_row`: x carries one
+  more position, the router statistics' row, that the layer adds its own to (layers.Block)."""
   layer_params = quant.dequantized(layer_params, dims.dtype, stacked=False)  # int8 kernels: this layer's
-  return Block(dims, seq_len).apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids, noise)
+  block = Block(dims, seq_len, stats_row)
+  return block.apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids, noise)
 
 
 def embed_apply(dims: Dims, params: PyTree, tokens_bt: jax.Array) -> jax.Array:

@@ -1,10 +1,12 @@
-"""The ('dp', 'pp', 'tp') device mesh; with context parallelism (mesh.cp > 1) ('dp', 'pp', 'cp', 'tp').
+"""The ('dp', 'pp', 'tp') device mesh; with context parallelism (mesh.cp > 1) ('dp', 'pp', 'cp', 'tp'),
+with expert parallelism (mesh.ep > 1) ('dp', 'pp', 'ep', 'tp').
 
 Placement maps ranks to the topology: `tp` varies fastest, so a tensor-parallel group is a set of
 neighbouring devices (one host's NVLink domain), `cp` next (inside a node too), `pp` next, and `dp`
 outermost, across hosts. On several hosts `create_hybrid_device_mesh` keeps `tp` inside a host;
 with cp, blocks of cp*tp neighbouring devices of one host (`device_grid`). The `cp` axis exists
-only when mesh.cp > 1, so a run without it keeps its three-axis mesh.
+only when mesh.cp > 1, so a run without it keeps its three-axis mesh; so does `ep` (placed as cp:
+ep*tp neighbouring devices of one host, the experts' all-to-all inside a node).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax3d.config import ConfigError, RunPlan
 
 AXES = ('dp', 'pp', 'tp')
 CP_AXES = ('dp', 'pp', 'cp', 'tp')  # mesh.cp > 1
+EP_AXES = ('dp', 'pp', 'ep', 'tp')  # mesh.ep > 1
 FAKE_CPU_DEVICES = 8
 
 
@@ -41,7 +44,7 @@ def build_mesh(
   `allow_tp_across_hosts`."""
   devices = list(devices if devices is not None else jax.devices())
   grid = device_grid(plan, devices, allow_tp_across_hosts)
-  axes = CP_AXES if plan.cp > 1 else AXES
+  axes = CP_AXES if plan.cp > 1 else EP_AXES if plan.ep > 1 else AXES
   return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
@@ -51,11 +54,12 @@ def device_grid(plan: RunPlan, devices: list, allow_tp_across_hosts: bool = Fals
   devices = list(devices)
   if len(devices) != plan.n_devices:
     raise ConfigError(
-      f'mesh dp*cp*pp*tp = {plan.dp}*{plan.cp}*{plan.pp}*{plan.tp} = {plan.n_devices}, but {len(devices)} devices are visible'
+      f'mesh dp*cp*ep*pp*tp = {plan.dp}*{plan.cp}*{plan.ep}*{plan.pp}*{plan.tp} = {plan.n_devices}, '
+      f'but {len(devices)} devices are visible'
     )
   n_hosts = len({d.process_index for d in devices})
   per_host = len(devices) // n_hosts
-  if plan.cp > 1:
+  if plan.cp > 1 or plan.ep > 1:
     return _cp_grid(plan, devices, per_host)
   if n_hosts > 1:
     if plan.tp > per_host or per_host % plan.tp:
@@ -97,14 +101,15 @@ def _cp_grid(plan: RunPlan, devices: list, per_host: int) -> np.ndarray:
   """[dp, pp, cp, tp]: tp innermost, then cp, both inside a host (cp's K/V all-gathers are the
   heaviest traffic after tp's), then pp and dp, across hosts where the hosts' devices run out: the
   devices host by host, in id order, cut into blocks of cp*tp neighbours."""
-  block = plan.cp * plan.tp
+  name, inner = ('cp', plan.cp) if plan.cp > 1 else ('ep', plan.ep)  # [dp, pp, ep, tp] alike
+  block = inner * plan.tp
   if block > per_host or per_host % block:
     raise ConfigError(
-      f'mesh.cp={plan.cp} with mesh.tp={plan.tp} would span hosts ({per_host} devices per host): '
-      f'cp and tp stay inside a host; valid: cp*tp dividing {per_host}'
+      f'mesh.{name}={inner} with mesh.tp={plan.tp} would span hosts ({per_host} devices per host): '
+      f'{name} and tp stay inside a host; valid: {name}*tp dividing {per_host}'
     )
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-  return np.array(devices).reshape(plan.dp, plan.pp, plan.cp, plan.tp)
+  return np.array(devices).reshape(plan.dp, plan.pp, inner, plan.tp)
 
 
 def describe_placement(mesh: Mesh, hosts: Sequence[str] | None = None) -> list[str]:

@@ -16,12 +16,15 @@ import jax
 
 from jax3d.config import RunPlan
 from jax3d.parallel import sharding
-from jax3d.parallel.sharding import DP, PP
+from jax3d.parallel.sharding import DP, EP, PP
 
 
-def batch_axes(plan: RunPlan) -> str | tuple[str, str]:
+def batch_axes(plan: RunPlan) -> str | tuple[str, ...]:
   """The mesh axes of the batch outside the loop: dp*pp when each micro-batch splits over them, or
-  the micro-batches do (`splits_microbatches`); else dp."""
+  the micro-batches do (`splits_microbatches`); else dp. With expert parallelism and no pipeline,
+  dp*ep (the rows as the layers split them: ep is data parallel outside the experts)."""
+  if plan.ep > 1 and plan.pp == 1:
+    return (DP, EP)
   return (DP, PP) if plan.pp_batch_split else DP
 
 

@@ -1,8 +1,12 @@
 """Tensor parallelism and the one table from logical axis names (what the model speaks) to mesh axes.
 
-  batch      micro-batch rows inside the pipeline          -> dp
+  batch      micro-batch rows inside the pipeline          -> dp (dp and ep with mesh.ep > 1)
   rows       a layer's flattened rows b*t (outside SP)      -> dp, and with context parallelism
-             (mesh.cp > 1) cp and dp: cp-major rows (context.rows), each device's own tokens
+             (mesh.cp > 1) cp and dp: cp-major rows (context.rows), each device's own tokens;
+             dp and ep with expert parallelism (mesh.ep > 1)
+  experts    a mixture's experts (jax3d/model/moe.py)       -> ep (replicated without it)
+  router, expert_slots, capacity                          -> replicated (the router's experts,
+             the dispatched slots' expert and capacity axes: jax3d/parallel/expert.py)
   seq        the sequence                                   -> replicated, or cp when mesh.cp > 1
   batch_all  batch rows outside the pipeline (embed, head) -> dp and pp, so every device works
              (microbatch.batch_axes decides: dp alone when a micro-batch does not split over dp*pp)
@@ -45,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DP, PP, TP = 'dp', 'pp', 'tp'  # the mesh axes (jax3d/parallel/mesh.py builds the mesh with them)
 CP = 'cp'  # the context-parallel axis: in the mesh only when mesh.cp > 1 (jax3d/parallel/context.py)
+EP = 'ep'  # the expert-parallel axis: in the mesh only when mesh.ep > 1 (jax3d/model/moe.py)
 
 Rules = tuple[tuple[str, Any], ...]  # flax logical axis rules: (logical name, mesh axes or None)
 
@@ -54,12 +59,14 @@ def logical_rules(
   sequence_parallel: bool = False,
   micro: str | None = None,
   context: bool = False,
+  expert: bool = False,
 ) -> Rules:
   """The table above; `batch_all` and `micro` are the pipeline's choice for the batch outside its
-  loop; `context`: mesh.cp > 1 (the sequence over the 'cp' axis)."""
-  rows = (CP, DP) if context else DP  # cp-major rows (context.rows)
+  loop; `context`: mesh.cp > 1 (the sequence over the 'cp' axis); `expert`: mesh.ep > 1 (the
+  experts over 'ep')."""
+  rows = (CP, DP) if context else (DP, EP) if expert else DP  # cp-major rows (context.rows)
   return (
-    ('batch', DP),
+    ('batch', (DP, EP) if expert else DP),
     ('rows', rows),
     ('rows_sp', ((CP, DP, TP) if context else (DP, TP)) if sequence_parallel else rows),
     ('batch_all', batch_all),
@@ -76,6 +83,10 @@ def logical_rules(
     ('qkv', None),
     ('gate_up', None),
     ('lora', None),
+    ('experts', EP if expert else None),
+    ('router', None),
+    ('expert_slots', None),
+    ('capacity', None),
   )
 
 
@@ -155,7 +166,13 @@ def tp_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple) -> Any:
   return _manual(fn, in_logical, out_logical, {TP, CP} if cp else {TP})
 
 
-def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, check_vma: bool = True) -> Any:
+def device_local(
+  fn: Any,
+  in_logical: tuple[tuple, ...],
+  out_logical: tuple,
+  check_vma: bool = True,
+  axes: set[str] | None = None,
+) -> Any:
   """`fn` on each device's own blocks: a shard_map manual over every mesh axis not manual yet
   (nested in the pipeline's or the explicit reduction's shard_map, or at the top), its specs the
   logical names resolved by the rules in force; an axis a spec does not name is replicated. For a
@@ -163,9 +180,10 @@ def device_local(fn: Any, in_logical: tuple[tuple, ...], out_logical: tuple, che
   nothing is left to partition. `check_vma=False` for a region that jax may split (partial
   evaluation, e.g. a scan hoisting its loop-invariant part): jax 0.10 then gives the residuals the
   newly manual axes alone, where with the check it names the enclosing shard_map's too (dp), an
-  order Shardy rejects."""
+  order Shardy rejects. `axes`: manual over these alone (ep: the experts' all-to-all), the others
+  left as they are."""
   mesh = jax.sharding.get_abstract_mesh()
-  axes = set(mesh.axis_names) - set(mesh.manual_axes)
+  axes = (set(mesh.axis_names) - set(mesh.manual_axes)) if axes is None else axes
   return _manual(fn, in_logical, out_logical, axes, check_vma) if axes else fn
 
 
@@ -176,12 +194,14 @@ def device_local_vjp(
   n_nondiff: int,
   backward: Any = None,
   saved: tuple[tuple, ...] = (),
+  axes: set[str] | None = None,
 ) -> Any:
-  """`fn` run on each device's own blocks (`device_local`) with a custom VJP: forward and backward
-  as two separate per-device regions. Differentiating one region instead makes the kernel's
-  internal residuals (cuDNN's softmax statistics, the bias, a logsumexp) outputs of a shard_map
-  nested in the pipeline's, which jax 0.10 gives the wrong global shape or an invalid sharding, or
-  split over a free axis (dp) before a manual one, which Shardy rejects (BUILD_NOTES.md).
+  """`fn` run on each device's own blocks (`device_local`; manual over `axes` alone where given)
+  with a custom VJP: forward and backward as two separate per-device regions. Differentiating one
+  region instead makes the kernel's internal residuals (cuDNN's softmax statistics, the bias, a
+  logsumexp) outputs of a shard_map nested in the pipeline's, which jax 0.10 gives the wrong global
+  shape or an invalid sharding, or split over a free axis (dp) before a manual one, which Shardy
+  rejects (BUILD_NOTES.md).
 
   The forward region keeps its inputs; the backward region returns the inputs' cotangents (zeros
   for the last `n_nondiff`, made from integers). Without `backward` it runs `jax.vjp` of `fn` (its
@@ -191,7 +211,7 @@ def device_local_vjp(
   residuals, e.g. a logsumexp), `fn` returns (out, *residuals), which the forward keeps and the
   backward takes: `backward(*inputs, out, *residuals, g)`."""
   check = backward is None
-  fwd_region = device_local(fn, in_logical, (out_logical, *saved) if saved else out_logical, check)
+  fwd_region = device_local(fn, in_logical, (out_logical, *saved) if saved else out_logical, check, axes)
 
   def bwd_local(*args):
     *primals, g = args
@@ -200,7 +220,7 @@ def device_local_vjp(
 
   n_diff = len(in_logical) - n_nondiff
   bwd_in = in_logical + ((out_logical, *saved) if saved else ()) + (out_logical,)
-  bwd_region = device_local(bwd_local, bwd_in, in_logical[:n_diff], check)
+  bwd_region = device_local(bwd_local, bwd_in, in_logical[:n_diff], check, axes)
 
   # A region without the check returns values typed invariant over the enclosing shard_map's manual
   # axes (the pipeline's): typed back as varying like the operands (out: the first's; each

@@ -56,10 +56,11 @@ def model_dims(cfg: Config, plan: RunPlan | None = None) -> Dims:
 
 
 def local_params(cfg: Config, plan: RunPlan) -> dict:
-  """Parameters held by one device: layer matrices over pp*tp, norms over pp, embed/head over tp."""
+  """Parameters held by one device: layer matrices over pp*tp (a mixture's experts over pp*tp*ep),
+  norms over pp, embed/head over tp."""
   dims = model_dims(cfg, plan)
   return {
-    'layers': dims.n_layers // plan.pp * formulas.layer_params(dims, plan.tp),
+    'layers': dims.n_layers // plan.pp * formulas.layer_params(dims, plan.tp, ep=plan.ep),
     'embed_head': formulas.embed_head_params(dims, plan.tp, padded=True),
   }
 

@@ -55,6 +55,11 @@ def oom_ladder(
   if plan.dp % 2 == 0:  # half the dp ranks become cp ranks; twice the accumulation keeps the batch
     cp = {'mesh.cp': 2 * plan.cp, 'mesh.dp': plan.dp // 2, 'train.grad_accum': 2 * plan.grad_accum}
     lines.append(ladder.rung('4c. split the sequence: cp (each row over 2x the devices)', cp, ladder.acts))
+  e = cfg.moe.num_experts
+  if e and plan.dp > 1 and e % (2 * plan.ep) == 0:  # dp ranks become ep ranks: all of them, or half
+    to = plan.ep * plan.dp if e % (plan.ep * plan.dp) == 0 else 2 * plan.ep
+    ep = {'mesh.ep': to, 'mesh.dp': plan.dp * plan.ep // to}
+    lines.append(ladder.rung(f'4e. split the experts: ep={to} ({e // to} per device)', ep))
   if cfg.train.param_dtype != 'bfloat16':
     lines.append(
       ladder.rung(

@@ -23,11 +23,19 @@ TOLERANCE = 1e-4
 
 def jax3d_logits(setup: Setup, params: Any, tokens_bt: np.ndarray) -> np.ndarray:
   """fp32 logits [b, t, vocab] (the real vocabulary) of `tokens_bt`, computed as training computes
-  them (the run's mesh, logical rules and shardings); b is one accumulation chunk's rows."""
+  them (the run's mesh, logical rules and shardings); b is one accumulation chunk's rows. A mixture
+  of experts with a capacity that drops nothing (moe.capacity_factor = E/k): transformers' experts
+  take every token."""
+  import dataclasses
+
   import jax
 
   from jax3d import loss as loss_lib, step as step_lib
   from jax3d.parallel import sharding
+
+  if setup.dims.n_experts:
+    dropless = dataclasses.replace(setup.dims, capacity_factor=setup.dims.n_experts / setup.dims.top_k)
+    setup = dataclasses.replace(setup, dims=dropless)
 
   def fn(params, tokens_bt):
     with sharding.use_rules(setup.rules):

@@ -105,18 +105,22 @@ class StepLog:
     # memory_stats() exists only for this process's devices; metrics come from process 0.
     mem = memory_lib.sample(self.devices)
     mfu = self.mfu_meter(tok_s) if clock.steps else None
-    record = {
-      'step': step,
-      'loss': float(m['loss']),
-      'lr': float(m['lr']),
-      'grad_norm': float(m['grad_norm']),
-      'tokens_per_sec': tok_s,
-      'step_time_s': dt,
-      'tokens': step * self.plan.tokens_per_step,
-      'epoch': epoch,
-      'mfu': mfu,
-      'memory': mem,
-    } | (data or {})
+    record = (
+      {
+        'step': step,
+        'loss': float(m['loss']),
+        'lr': float(m['lr']),
+        'grad_norm': float(m['grad_norm']),
+        'tokens_per_sec': tok_s,
+        'step_time_s': dt,
+        'tokens': step * self.plan.tokens_per_step,
+        'epoch': epoch,
+        'mfu': mfu,
+        'memory': mem,
+      }
+      | (data or {})
+      | _router_record(m)
+    )
     self.writer.write(record)
     self.tb.scalars(step, record)
     leak = self.leak.update(step, mem['bytes_in_use'])
@@ -153,3 +157,12 @@ class StepLog:
     self.log(f'step {step:>6}  tasks:\n{offline_tasks.table(results)}')
     if workdir and metrics_lib.is_main_process():
       offline_tasks.write_json(results, json_path(workdir, step), {'step': step})
+
+
+def _router_record(m: dict) -> dict:
+  """A mixture of experts' router statistics (jax3d/loss.py `router_metrics`) as plain numbers:
+  `moe_load` a list, one share per expert."""
+  out = {k: float(m[k]) for k in ('moe_dropped', 'moe_aux_loss', 'moe_z_loss') if k in m}
+  if 'moe_load' in m:
+    out['moe_load'] = [round(float(x), 6) for x in m['moe_load']]
+  return out

@@ -115,6 +115,8 @@ def sampling_config(
   overrides = dict(overrides or {})
   if 'mesh.cp' not in overrides:  # generation runs no training sequence split over cp
     cfg.mesh.cp = 1
+  if 'mesh.ep' not in overrides:  # nor the experts over ep (one sequence does not split over it)
+    cfg.mesh.ep = 1
   for k, v in overrides.items():
     config_lib.set_key(cfg, k, v)
   try:
@@ -328,5 +330,6 @@ def export_workdir(
 def _n_devices(cfg: ml_collections.ConfigDict, available: int) -> int:
   from jax3d import config as config_lib
 
-  dp, pp, tp = config_lib.resolve_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, available, cfg.mesh.cp)
-  return dp * cfg.mesh.cp * pp * tp
+  m = cfg.mesh
+  dp, pp, tp = config_lib.resolve_mesh(m.dp, m.pp, m.tp, available, m.cp, m.get('ep', 1))
+  return dp * m.cp * m.get('ep', 1) * pp * tp
