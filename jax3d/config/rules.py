@@ -128,6 +128,13 @@ def _lora_settings_need_rank(cfg: Config) -> Failure:
   return None
 
 
+def _fp8_with_a_float_base(cfg: Config) -> Failure:
+  t, lo = cfg.train, cfg.lora
+  if t.matmul_dtype == 'fp8' and lo.rank and lo.base_dtype == 'int8':  # int8 -> bf16 -> fp8: two roundings
+    return 'train.matmul_dtype', t.matmul_dtype, "'' (the compute dtype) with lora.base_dtype='int8'"
+  return None
+
+
 def lora_sides(model_cfg: Model) -> dict[str, tuple[int, int]]:
   """Each LoRA target's projection as (input features, output features)."""
   m = model_cfg
@@ -168,6 +175,7 @@ MODEL_CHECKS: tuple[Callable[[Config], Failure], ...] = (
   _hf_model_type_holds_features,
   _lora_settings_need_rank,
   _lora_rank_fits_layers,
+  _fp8_with_a_float_base,
 )
 
 

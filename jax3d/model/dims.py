@@ -39,6 +39,7 @@ class Dims:
   lora_dtype: Any = jnp.float32  # the adapters' (train.param_dtype; param_dtype is the base's)
   lora_dropout: float = 0.0  # lora.dropout: on the adapters' input in training steps
   base_int8: bool = False  # lora.base_dtype=int8: int8 projection kernels (jax3d/model/quant.py)
+  fp8: bool = False  # train.matmul_dtype=fp8: the projections' matmuls in FP8 (jax3d/model/fp8.py)
 
   @property
   def lora_scale(self) -> float:
@@ -88,6 +89,7 @@ class Dims:
       lora_dtype=jnp.dtype(cfg.train.param_dtype),
       lora_dropout=float(cfg.lora.dropout),
       base_int8=bool(cfg.lora.rank) and cfg.lora.base_dtype == 'int8',
+      fp8=cfg.train.matmul_dtype == 'fp8',
     )
 
   def param_count(self) -> int:
