@@ -78,6 +78,10 @@ def _fp8_dot(x: jax.Array, w: jax.Array, dims: DimensionNumbers) -> jax.Array:
 
 
 def _fp8_dot_fwd(x: jax.Array, w: jax.Array, dims: DimensionNumbers) -> tuple[jax.Array, tuple]:
+  # One barrier over both operands keeps the kernel's quantization beside the dot: without it, a
+  # layer loop's linearization computes what depends on the weights alone in a loop of its own and
+  # hands this one the dequantized kernel, where XLA sees no FP8 operand (a bf16 GEMM on GPUs).
+  x, w = jax.lax.optimization_barrier((x, w))
   (xq, sx), (wq, sw) = quantize(x, FORWARD, x.dtype), quantize(w, FORWARD, x.dtype)
   return _dot(dequantize(xq, sx, x.dtype), dequantize(wq, sw, x.dtype), dims), (xq, sx, wq, sw)
 
