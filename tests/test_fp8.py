@@ -113,13 +113,13 @@ def test_every_projection_is_an_fp8_cublaslt_gemm_on_h100():
   step without fp8 has no FP8 GEMM and the same 15."""
   import re
 
-  from test_gpu_compile import compile_for
-
-  from jax3d import assemble
+  from jax3d import assemble, config as config_lib
   from jax3d.devices import gpu_target
 
   def gemms(**over):
-    s, _ = compile_for('h100x8', mesh__dp=4, mesh__pp=1, mesh__tp=2, pipeline__microbatches=1, **over)
+    ov = {'train.compute_dtype': 'bfloat16', 'model.n_layers': 2, 'train.global_batch_size': 16}
+    ov |= {'mesh.dp': 4, 'mesh.pp': 1, 'mesh.tp': 2, 'pipeline.microbatches': 1, **over}
+    s = assemble.build(config_lib.load_config('tiny', ov), gpu_target.devices(gpu_target.parse('h100x8')))
     opts = gpu_target.compiler_options() | {
       'xla_gpu_enable_triton_gemm': False,
       'xla_gpu_enable_while_loop_double_buffering': False,
@@ -137,7 +137,7 @@ def test_every_projection_is_an_fp8_cublaslt_gemm_on_h100():
   f8, lt = '__cublas$lt$matmul$f8', '__cublas$lt$matmul'
   want = [(f8, p, d) for p in ('qkv', 'o', 'gate_up', 'down') for d in ('fwd', 'bwd', 'bwd')]
   want += [(lt, 'head', 'fwd'), (lt, 'head', 'bwd'), (lt, 'head', 'bwd')]
-  assert gemms(train__matmul_dtype='fp8') == sorted(want)
+  assert gemms(**{'train.matmul_dtype': 'fp8'}) == sorted(want)
   assert gemms() == sorted((lt, p, d) for _, p, d in want)
 
 
