@@ -132,6 +132,8 @@ def _fp8_with_a_float_base(cfg: Config) -> Failure:
   t, lo = cfg.train, cfg.lora
   if t.matmul_dtype == 'fp8' and lo.rank and lo.base_dtype == 'int8':  # int8 -> bf16 -> fp8: two roundings
     return 'train.matmul_dtype', t.matmul_dtype, "'' (the compute dtype) with lora.base_dtype='int8'"
+  if t.matmul_dtype == 'fp8' and t.sequence_parallel == 'true':  # SP's projections: no FP8 path built
+    return 'train.sequence_parallel', t.sequence_parallel.value, "false or auto with train.matmul_dtype='fp8'"
   return None
 
 

@@ -122,7 +122,6 @@ class SequenceParallelDense(nn.Module):
   dtype: Any
   param_dtype: Any
   use_bias: bool = False
-  dot_general: Any = None  # the matmul (fp8.dot_general), or jax.lax.dot_general when None
 
   @nn.compact
   def __call__(self, x):
@@ -131,7 +130,7 @@ class SequenceParallelDense(nn.Module):
     kernel = self.param(
       'kernel', nn.initializers.zeros_init(), tuple(x.shape[a] for a in axes) + feat, self.param_dtype
     )
-    y = tensor.sequence_parallel_dense(x, kernel, axes, self.names, self.dtype, self.dot_general)
+    y = tensor.sequence_parallel_dense(x, kernel, axes, self.names, self.dtype)
     if not self.use_bias:
       return y
     bias = self.param('bias', nn.initializers.zeros_init(), feat, self.param_dtype)
@@ -200,11 +199,12 @@ class Block(nn.Module):
   ) -> nn.Module:
     """The projection `name`: nn.DenseGeneral, or its sequence-parallel form (the same kernel and
     bias); a bias carries the output features' logical axes. With train.matmul_dtype=fp8 its
-    matmul is fp8.dot_general (the one place every projection's dot is chosen)."""
+    matmul is fp8.dot_general (the one place every projection's dot is chosen; config rules keep
+    sequence parallelism off beside it)."""
     dm = self.dims
     dot = fp8.dot_general if dm.fp8 else None
     if self.seq_len is not None:
-      return SequenceParallelDense(feat, axis, names, dm.dtype, dm.param_dtype, bias, dot, name=name)
+      return SequenceParallelDense(feat, axis, names, dm.dtype, dm.param_dtype, bias, name=name)
     n_out = len(feat) if isinstance(feat, tuple) else 1
     return nn.DenseGeneral(
       feat,

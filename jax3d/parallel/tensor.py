@@ -17,7 +17,6 @@ meant:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,26 +29,19 @@ SP_PROJECTION = 'sp_projection'  # checkpoint name of a sequence-parallel projec
 
 
 def sequence_parallel_dense(
-  x: jax.Array,
-  kernel: jax.Array,
-  axes: tuple[int, ...],
-  names: tuple[str, ...],
-  dtype: Any,
-  dot_general: Callable | None = None,
+  x: jax.Array, kernel: jax.Array, axes: tuple[int, ...], names: tuple[str, ...], dtype: Any
 ) -> jax.Array:
   """`x` contracted over its `axes` with `kernel` (logical axis names `names`, the contracted ones
   first), in `dtype`, under sequence parallelism: column-parallel when `names` start with 'embed'
   (rows gathered first), row-parallel when they end with it (partial sums reduce-scattered over
-  the rows). The output is named SP_PROJECTION, so remat 'dots' keeps it. `dot_general`: the
-  local matmul (jax.lax.dot_general by default; FP8's scales are then each tp rank's block's)."""
+  the rows). The output is named SP_PROJECTION, so remat 'dots' keeps it."""
   n_in, row = len(axes), names[-1] == 'embed'
-  dot = dot_general or jax.lax.dot_general
 
   def local(x, w):
     x, w = x.astype(dtype), w.astype(dtype)
     if not row:
       x = jax.lax.all_gather(x, TP, axis=0, tiled=True)
-    y = dot(x, w, ((axes, tuple(range(n_in))), ((), ())))
+    y = jax.lax.dot_general(x, w, ((axes, tuple(range(n_in))), ((), ())))
     return jax.lax.psum_scatter(y, TP, scatter_dimension=0, tiled=True) if row else y
 
   # whole rows over tp ('rows': split over cp where the mesh has it), or split over tp ('rows_sp')
