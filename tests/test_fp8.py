@@ -150,3 +150,23 @@ def test_fp8_on_an_a100_is_one_error_line(capsys):
   assert len(err) == 1 and err[0].startswith('error: '), err
   for words in ("train.matmul_dtype='fp8'", 'NVIDIA A100-SXM4-80GB (compute capability 8)', '8.9', "''"):
     assert words in err[0], (words, err[0])
+
+
+def test_fp8_run_says_so_and_keeps_sequence_parallelism_off():
+  """The start-up line names the FP8 matmuls (and a bf16 run's does not); with tp=2,
+  train.sequence_parallel=auto resolves off beside fp8 (on without it), and `true` is refused."""
+  from jax3d import config as config_lib
+  from jax3d.errors import ConfigError
+  from jax3d.trainer import metrics
+
+  from helpers import setup_for
+
+  over = dict(model__n_layers=2, train__compute_dtype='bfloat16', mesh__tp=2, train__sequence_parallel='auto')
+  line = lambda s: next(x for x in metrics.summary_lines(s, '') if 'parameters per device' in x)
+  s8, s16 = setup_for(small_cfg(**over, train__matmul_dtype='fp8')), setup_for(small_cfg(**over))
+  assert 'compute bfloat16 (projection matmuls in fp8: E4M3 forward, E5M2 gradients)' in line(s8)
+  assert 'fp8' not in line(s16)
+  assert not s8.plan.sequence_parallel and s16.plan.sequence_parallel
+  cfg = small_cfg(**{**over, 'train__sequence_parallel': 'true'}, train__matmul_dtype='fp8')
+  with pytest.raises(ConfigError, match="train.sequence_parallel='true'.*false or auto"):
+    config_lib.validate(cfg, 2)
