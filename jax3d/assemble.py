@@ -33,7 +33,7 @@ from jax3d.data import apportion, corpus as corpus_lib, packing, shards, tokeniz
 from jax3d.devices import cpu_heap
 from jax3d.errors import ConfigError
 from jax3d.hf import config as hf_config, peft
-from jax3d.model import attention, llama, lora
+from jax3d.model import attention, fp8, llama, lora
 from jax3d.parallel import (
   data_parallel,
   mesh as mesh_lib,
@@ -69,6 +69,8 @@ def build(
   dims = dataclasses.replace(
     dims, attention=attention.resolve(choice, devices, cfg.train.compute_dtype, dims.head_dim)
   )
+  if dims.fp8:
+    fp8.check_devices(devices)
   rules = sharding.logical_rules(
     microbatch.batch_axes(plan), plan.sequence_parallel, microbatch.micro_axes(plan), plan.cp > 1, plan.ep > 1
   )

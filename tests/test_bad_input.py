@@ -220,6 +220,20 @@ TABLE = [
     ["lora.base_dtype='int8'", "float32 or bfloat16 with pipeline.schedule='1f1b'"],
   ),
   (T, ['--config.train.param_dtype=int8'], ["train.param_dtype='int8'", 'float32, bfloat16']),
+  # FP8 matmuls (jax3d/model/fp8.py); an A100 target's refusal needs the CUDA plugin: tests/test_fp8.py
+  (T, ['--config.train.matmul_dtype=fp16'], ["train.matmul_dtype='fp16'", "one of '', fp8"]),
+  (
+    [T, '--config.train.matmul_dtype=fp8', '--config.lora.rank=4', '--config.lora.base_dtype=int8'],
+    ["train.matmul_dtype='fp8'", "'' (the compute dtype) with lora.base_dtype='int8'"],
+  ),
+  (
+    [T, '--config.train.matmul_dtype=fp8', '--config.train.sequence_parallel=true'],
+    ["train.sequence_parallel='true'", "false or auto with train.matmul_dtype='fp8'"],
+  ),
+  (
+    [T, '--config.train.matmul_dtype=fp8', '--config.moe.num_experts=4'],
+    ["train.matmul_dtype='fp8'", "'' (the compute dtype) with moe.num_experts > 0"],
+  ),
   (T, ['--config.train.remat=some'], ["train.remat='some'", 'none, dots, attn, full, stage']),
   (T, ['--config.pipeline.schedule=1f2b'], ["pipeline.schedule='1f2b'", 'gpipe, circular, 1f1b']),
   (T, ['--config.pipeline.microbatches=0'], ['pipeline.microbatches=0', '>= 1']),

@@ -51,6 +51,7 @@ from jax3d.config.values import (
   Dtype,
   Gather,
   GradReduceDtype,
+  MatmulDtype,
   Packing,
   RematPolicy,
   RopeScaling,
@@ -172,6 +173,10 @@ class Train:
   param_dtype: Dtype = key(
     'float32', choice(Dtype)
   )  # float32 | bfloat16 (master weights and optimizer state)
+  # '' = compute_dtype | fp8: the decoder's projections as FP8 GEMMs (E4M3 forward, E5M2 gradients,
+  # per-tensor current scaling; embedding and head in compute_dtype); on GPUs of compute capability
+  # 8.9+ (H100, H200), emulated on CPU
+  matmul_dtype: MatmulDtype = key('', choice(MatmulDtype))
   # the head and cross-entropy in this many pieces of the sequence (a scan, each piece's logits
   # recomputed in the backward): fp32 logits for 1/loss_chunks of the tokens at a time; divides seq_len
   loss_chunks: int = key(1, POSITIVE)

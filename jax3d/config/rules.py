@@ -132,6 +132,17 @@ def _lora_settings_need_rank(cfg: Config) -> Failure:
   return None
 
 
+def _fp8_settings(cfg: Config) -> Failure:
+  t, lo = cfg.train, cfg.lora
+  if t.matmul_dtype == 'fp8' and lo.rank and lo.base_dtype == 'int8':  # int8 -> bf16 -> fp8: two roundings
+    return 'train.matmul_dtype', t.matmul_dtype, "'' (the compute dtype) with lora.base_dtype='int8'"
+  if t.matmul_dtype == 'fp8' and t.sequence_parallel == 'true':  # SP's projections: no FP8 path built
+    return 'train.sequence_parallel', t.sequence_parallel.value, "false or auto with train.matmul_dtype='fp8'"
+  if t.matmul_dtype == 'fp8' and cfg.moe.num_experts:  # the experts' grouped matmuls: no FP8 path built
+    return 'train.matmul_dtype', t.matmul_dtype, "'' (the compute dtype) with moe.num_experts > 0"
+  return None
+
+
 def lora_sides(model_cfg: Model) -> dict[str, tuple[int, int]]:
   """Each LoRA target's projection as (input features, output features)."""
   m = model_cfg
@@ -210,6 +221,7 @@ MODEL_CHECKS: tuple[Callable[[Config], Failure], ...] = (
   _lora_settings_need_rank,
   _lora_rank_fits_layers,
   _moe_settings,
+  _fp8_settings,
 )
 
 

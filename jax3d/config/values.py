@@ -37,6 +37,7 @@ RematPolicy = Literal['none', 'dots', 'attn', 'full', 'stage']  # jax3d/parallel
 Dtype = Literal['float32', 'bfloat16']
 GradReduceDtype = Literal[Dtype, 'int8']  # the dp gradient reduction (jax3d/parallel/compression.py)
 BaseDtype = Literal['', Dtype, 'int8']  # lora.base_dtype ('' = train.param_dtype; jax3d/model/quant.py)
+MatmulDtype = Literal['', 'fp8']  # train.matmul_dtype ('' = train.compute_dtype; jax3d/model/fp8.py)
 Gather = Literal['auto', 'layer', 'step']  # train.shard_params_gather (jax3d/parallel/zero3.py)
 Attention = Literal['auto', 'xla', 'cudnn', 'pallas', 'blockwise']  # jax3d/model/attention.py
 CpStrategy = Literal['allgather', 'ring']  # train.cp_strategy (jax3d/parallel/context.py)

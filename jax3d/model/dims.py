@@ -45,6 +45,7 @@ class Dims:
   d_expert: int = 0  # 0 = d_ff
   d_shared: int = 0  # a shared expert's hidden size; 0 = none
   capacity_factor: float = 1.25
+  fp8: bool = False  # train.matmul_dtype=fp8: the projections' matmuls in FP8 (jax3d/model/fp8.py)
 
   @property
   def expert_ff(self) -> int:
@@ -105,6 +106,7 @@ class Dims:
       d_expert=cfg.moe.d_expert,
       d_shared=cfg.moe.d_shared,
       capacity_factor=float(cfg.moe.capacity_factor),
+      fp8=cfg.train.matmul_dtype == 'fp8',
     )
 
   def param_count(self) -> int:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jax3d.model import attention, lora, moe, rope as rope_lib
+from jax3d.model import attention, fp8, lora, moe, rope as rope_lib
 from jax3d.model.dims import Dims
 from jax3d.parallel import context, tensor
 from jax3d.parallel.sharding import constrain
@@ -215,8 +215,11 @@ class Block(nn.Module):
     self, feat: Any, axis: Any, names: tuple[str, ...], stddev: float, name: str, bias: bool = False
   ) -> nn.Module:
     """The projection `name`: nn.DenseGeneral, or its sequence-parallel form (the same kernel and
-    bias); a bias carries the output features' logical axes."""
+    bias); a bias carries the output features' logical axes. With train.matmul_dtype=fp8 its
+    matmul is fp8.dot_general (the one place every projection's dot is chosen; config rules keep
+    sequence parallelism off beside it)."""
     dm = self.dims
+    dot = fp8.dot_general if dm.fp8 else None
     if self.seq_len is not None:
       return SequenceParallelDense(feat, axis, names, dm.dtype, dm.param_dtype, bias, name=name)
     n_out = len(feat) if isinstance(feat, tuple) else 1
@@ -228,6 +231,7 @@ class Block(nn.Module):
       param_dtype=dm.param_dtype,
       kernel_init=normal_init(names, stddev),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[-n_out:]),
+      dot_general=dot,
       name=name,
     )
 

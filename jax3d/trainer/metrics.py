@@ -147,7 +147,9 @@ def summary_lines(s: Any, data: str) -> list[str]:
     f'  model: {d.n_layers} layers, d_model {d.d_model}, heads {d.n_heads}/{d.n_kv_heads} kv, '
     f'd_ff {d.d_ff}, vocab {d.vocab_size} (padded {d.vocab_padded}): {n_params / 1e6:.2f}M parameters',
     f'  parameters per device: {fmt_bytes(per_dev)} ({s.cfg.train.param_dtype}){zero}, '
-    f'compute {s.cfg.train.compute_dtype}, remat {s.cfg.train.remat}, attention {d.attention}'
+    f'compute {s.cfg.train.compute_dtype}'
+    + (' (projection matmuls in fp8: E4M3 forward, E5M2 gradients)' if d.fp8 else '')
+    + f', remat {s.cfg.train.remat}, attention {d.attention}'
     + (f' over cp={p.cp} ({d.cp_strategy})' if p.cp > 1 else ''),
     timetable.summary(p.pp, p.repeats, p.microbatches, lc, p.micro_batch, pipeline.skips_bubbles(p, s.mesh))
     if pipeline.in_loop_loss(s.cfg.pipeline.schedule, p)
