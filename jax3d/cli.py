@@ -250,9 +250,10 @@ def prepare_devices(n: int = 8) -> None:
   """Call before jax starts its backend. On a machine without an accelerator, exposes n fake CPU
   devices unless XLA_FLAGS is set; on a GPU machine, adds the communication-overlap XLA flags
   (jax3d/devices/gpu_flags.py; JAX3D_NO_GPU_FLAGS=1: off)."""
-  from jax3d.devices import gpu_flags
+  from jax3d.devices import gpu_flags, gpu_target
   from jax3d.parallel.mesh import use_fake_cpu_devices
 
+  gpu_target.hide_unusable_plugin()  # a CUDA plugin without a GPU: its start-up check would print a traceback
   use_fake_cpu_devices(n)
   gpu_flags.apply_gpu_flags()
 

@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_train_cli_end_to_end(tmp_path):
   env = dict(os.environ)
   env.pop('XLA_FLAGS', None)  # the command itself exposes 8 fake CPU devices
+  env.pop('JAX_PLATFORMS', None)  # as a user runs it: with the CUDA plugin and no GPU, the command hides it
   r = subprocess.run(
     [
       sys.executable,
@@ -34,6 +35,7 @@ def test_train_cli_end_to_end(tmp_path):
     timeout=600,
   )
   assert r.returncode == 0, r.stderr[-3000:]
+  assert 'Traceback' not in r.stderr and 'plugin configuration error' not in r.stderr, r.stderr[-3000:]
   out = r.stdout
   assert 'jax3d: 8 cpu devices, mesh dp=2 x pp=2 x tp=2' in out
   assert 'bubble 20.0%' in out and 'compiled the train step' in out and 'sample: ' in out
