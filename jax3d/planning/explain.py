@@ -88,10 +88,14 @@ def _ep_line(cfg: Config, best: Candidate, ranked: list[Candidate]) -> str:
   if other is None:
     why = 'no layout with ep > 1 is valid' if p.ep == 1 else 'no layout without it is valid'
   elif not other.est.fits:
-    why = f'the best {"with" if p.ep == 1 else "without"} it needs {other.est.total_bytes / GB:.1f} GB per GPU'
+    why = (
+      f'the best {"with" if p.ep == 1 else "without"} it needs {other.est.total_bytes / GB:.1f} GB per GPU'
+    )
   else:
     slower = other.est.step_time_s / e.step_time_s - 1
-    why = f'the best {"with ep=" + str(other.plan.ep) if p.ep == 1 else "without it"} runs {slower:.0%} slower'
+    why = (
+      f'the best {"with ep=" + str(other.plan.ep) if p.ep == 1 else "without it"} runs {slower:.0%} slower'
+    )
   if p.ep == 1:
     return f'  ep = 1: each GPU holds all {experts} experts of its layers (no all-to-all); {why}.'
   return (

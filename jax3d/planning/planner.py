@@ -138,7 +138,12 @@ def _inner(hw: Hardware, cfg: Config | ml_collections.ConfigDict) -> list[tuple[
   experts, per = cfg.moe.num_experts, hw.gpus_per_node
   if experts:
     tps = [tp for tp, cp, _ in out if cp == 1]
-    out += [(tp, 1, ep) for tp in tps for ep in _divisors(per // tp)[1:] if experts % ep == 0 and per % (tp * ep) == 0]
+    out += [
+      (tp, 1, ep)
+      for tp in tps
+      for ep in _divisors(per // tp)[1:]
+      if experts % ep == 0 and per % (tp * ep) == 0
+    ]
   return out
 
 
