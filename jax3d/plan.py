@@ -171,9 +171,10 @@ def _fixed(cfg: ml_collections.ConfigDict, hw: Hardware) -> list[Candidate]:
 
 def _misfits(ranked: list[Candidate]) -> list[Candidate]:
   """For each mesh where nothing fits: the variant that needs least memory (least first)."""
-  seen, misfits = {(c.plan.dp, c.plan.pp, c.plan.tp, c.plan.cp) for c in ranked if c.est.fits}, []
+  mesh = lambda p: (p.dp, p.pp, p.tp, p.cp, p.ep)
+  seen, misfits = {mesh(c.plan) for c in ranked if c.est.fits}, []
   for c in sorted(ranked, key=lambda c: c.est.total_bytes):
-    key = (c.plan.dp, c.plan.pp, c.plan.tp, c.plan.cp)
+    key = mesh(c.plan)
     if not c.est.fits and key not in seen:
       seen.add(key)
       misfits.append(c)
@@ -203,10 +204,10 @@ def _print_plan(
     print('\n' + '\n'.join(explain(cfg, fit[0], ranked, hw)))
     print(f'  Estimate: {fit[0].est.describe()}')
   if misfits:
-    print('\nLayouts that do not fit (least memory of each dp/pp/tp/cp):')
+    print('\nLayouts that do not fit (least memory of each dp/pp/tp/cp/ep):')
     for c in misfits[:12]:
       p = c.plan
-      cp = f' cp={p.cp}' if p.cp > 1 else ''
+      cp = f' cp={p.cp}' if p.cp > 1 else f' ep={p.ep}' if p.ep > 1 else ''
       print(f'  dp={p.dp} pp={p.pp} tp={p.tp}{cp} (m={p.microbatches}, remat={c.est.remat}): {c.est.reason}')
 
 

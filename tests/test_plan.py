@@ -233,3 +233,53 @@ def test_oom_ladder_more_tp_rung_states_the_sequence_parallel_saving():
     r'activations at tp=2: ([\d.e-]+) GB without sequence parallelism, ([\d.e-]+) GB with it', line
   )
   assert m and float(m[2]) < float(m[1]), line
+
+
+# A mixture of experts whose experts are most of its memory: one layer (pp = 1), one KV head (tp = 1),
+# 8 experts of 4096 (25M parameters a layer): only ep (or ZeRO) can split them.
+WIDE_MOE = {'model.n_layers': 1, 'model.n_kv_heads': 1, 'moe.d_expert': 4096}
+
+
+def test_planner_searches_ep_and_takes_it_where_only_ep_fits():
+  """The planner enumerates mesh.ep for a mixture (the divisors of the experts, ep*tp inside a node,
+  dp filling the rest) and never for a dense model; on GPUs that hold the mixture only with its
+  experts split (the state replicated over dp), its best layout has ep > 1 and says why."""
+  cfg = config.load_config('tiny_moe', WIDE_MOE | {'mesh.ep': 1, 'mesh.dp': -1, 'mesh.tp': 1})
+  roomy = plan.search(cfg, costmodel.Hardware(memory_gb=1e3, gpu=False), zero=('off',))
+  assert {c.plan.ep for c in roomy} == {1, 2, 4, 8}
+  assert all(c.plan.dp * c.plan.ep == 8 and c.overrides['mesh.ep'] == c.plan.ep for c in roomy)
+  least = {e: min(c.est.total_bytes for c in roomy if c.plan.ep == e) for e in (1, 2)}
+  assert least[2] < 0.6 * least[1]  # the experts' state halves
+  hw = costmodel.Hardware(memory_gb=(least[1] + least[2]) / 2e9, gpu=False)
+  ranked = plan.search(cfg, hw, zero=('off',))
+  best = ranked[0]
+  assert best.est.fits and best.plan.ep > 1
+  assert not any(c.est.fits for c in ranked if c.plan.ep == 1)
+  text = '\n'.join(explain.explain(config.typed(cfg), best, ranked, hw))
+  assert f'ep = {best.plan.ep}: the 8 experts of each layer split over {best.plan.ep} GPUs' in text
+  assert 'the best without it needs' in text
+  dense = config.load_config('tiny')
+  assert {ep for _, _, ep in plan._inner(costmodel.Hardware(), dense)} == {1}
+  assert all(c.plan.ep == 1 for c in plan.search(dense, costmodel.Hardware(memory_gb=1e3, gpu=False)))
+
+
+def test_time_model_prices_the_experts_all_to_all_by_the_formula():
+  """The time model's ep term, by hand (docs/formulas.md): per layer and micro-batch 5 all-to-alls
+  of the slots [b, E, C, d], each (e-1)/e of them, times the loop's iterations and the accumulation
+  steps, plus the all-reduce over ep of the gradients of what ep replicates (all but the experts),
+  2(e-1)/e of them; over NVLink (ep*tp inside a node)."""
+  over = {'mesh.dp': 1, 'mesh.ep': 4, 'mesh.tp': 2, 'mesh.pp': 1, 'train.grad_accum': 2}
+  cfg = config.load_config('tiny_moe', over)
+  p = config.validate(cfg, 8)
+  e = costmodel.estimate(cfg, p, hw=CPU)
+  b, experts, d = 16 // 2 // 4, 8, 256  # rows per device: the chunk's 8 over dp*ep
+  slots = -(-1.25 * 128 * 2 // experts)  # C = ceil(cf*t*k/E) = 40
+  a2a = 5 * 3 / 4 * b * experts * slots * d * 4 * 4 * 2  # 4 layers, 2 accumulation steps, fp32
+  # Replicated over ep, per tp shard: q, k, v, o (256 x 64 x (2*4 + 2*2) / 2), 2 norms, the router;
+  # the embedding and head (2 x 256 x 256 / 2) and the final norm.
+  replicated = 4 * (256 * 64 * 12 // 2 + 2 * 256 + 256 * 8) + 2 * p.vocab_padded * 256 // 2 + 256
+  assert e.times['ep'] == pytest.approx((a2a + 2 * 3 / 4 * replicated * 4) / 450e9)
+  t = e.times
+  assert t['step'] == pytest.approx(t['compute'] + t['tp'] + t['pp'] + t['ep'] + t['dp'] - t['dp_hidden'])
+  dense_ep = plan.with_overrides(cfg, {'mesh.ep': 1, 'mesh.dp': 4})
+  assert costmodel.estimate(dense_ep, config.validate(dense_ep, 8), hw=CPU).times['ep'] == 0

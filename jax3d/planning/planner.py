@@ -33,6 +33,7 @@ LAYOUT_KEYS = (
   'train.shard_params_gather',
   'train.loss_chunks',
   'mesh.cp',
+  'mesh.ep',
 )
 # How dp > 1 holds the training state: replicated, ZeRO-1 (Adam's moments over dp) or ZeRO-3 (the
 # parameters, gradients and moments over dp; gathered once per step: 'layer' is the fallback).
@@ -59,6 +60,7 @@ class Candidate:
       'pp': p.pp,
       'tp': p.tp,
       'cp': p.cp,
+      'ep': p.ep,
       'microbatches': p.microbatches,
       'repeats': p.repeats,
       'schedule': e.schedule,
@@ -102,21 +104,22 @@ def layouts(
 ) -> Iterator[tuple[dict, RunPlan, Config]]:
   """Every layout the rules allow that config.validate accepts: (overrides, plan, config) triples,
   with the state replicated over dp (ZERO['off']; `search` tries the others), mesh.cp among `cps`
-  (None: all the rules allow). The configs are typed, made from one working copy of `cfg` set to
-  each layout's values in turn."""
+  (None: all the rules allow), and for a mixture of experts mesh.ep (`_inner`). The configs are
+  typed, made from one working copy of `cfg` set to each layout's values in turn."""
   n, m = hw.n_devices, cfg.model
   work = editable(cfg)
-  for tp, cp in [(t, c) for t, c in _tp_cp(hw, cfg.train.seq_len) if cps is None or c in cps]:
-    for pp in [p for p in _divisors(n // (tp * cp)) if m.n_layers % p == 0]:  # rule: pp divides the rest
-      dp = n // (tp * cp * pp)  # rule: dp fills the rest
-      for ga, mb in _batch_splits(cfg.train.global_batch_size, dp, pp):
+  for tp, cp, ep in [(t, c, e) for t, c, e in _inner(hw, cfg) if cps is None or c in cps]:
+    inner = tp * cp * ep
+    for pp in [p for p in _divisors(n // inner) if m.n_layers % p == 0]:  # rule: pp divides the rest
+      dp = n // (inner * pp)  # rule: dp fills the rest
+      for ga, mb in _batch_splits(cfg.train.global_batch_size, dp * ep, pp):  # rows over dp, then ep
         reps = [1] + ([r for r in _divisors(m.n_layers // pp) if 1 < r <= 8] if mb >= pp > 1 else [])
         for v in reps:
           for remat in policies:
             schedule = 'circular' if v > 1 else 'gpipe'
             o = dict(zip(LAYOUT_KEYS, (dp, pp, tp, mb, v, schedule, remat), strict=False))
             o |= {'train.grad_accum': ga, 'train.loss_chunks': cfg.train.loss_chunks, 'mesh.cp': cp}
-            o |= ZERO['off']
+            o |= ZERO['off'] | {'mesh.ep': ep}
             for k, val in o.items():
               set_key(work, k, val)
             try:
@@ -124,6 +127,24 @@ def layouts(
               yield o, plan, c
             except ConfigError:
               continue
+
+
+def _inner(hw: Hardware, cfg: Config | ml_collections.ConfigDict) -> list[tuple[int, int, int]]:
+  """(tp, cp, ep) triples inside a node (jax3d/parallel/mesh.py): `_tp_cp`'s with ep = 1, and for
+  a mixture of experts (moe.num_experts > 0) each divisor ep > 1 of the experts with tp*ep dividing
+  the GPUs of a node (the experts' all-to-all on NVLink; ep ranks are dp ranks outside the experts)
+  and no cp (ep with cp is not built)."""
+  out = [(tp, cp, 1) for tp, cp in _tp_cp(hw, cfg.train.seq_len)]
+  experts, per = cfg.moe.num_experts, hw.gpus_per_node
+  if experts:
+    tps = [tp for tp, cp, _ in out if cp == 1]
+    out += [
+      (tp, 1, ep)
+      for tp in tps
+      for ep in _divisors(per // tp)[1:]
+      if experts % ep == 0 and per % (tp * ep) == 0
+    ]
+  return out
 
 
 def _tp_cp(hw: Hardware, seq_len: int) -> list[tuple[int, int]]:
@@ -201,7 +222,7 @@ def search(
   cps: Sequence[int] | None = None,
 ) -> list[Candidate]:
   """All valid layouts (`layouts`, narrowed to the remat `policies`), priced; fitting ones first,
-  fastest first (ties: more tp, less pp, less cp). For a layout that does not fit, its
+  fastest first (ties: more tp, less pp, less cp, less ep). For a layout that does not fit, its
   memory-saving variants until one fits (`_savings`: the `zero` ways to hold the state over dp,
   loss chunks, ZeRO-3's 'layer' gather), and for a pipelined one the 1F1B variant. mesh.cp among
   `cps`; None: 1, and the rest where a row has LONG_SEQ tokens or more, or no layout with cp=1
@@ -224,6 +245,7 @@ def search(
       -c.plan.tp,
       c.plan.pp,
       c.plan.cp,
+      c.plan.ep,
       c.est.total_bytes,
     )
   )
@@ -288,14 +310,15 @@ def shortlist(ranked: list[Candidate], top: int) -> list[Candidate]:
 def table(cands: list[Candidate]) -> list[str]:
   """The candidates as a text table, one numbered line each under a header line."""
   head = (
-    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"cp":>3} {"m":>4} {"v":>2} {"sched":>5} {"ga":>3} {"remat":>5} {"zero":>7} {"lc":>3} '
+    f'{"#":>3} {"dp":>4} {"pp":>3} {"tp":>3} {"cp":>3} {"ep":>3} {"m":>4} {"v":>2} {"sched":>5} {"ga":>3} {"remat":>5} {"zero":>7} {"lc":>3} '
     f'{"GB/GPU":>7} {"step s":>8} {"bubble":>6} {"tokens/s":>10} {"MFU":>5}'
   )
   lines = [head]
   for i, c in enumerate(cands, 1):
     r = c.row()
     lines.append(
-      f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["cp"]:>3} {r["microbatches"]:>4} '
+      f'{i:>3} {r["dp"]:>4} {r["pp"]:>3} {r["tp"]:>3} {r["cp"]:>3} {r["ep"]:>3} '
+      f'{r["microbatches"]:>4} '
       f'{r["repeats"]:>2} {r["schedule"]:>5} {r["grad_accum"]:>3} {r["remat"]:>5} '
       f'{_zero(r):>7} {r["loss_chunks"]:>3} '
       f'{r["memory_gb"]:>7.1f} {r["step_time_s"]:>8.3g} {r["bubble"]:>6.1%} '

@@ -1,5 +1,6 @@
-"""Step time of one layout: compute at `efficiency` of peak, the tp/cp/pp/dp traffic over the links
-each axis is placed on (jax3d/parallel/mesh.py: tp inside a node, then cp, pp, dp outermost), the dp
+"""Step time of one layout: compute at `efficiency` of peak (a mixture's experts: the slots they
+compute), the tp/cp/ep/pp/dp traffic over the links each axis is placed on (jax3d/parallel/mesh.py:
+tp inside a node, then cp or ep, pp, dp outermost; ep's the experts' all-to-alls), the dp
 all-reduce partly hidden behind the backward pass, and the bubble as wasted compute:
 executed/useful = (v*m+p-1)/(v*m). Under 1F1B (jax3d/parallel/pipeline/timetable.py) the loop
 computes forwards in v*m+p-1 of its ticks and backwards in v*m+p-1, each chunk once (its VJP
@@ -9,6 +10,7 @@ micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from jax3d.config import RunPlan
@@ -26,7 +28,7 @@ def compute_seconds(cfg: Config, plan: RunPlan, hw: Hardware) -> float:
   m, t, s = cfg.model, cfg.train, plan.seq_len
   dims = memory_model.model_dims(cfg, plan)
   dims_p = formulas.param_count(dims)
-  p_layers = m.n_layers * formulas.layer_params(dims)
+  p_layers = m.n_layers * executed_layer_params(cfg, plan)
   attn = formulas.attention_flops_per_token(dims, s)
   # Recomputed forward work per token: 'full' reruns each layer once; 'stage' each iteration and,
   # inside it, each layer (both are checkpointed: 2 extra forwards); 'dots' the attention core;
@@ -41,11 +43,32 @@ def compute_seconds(cfg: Config, plan: RunPlan, hw: Hardware) -> float:
   waste = plan.iterations / (plan.repeats * plan.microbatches)  # bubble iterations compute too
   peak = hw.peak_tflops * 1e12 * (1.0 if t.compute_dtype == 'bfloat16' else 0.5)
   tokens = plan.tokens_per_step
-  return tokens * (layer_flops * waste + wg * (dims_p - p_layers)) / plan.n_devices / (peak * hw.efficiency)
+  head = dims_p - m.n_layers * formulas.layer_params(dims)
+  return tokens * (layer_flops * waste + wg * head) / plan.n_devices / (peak * hw.efficiency)
+
+
+def executed_layer_params(cfg: Config, plan: RunPlan) -> float:
+  """The weights one token's pass through a layer multiplies by, as the step computes: a dense
+  layer's all; of a mixture of experts (jax3d/model/moe.py) the attention, router and shared
+  expert, and of the routed experts E*C/t per token (each sequence's t tokens fill E experts' C
+  slots each, empty slots computed too: top_k times the capacity factor, about), not all E."""
+  dims = memory_model.model_dims(cfg, plan)
+  if not dims.n_experts:
+    return float(formulas.layer_params(dims))
+  slots = dims.n_experts * _capacity(cfg, plan) / plan.seq_len
+  return float(formulas.layer_params(dataclasses.replace(dims, top_k=slots), active=True))
+
+
+def _capacity(cfg: Config, plan: RunPlan) -> int:
+  """Slots per expert and sequence (ep_comm.capacity, the model's)."""
+  from jax3d.analysis import ep_comm
+
+  moe = cfg.moe
+  return ep_comm.capacity(moe.capacity_factor, plan.seq_len, moe.top_k, moe.num_experts)
 
 
 def traffic_bytes(cfg: Config, plan: RunPlan) -> dict:
-  """Bytes each device sends per step over each mesh axis: {'tp', 'pp', 'dp', 'cp'}."""
+  """Bytes each device sends per step over each mesh axis: {'tp', 'pp', 'dp', 'cp', 'ep'}."""
   t, pp, tp = cfg.train, plan.pp, plan.tp
   act_mb = memory_model.micro_activation_bytes(cfg, plan)
   sp = tp if plan.sequence_parallel else 1  # the loop's micro-batches are split over tp with SP
@@ -64,7 +87,14 @@ def traffic_bytes(cfg: Config, plan: RunPlan) -> dict:
   )
   pp_bytes += edge * plan.grad_accum
   dp_bytes, exposed = dp_traffic(cfg, plan)
-  return {'tp': tp_bytes, 'pp': pp_bytes, 'dp': dp_bytes, 'dp_exposed': exposed, 'cp': cp_traffic(cfg, plan)}
+  return {
+    'tp': tp_bytes,
+    'pp': pp_bytes,
+    'dp': dp_bytes,
+    'dp_exposed': exposed,
+    'cp': cp_traffic(cfg, plan),
+    'ep': ep_traffic(cfg, plan),
+  }
 
 
 def cp_traffic(cfg: Config, plan: RunPlan) -> float:
@@ -83,6 +113,28 @@ def cp_traffic(cfg: Config, plan: RunPlan) -> float:
   local = memory_model.local_params(cfg, plan)
   n_grads = memory_model.lora_local_params(cfg, plan) if cfg.lora.rank else sum(local.values())
   return attention['spmd'] + cp_comm.cp_grad_bytes(n_grads, plan.cp, BYTES[t.grad_reduce_dtype])
+
+
+def ep_traffic(cfg: Config, plan: RunPlan) -> float:
+  """Bytes each device sends over ep per step (jax3d/analysis/ep_comm.py, docs/formulas.md): the
+  experts' all-to-alls of every layer the SPMD loop runs (`ep_dispatch_bytes`' 'spmd': 5 per layer
+  and micro-batch, 6 under a recomputing remat policy), and the all-reduce over ep of the gradients
+  of the weights replicated over it (all but the routed experts), 2(e-1)/e of them."""
+  from jax3d.analysis import ep_comm
+
+  if plan.ep == 1:
+    return 0.0
+  m, t = cfg.model, cfg.train
+  a2a = ep_comm.ep_dispatch_bytes(
+    plan, m.n_layers, cfg.moe.num_experts, _capacity(cfg, plan), m.d_model, BYTES[t.compute_dtype], t.remat
+  )
+  dims = memory_model.model_dims(cfg, plan)
+  # the layer's parameters less the routed experts: `active` with none of them (top_k 0)
+  replicated = formulas.layer_params(dataclasses.replace(dims, top_k=0), plan.tp, active=True)
+  n_grads = m.n_layers // plan.pp * replicated + memory_model.local_params(cfg, plan)['embed_head']
+  if cfg.lora.rank:  # the adapters' gradients only
+    n_grads = memory_model.lora_local_params(cfg, plan)
+  return a2a['spmd'] + 2 * (plan.ep - 1) / plan.ep * n_grads * BYTES[t.grad_reduce_dtype]
 
 
 def dp_traffic(cfg: Config, plan: RunPlan) -> tuple[float, float]:
@@ -120,13 +172,14 @@ def dp_traffic(cfg: Config, plan: RunPlan) -> tuple[float, float]:
 
 
 def step_times(cfg: Config, plan: RunPlan, hw: Hardware) -> dict:
-  """Seconds per step: compute, tp, pp, dp, the dp share hidden behind the backward pass
+  """Seconds per step: compute, tp, pp, dp, cp, ep, the dp share hidden behind the backward pass
   (dp_hidden), the step itself, and the peak FLOP/s per device it was priced at."""
   compute = compute_seconds(cfg, plan, hw)
   traffic = traffic_bytes(cfg, plan)
   per_host = hw.gpus_per_node
   tp_in = plan.tp <= per_host
   cp_in = plan.tp * plan.cp <= per_host  # cp next inside a node (jax3d/parallel/mesh.py)
+  ep_in = plan.tp * plan.ep <= per_host  # ep as cp: ep*tp neighbouring devices of a node
   pp_in = plan.tp * plan.cp * plan.pp <= per_host
   dp_in = plan.n_devices <= per_host
   bw = lambda inside: (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
@@ -138,8 +191,10 @@ def step_times(cfg: Config, plan: RunPlan, hw: Hardware) -> dict:
     'pp': traffic['pp'] / bw(pp_in),
     'dp': t_dp,
     'cp': traffic['cp'] / bw(cp_in),  # exposed: the layer waits for its K and V
+    'ep': traffic['ep'] / bw(ep_in),  # exposed: the experts wait for their slots
     'dp_hidden': min(t_dp - t_exposed, hw.overlap * compute * 2 / 3),
     'peak': hw.peak_tflops * 1e12,
   }
-  times['step'] = compute + times['tp'] + times['pp'] + times['cp'] + t_dp - times['dp_hidden']
+  exposed = times['tp'] + times['pp'] + times['cp'] + times['ep']
+  times['step'] = compute + exposed + t_dp - times['dp_hidden']
   return times
