@@ -197,7 +197,9 @@ class MoeMlp(nn.Module):
     )
     n = context.shares(t)
     # [b, t, ...] -> the shares [n*b, t/n, ...], cp-major as context.rows (rows over cp, dp, ep)
-    group = lambda a: a.reshape(b, n, t // n, *a.shape[2:]).swapaxes(0, 1).reshape(n * b, t // n, *a.shape[2:])
+    group = lambda a: (
+      a.reshape(b, n, t // n, *a.shape[2:]).swapaxes(0, 1).reshape(n * b, t // n, *a.shape[2:])
+    )
     logits = jnp.einsum('btd,dE->btE', m_btd.astype(jnp.float32), router.astype(jnp.float32))
     probs, w_gtk, e_gtk = route(group(logits), dm.top_k, dm.norm_topk_prob)
     cap = capacity(dm, t // n)

@@ -31,6 +31,8 @@ def axes_of(plan: RunPlan) -> tuple[str, ...]:
   return {(False, False): AXES, (True, False): CP_AXES, (False, True): EP_AXES, (True, True): EP_CP_AXES}[
     (plan.cp > 1, plan.ep > 1)
   ]
+
+
 FAKE_CPU_DEVICES = 8
 
 
