@@ -191,9 +191,9 @@ def _moe_settings(cfg: Config) -> Failure:
   unsupported = (
     (
       'train.sequence_parallel',
-      cfg.train.sequence_parallel,
-      cfg.train.sequence_parallel != 'false',
-      f'false ({not_yet})',
+      cfg.train.sequence_parallel.value,
+      cfg.train.sequence_parallel == 'true',
+      f'false or auto (auto resolves off: sequence parallelism is {not_yet})',
     ),
     (
       'lora.targets',
