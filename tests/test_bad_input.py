@@ -597,7 +597,11 @@ TABLE = [
   (
     T,
     ['--config.moe.num_experts=4', '--config.train.sequence_parallel=true'],
-    ["train.sequence_parallel='true' is invalid", 'false or auto', 'not supported yet with moe.num_experts=4'],
+    [
+      "train.sequence_parallel='true' is invalid",
+      'false or auto',
+      'not supported yet with moe.num_experts=4',
+    ],
   ),
   (
     T,

@@ -216,7 +216,9 @@ def validated(cfg: ml_collections.ConfigDict, n_devices: int) -> tuple[Config, R
   t, p_ = c.train, c.pipeline
   rows = t.global_batch_size // (dp * p_.microbatches * t.grad_accum) * t.seq_len
   plan = RunPlan(
-    sequence_parallel=_sequence_parallel(t.sequence_parallel, rows, tp, c.mesh.cp, t.matmul_dtype, c.moe.num_experts),
+    sequence_parallel=_sequence_parallel(
+      t.sequence_parallel, rows, tp, c.mesh.cp, t.matmul_dtype, c.moe.num_experts
+    ),
     cp=c.mesh.cp,
     ep=c.mesh.ep,
     dp=dp,
