@@ -111,15 +111,19 @@ def router_metrics(grads: Any, s: Setup) -> tuple[Any, dict[str, jax.Array]]:
 
 
 def _with_stats_row(s: Setup, x_btd: jax.Array) -> jax.Array:
-  """x with one more position, zero, for the router statistics the layers add (mixture of experts)."""
-  return jnp.concatenate([x_btd, jnp.zeros_like(x_btd[:, :1])], axis=1) if s.dims.n_experts else x_btd
+  """x with more positions, zero, for the router statistics the layers add (mixture of experts):
+  one per cp rank (moe.join_stats)."""
+  if not s.dims.n_experts:
+    return x_btd
+  return moe.join_stats(x_btd, jnp.zeros_like(x_btd[:, : moe.stats_rows()]))
 
 
 def _split_stats_row(s: Setup, y_btd: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-  """(the layers' output, the router statistics' row [b, S] fp32 or None)."""
+  """(the layers' output, the router statistics [b, S] fp32 (the cp ranks' rows summed) or None)."""
   if not s.dims.n_experts:
     return y_btd, None
-  return y_btd[:, :-1], y_btd[:, -1, : moe.n_stats(s.dims)].astype(jnp.float32)
+  y_btd, acc_bnd = moe.split_stats(y_btd)
+  return y_btd, jnp.sum(acc_bnd[..., : moe.n_stats(s.dims)].astype(jnp.float32), axis=1)
 
 
 def _pipelined_loss_sum(

@@ -596,8 +596,12 @@ TABLE = [
   (T, ['--config.moe.top_k=4'], ['moe.top_k=4 is invalid', 'acts only with moe.num_experts > 0']),
   (
     T,
-    ['--config.moe.num_experts=4', '--config.mesh.cp=2', '--config.mesh.pp=1'],
-    ['mesh.cp=2 is invalid', 'not supported yet with moe.num_experts=4'],
+    ['--config.moe.num_experts=4', '--config.train.sequence_parallel=true'],
+    [
+      "train.sequence_parallel='true' is invalid",
+      'false or auto',
+      'not supported yet with moe.num_experts=4',
+    ],
   ),
   (
     T,
@@ -1049,3 +1053,5 @@ def test_sequence_parallel_setting_resolves():
   odd = {'train__seq_len': 127, 'train__global_batch_size': 8}
   assert not sp(train__sequence_parallel='auto', **odd).sequence_parallel
   assert not sp(train__sequence_parallel=True, mesh__dp=4, mesh__tp=1).sequence_parallel
+  moe = {'moe__num_experts': 4, 'mesh__cp': 2, 'mesh__dp': 1}  # auto: off beside a mixture of experts
+  assert not sp(train__sequence_parallel='auto', **moe).sequence_parallel

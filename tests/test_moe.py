@@ -72,6 +72,7 @@ def test_block_equals_plain_loop(cf, norm):
   dm = dims(cf, norm)
   params, x = init(dm)
   y, stats = moe.MoeMlp(dm).apply({'params': params}, x)
+  stats = stats[:, 0]  # one share per row without cp
   cap = moe.capacity(dm, x.shape[1])
   assert cap == (10 if cf == 4.0 else math.ceil(0.5 * 10 * K / E))
   y_ref, stats_ref = reference(params, x, cap, norm)
@@ -90,7 +91,7 @@ def test_block_gradients_equal_plain_loop():
 
   def loss(p, x):
     y, stats = moe.MoeMlp(dm).apply({'params': p}, x)
-    return jnp.sum(y * c) + jnp.sum(stats[:, E + 1]) + 0.1 * jnp.sum(stats[:, E + 2])
+    return jnp.sum(y * c) + jnp.sum(stats[:, 0, E + 1]) + 0.1 * jnp.sum(stats[:, 0, E + 2])
 
   def loss_ref(p, x):
     y, stats = reference(p, x, cap, True)
@@ -169,10 +170,28 @@ EP_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize('over', EP_LAYOUTS)
+CP_LAYOUTS = [
+  pytest.param({'mesh__cp': 2, 'mesh__ep': 2, 'mesh__tp': 2}, id='cp2-ep2-tp2'),
+  pytest.param({'mesh__cp': 2, 'mesh__tp': 2, 'mesh__dp': 2}, id='cp2-tp2-dp2', marks=SLOW),
+  pytest.param(
+    {'mesh__cp': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}, id='cp2-pp2-tp2', marks=SLOW
+  ),
+  pytest.param(
+    {'mesh__cp': 2, 'mesh__ep': 2, 'mesh__pp': 2, 'pipeline__microbatches': 2, 'pipeline__schedule': '1f1b'},
+    id='cp2-ep2-pp2-1f1b',
+    marks=SLOW,
+  ),
+  pytest.param(
+    {'mesh__cp': 4, 'mesh__ep': 2, 'train__shard_optimizer': True}, id='cp4-ep2-zero1', marks=SLOW
+  ),
+  pytest.param({'mesh__cp': 2, 'mesh__dp': 4, 'train__remat': 'full'}, id='cp2-dp4-remat', marks=SLOW),
+]
+
+
+@pytest.mark.parametrize('over', EP_LAYOUTS + CP_LAYOUTS)
 def test_moe_layouts_equal_one_device(over):
-  """Losses of 3 steps and the step-1 gradients of every layout with ep equal one device's within
-  1e-5 (the capacity drops nothing)."""
+  """Losses of 3 steps and the step-1 gradients of every layout with ep (and with cp: a capacity
+  group per cp rank's share of a row) equal one device's within 1e-5 (the capacity drops nothing)."""
   check(over)
 
 
@@ -184,6 +203,7 @@ def test_moe_layouts_equal_one_device(over):
       {'mesh__ep': 2, 'mesh__pp': 2, 'mesh__tp': 2, 'pipeline__microbatches': 2}, id='ep2-pp2', marks=SLOW
     ),
     pytest.param({'mesh__ep': 4, 'mesh__dp': 2, 'train__remat': 'full'}, id='ep4-remat-full', marks=SLOW),
+    pytest.param({'mesh__ep': 2, 'mesh__cp': 2, 'mesh__dp': 2}, id='ep2-cp2-dp2', marks=SLOW),
   ],
 )
 def test_expert_parallel_dispatch_is_the_formulas_all_to_alls(over):
@@ -238,6 +258,28 @@ def test_router_metrics_are_the_layers_statistics():
   m2 = step_metrics({'moe__capacity_factor': 0.5, **over})[3]
   for key in ('moe_load', 'moe_dropped', 'moe_aux_loss', 'moe_z_loss', 'loss'):
     np.testing.assert_allclose(m2[key], m[key], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  'over',
+  [
+    {'mesh__cp': 2, 'mesh__ep': 2, 'mesh__tp': 2},
+    {'mesh__cp': 4, 'mesh__pp': 2, 'pipeline__microbatches': 2},
+  ],
+)
+def test_router_metrics_with_cp_equal_one_device(over):
+  """With cp the step's moe_* metrics (each cp rank's share of a row's statistics, summed) equal one
+  device's when nothing is dropped; with a capacity that drops, the loads still sum to 1 and the
+  dropped share is counted (per cp rank's share: docs/models.md)."""
+  m = step_metrics({})[3]
+  m_cp = step_metrics(over)[3]
+  for key in ('moe_load', 'moe_dropped', 'moe_aux_loss', 'moe_z_loss', 'loss'):
+    np.testing.assert_allclose(m_cp[key], m[key], rtol=1e-5, atol=1e-7)
+  assert float(m['moe_dropped']) == 0.0
+  m_drop = step_metrics({'moe__capacity_factor': 0.5, **over})[3]
+  np.testing.assert_allclose(np.sum(m_drop['moe_load']), 1.0, rtol=1e-6)
+  assert float(m_drop['moe_dropped']) > 0.05
 
 
 def _trainer_cfg(**over):

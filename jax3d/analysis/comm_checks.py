@@ -89,7 +89,8 @@ def _capacity(s: Setup) -> int:
   dims = s.dims
   if not dims.n_experts:
     return 0
-  return ep_comm.capacity(dims.capacity_factor, s.plan.seq_len, dims.top_k, dims.n_experts)
+  seq = s.plan.seq_len // s.plan.cp  # with mesh.cp > 1 a capacity group is a cp rank's share of a row
+  return ep_comm.capacity(dims.capacity_factor, seq, dims.top_k, dims.n_experts)
 
 
 def summarize(colls: list[dict]) -> dict:

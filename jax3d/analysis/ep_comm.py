@@ -3,10 +3,11 @@ docs/formulas.md states them: `python -m jax3d.inspect`'s check of the compiled 
 (jax3d/analysis/comm_checks.py) reads them here. Pure arithmetic, no jax.
 
 Per mixture-of-experts layer and micro-batch, a device dispatches its rows' slots [b, E, C, d]
-(b = its rows, C = moe.capacity per sequence): the forward sends them to the experts' ranks and
-the outputs back (two all-to-alls), the written-out backward sends the slots again, the outputs'
-gradient there and the slots' gradient back (three): 5 (e-1)/e * b*E*C*d * bytes_per_element, wire
-bytes as jax3d/analysis/hlo.py defines them for an all-to-all over e devices.
+(b = its rows, C = moe.capacity per sequence, or per cp rank's share of one with mesh.cp > 1): the
+forward sends them to the experts' ranks and the outputs back (two all-to-alls), the written-out
+backward sends the slots again, the outputs' gradient there and the slots' gradient back (three):
+5 (e-1)/e * b*E*C*d * bytes_per_element, wire bytes as jax3d/analysis/hlo.py defines them for an
+all-to-all over e devices.
 """
 
 from __future__ import annotations

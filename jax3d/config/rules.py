@@ -189,12 +189,11 @@ def _moe_settings(cfg: Config) -> Failure:
   not_yet = f'not supported yet with moe.num_experts={e} > 0'
   adapted = sorted(set(lora_targets(cfg.lora.targets)) & {'gate', 'up', 'down'}) if cfg.lora.rank else []
   unsupported = (
-    ('mesh.cp', cfg.mesh.cp, cfg.mesh.cp > 1, f'1 ({not_yet})'),
     (
       'train.sequence_parallel',
-      cfg.train.sequence_parallel,
-      cfg.train.sequence_parallel != 'false',
-      f'false ({not_yet})',
+      cfg.train.sequence_parallel.value,
+      cfg.train.sequence_parallel == 'true',
+      f'false or auto (auto resolves off: sequence parallelism is {not_yet})',
     ),
     (
       'lora.targets',

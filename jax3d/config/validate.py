@@ -216,7 +216,9 @@ def validated(cfg: ml_collections.ConfigDict, n_devices: int) -> tuple[Config, R
   t, p_ = c.train, c.pipeline
   rows = t.global_batch_size // (dp * p_.microbatches * t.grad_accum) * t.seq_len
   plan = RunPlan(
-    sequence_parallel=_sequence_parallel(t.sequence_parallel, rows, tp, c.mesh.cp, t.matmul_dtype),
+    sequence_parallel=_sequence_parallel(
+      t.sequence_parallel, rows, tp, c.mesh.cp, t.matmul_dtype, c.moe.num_experts
+    ),
     cp=c.mesh.cp,
     ep=c.mesh.ep,
     dp=dp,
@@ -234,11 +236,14 @@ def validated(cfg: ml_collections.ConfigDict, n_devices: int) -> tuple[Config, R
   return c, plan
 
 
-def _sequence_parallel(value: Switch, rows: int, tp: int, cp: int = 1, matmul_dtype: str = '') -> bool:
+def _sequence_parallel(
+  value: Switch, rows: int, tp: int, cp: int = 1, matmul_dtype: str = '', experts: int = 0
+) -> bool:
   """train.sequence_parallel resolved: the rows a layer sees (a micro-batch's rows on one dp shard
   times seq_len, over mesh.cp: each cp rank's tokens) are split over tp, so tp must divide them;
-  'auto' is on when it does, and off with FP8 matmuls (not built on the SP projections)."""
-  if value is Switch.FALSE or tp == 1 or (value is Switch.AUTO and matmul_dtype == 'fp8'):
+  'auto' is on when it does, and off with FP8 matmuls (not built on the SP projections) or a
+  mixture of experts (`experts` > 0: its statistics' rows ride outside SP's flattened rows)."""
+  if value is Switch.FALSE or tp == 1 or (value is Switch.AUTO and (matmul_dtype == 'fp8' or experts)):
     return False
   per_cp = ' / mesh.cp' if cp > 1 else ''
   rows //= cp

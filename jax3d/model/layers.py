@@ -162,12 +162,12 @@ class Block(nn.Module):
 
   dims: Dims
   seq_len: int | None = None  # sequence parallelism: x is [b*t, d] rows of sequences of seq_len
-  stats_row: bool = False  # MoE training: x's last position is the router statistics' row (moe.py)
+  stats_row: bool = False  # MoE training: x ends in the router statistics' rows (moe.join_stats)
 
   @nn.compact
   def __call__(self, x_btd, positions_t=None, cache=None, segment_ids=None, noise=None):
     if self.stats_row:
-      x_btd, acc_bd = x_btd[:, :-1], x_btd[:, -1]
+      x_btd, acc_bnd = moe.split_stats(x_btd)
     sp = self.seq_len is not None
     b, t, d = (x_btd.shape[0] // self.seq_len, self.seq_len, x_btd.shape[1]) if sp else x_btd.shape
     x_rd = constrain(x_btd.reshape(b * t, d) if sp else context.rows(x_btd), (self._rows, 'embed'))
@@ -183,24 +183,24 @@ class Block(nn.Module):
       o_btnh = cached_attention(q_btnh, *cache, positions_t)
     x_rd = x_rd + self._attention_out(o_btnh, b * t, d, noise)
     if self.dims.n_experts:
-      y_rd, stats_bs = self._moe(x_rd, b, t, d)
+      y_rd, stats_bns = self._moe(x_rd, b, t, d)
       x_rd = x_rd + y_rd
     else:
       x_rd = x_rd + self._mlp(x_rd, d, noise)
     if sp:
       return x_rd
     x_btd = context.unrows(x_rd, b, t)
-    if self.stats_row:  # this layer's statistics added into the row the layers carry
-      pad = jnp.pad(stats_bs, ((0, 0), (0, d - stats_bs.shape[-1])))
-      acc_bd = (acc_bd.astype(jnp.float32) + pad).astype(acc_bd.dtype)
-      return jnp.concatenate([x_btd, acc_bd[:, None]], axis=1)
+    if self.stats_row:  # this layer's statistics added into the rows the layers carry (one per cp rank)
+      pad = jnp.pad(stats_bns, ((0, 0), (0, 0), (0, d - stats_bns.shape[-1])))
+      acc_bnd = (acc_bnd.astype(jnp.float32) + pad).astype(acc_bnd.dtype)
+      return moe.join_stats(x_btd, acc_bnd)
     return x_btd if cache is None else (x_btd, cache)
 
   def _moe(self, x_rd: jax.Array, b: int, t: int, d: int) -> tuple[jax.Array, jax.Array]:
-    """The mixture-of-experts MLP (jax3d/model/moe.py) on the normed stream: (y rows, stats [b, S])."""
+    """The mixture-of-experts MLP (jax3d/model/moe.py) on the normed stream: (y rows, stats [b, n, S])."""
     m_rd = RMSNorm(self.dims, name='mlp_norm')(x_rd)
-    y_btd, stats_bs = moe.MoeMlp(self.dims, name='moe')(context.unrows(m_rd, b, t))
-    return constrain(context.rows(y_btd), (self._rows, 'embed')), stats_bs
+    y_btd, stats_bns = moe.MoeMlp(self.dims, name='moe')(context.unrows(m_rd, b, t))
+    return constrain(context.rows(y_btd), (self._rows, 'embed')), stats_bns
 
   @property
   def _rows(self) -> str:

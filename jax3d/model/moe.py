@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.model.dims import Dims
-from jax3d.parallel import expert
+from jax3d.parallel import context, expert
 
 
 def capacity(dims: Dims, t: int) -> int:
@@ -70,15 +70,49 @@ def slots(e_btk: jax.Array, n_experts: int, cap: int) -> tuple[jax.Array, jax.Ar
 
 
 def router_stats(
-  logits_btE: jax.Array, probs_btE: jax.Array, counts_bE: jax.Array, dropped_b: jax.Array, k: int
+  logits_gtE: jax.Array,
+  probs_gtE: jax.Array,
+  counts_gE: jax.Array,
+  row_counts_gE: jax.Array,
+  dropped_g: jax.Array,
+  k: int,
+  t_row: int,
 ) -> jax.Array:
-  """[b, E + 3]: loads (share of the t*k assignments), dropped share, aux loss, z-loss (fp32)."""
-  t, n_experts = logits_btE.shape[1], logits_btE.shape[2]
-  counts = counts_bE.astype(jnp.float32)
-  aux_b = n_experts * jnp.sum(counts / t * jnp.mean(probs_btE, axis=1), axis=-1)
-  z_b = jnp.mean(jnp.square(jax.nn.logsumexp(logits_btE, axis=-1)), axis=-1)
-  dropped = dropped_b.astype(jnp.float32) / (t * k)
-  return jnp.concatenate([counts / (t * k), dropped[:, None], aux_b[:, None], z_b[:, None]], axis=-1)
+  """[g, E + 3] (fp32): each share's part of its row's loads (share of the row's t_row*k
+  assignments), dropped share, aux loss and z-loss, the parts summing to the row's statistics (one
+  share: the row itself). The aux loss's part takes the whole row's counts (`row_counts_gE`, no
+  gradient) times this share's probabilities, so it is linear in the shares, as the others."""
+  n_experts = logits_gtE.shape[2]
+  counts, row_counts = counts_gE.astype(jnp.float32), row_counts_gE.astype(jnp.float32)
+  aux_g = n_experts * jnp.sum(row_counts / t_row * jnp.sum(probs_gtE, axis=1) / t_row, axis=-1)
+  z_g = jnp.sum(jnp.square(jax.nn.logsumexp(logits_gtE, axis=-1)), axis=-1) / t_row
+  dropped = dropped_g.astype(jnp.float32) / (t_row * k)
+  loads = counts / (t_row * k)
+  return jnp.concatenate([loads, dropped[:, None], aux_g[:, None], z_g[:, None]], axis=-1)
+
+
+def stats_rows() -> int:
+  """The router statistics' positions a training row carries here: one per cp rank, at the end of
+  its own tokens (each rank's share of the row's statistics: jax3d/parallel/context.py's layout),
+  or one where cp is manual (this rank's) or absent."""
+  return 1 if context.manual() else context.cp_size()
+
+
+def join_stats(x_btd: jax.Array, acc_bnd: jax.Array) -> jax.Array:
+  """[b, t, d] and the n statistics' rows [b, n, d] -> [b, t + n, d], each row after its cp rank's
+  t/n tokens (n = 1: after the row)."""
+  b, t, d = x_btd.shape
+  n = acc_bnd.shape[1]
+  x = jnp.concatenate([x_btd.reshape(b, n, t // n, d), acc_bnd[:, :, None].astype(x_btd.dtype)], axis=2)
+  return x.reshape(b, t + n, d)
+
+
+def split_stats(x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The inverse of `join_stats` (n = `stats_rows`): ([b, t, d], [b, n, d])."""
+  n = stats_rows()
+  b, tn, d = x_btd.shape
+  x = x_btd.reshape(b, n, tn // n, d)
+  return x[:, :, :-1].reshape(b, tn - n, d), x[:, :, -1]
 
 
 def _swiglu_experts(x_becd: jax.Array, gu_Ed2f: jax.Array, down_Efd: jax.Array, dtype: Any) -> jax.Array:
@@ -138,7 +172,9 @@ def dispatch_combine(
 
 class MoeMlp(nn.Module):
   """The mixture-of-experts MLP of one layer on its normed input [b, t, d]: returns (y [b, t, d]
-  in `dims.dtype`, router statistics [b, E + 3] fp32)."""
+  in `dims.dtype`, router statistics [b, n, E + 3] fp32: each cp share's part, `router_stats`).
+  With the sequence split over cp (n = context.shares(t) shares of t/n tokens each in the
+  compiler's view; this rank's own t where cp is manual) each share is a capacity group."""
 
   dims: Dims
 
@@ -159,15 +195,24 @@ class MoeMlp(nn.Module):
     down = self.param(
       'experts_down', init(('experts', 'mlp', 'embed'), down_std), (n_experts, f, d), dm.param_dtype
     )
+    n = context.shares(t)
+    # [b, t, ...] -> the shares [n*b, t/n, ...], cp-major as context.rows (rows over cp, dp, ep)
+    group = lambda a: (
+      a.reshape(b, n, t // n, *a.shape[2:]).swapaxes(0, 1).reshape(n * b, t // n, *a.shape[2:])
+    )
     logits = jnp.einsum('btd,dE->btE', m_btd.astype(jnp.float32), router.astype(jnp.float32))
-    probs, w_btk, e_btk = route(logits, dm.top_k, dm.norm_topk_prob)
-    cap = capacity(dm, t)
-    slot_bn, counts_bE, dropped_b = slots(e_btk, n_experts, cap)
-    y_btd = dispatch_combine(m_btd, w_btk, slot_bn, gu, down, cap, dm.dtype)
+    probs, w_gtk, e_gtk = route(group(logits), dm.top_k, dm.norm_topk_prob)
+    cap = capacity(dm, t // n)
+    slot_gn, counts_gE, dropped_g = slots(e_gtk, n_experts, cap)
+    y_gtd = dispatch_combine(group(m_btd), w_gtk, slot_gn, gu, down, cap, dm.dtype)
+    y_btd = y_gtd.reshape(n, b, t // n, d).swapaxes(0, 1).reshape(b, t, d)
     if dm.d_shared:
       y_btd = y_btd + self._shared(m_btd)
-    stats = router_stats(logits, probs, counts_bE, dropped_b, dm.top_k)
-    return y_btd.astype(dm.dtype), stats
+    row_counts = jnp.tile(context.row_sum(counts_gE.reshape(n, b, n_experts).swapaxes(0, 1)), (n, 1))
+    stats = router_stats(
+      group(logits), probs, counts_gE, row_counts, dropped_g, dm.top_k, context.row_tokens(t)
+    )
+    return y_btd.astype(dm.dtype), stats.reshape(n, b, -1).swapaxes(0, 1)
 
   def _shared(self, m_btd: jax.Array) -> jax.Array:
     """The shared expert every token goes through: a SwiGLU of d_shared (tp splits its hidden)."""

@@ -112,6 +112,24 @@ def unrows(x_r: jax.Array, b: int, t: int) -> jax.Array:
   return x_r.reshape(cp, b, t // cp, *x_r.shape[1:]).swapaxes(0, 1).reshape(b, t, *x_r.shape[1:])
 
 
+def shares(t: int) -> int:
+  """The cp ranks' shares of a row of t tokens held here: `split` in the compiler's view, 1 where cp
+  is manual (this rank's own)."""
+  return split(t) if not manual() else 1
+
+
+def row_tokens(t: int) -> int:
+  """The whole row's tokens, of the t held here (t times cp where cp is manual)."""
+  return t * cp_size() if manual() else t
+
+
+def row_sum(a_bn: jax.Array) -> jax.Array:
+  """[b, n, ...] per cp share of each row (n = `shares`) -> [b, ...] the whole row's sum: over n,
+  and over the cp ranks (a psum) where cp is manual. For what takes no gradient (counts)."""
+  a_b = jnp.sum(a_bn, axis=1)
+  return jax.lax.psum(a_b, CP) if manual() and cp_size() > 1 else a_b
+
+
 def positions(rank: Any, b: int, t: int, cp: int) -> jax.Array:
   """int [b, t/cp]: the row indices of the tokens cp rank `rank` holds (chunks rank and
   2cp-1-rank), the causal positions of its queries and keys."""

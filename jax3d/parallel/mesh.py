@@ -1,12 +1,12 @@
 """The ('dp', 'pp', 'tp') device mesh; with context parallelism (mesh.cp > 1) ('dp', 'pp', 'cp', 'tp'),
-with expert parallelism (mesh.ep > 1) ('dp', 'pp', 'ep', 'tp').
+with expert parallelism (mesh.ep > 1) ('dp', 'pp', 'ep', 'tp'), with both ('dp', 'pp', 'ep', 'cp', 'tp').
 
 Placement maps ranks to the topology: `tp` varies fastest, so a tensor-parallel group is a set of
 neighbouring devices (one host's NVLink domain), `cp` next (inside a node too), `pp` next, and `dp`
 outermost, across hosts. On several hosts `create_hybrid_device_mesh` keeps `tp` inside a host;
 with cp, blocks of cp*tp neighbouring devices of one host (`device_grid`). The `cp` axis exists
 only when mesh.cp > 1, so a run without it keeps its three-axis mesh; so does `ep` (placed as cp:
-ep*tp neighbouring devices of one host, the experts' all-to-all inside a node).
+ep*tp neighbouring devices of one host, the experts' all-to-all inside a node; with both, ep*cp*tp).
 """
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ from jax3d.config import ConfigError, RunPlan
 AXES = ('dp', 'pp', 'tp')
 CP_AXES = ('dp', 'pp', 'cp', 'tp')  # mesh.cp > 1
 EP_AXES = ('dp', 'pp', 'ep', 'tp')  # mesh.ep > 1
+EP_CP_AXES = ('dp', 'pp', 'ep', 'cp', 'tp')  # both
+
+
+def axes_of(plan: RunPlan) -> tuple[str, ...]:
+  """The mesh's axis names: cp and ep only where they are > 1."""
+  return {(False, False): AXES, (True, False): CP_AXES, (False, True): EP_AXES, (True, True): EP_CP_AXES}[
+    (plan.cp > 1, plan.ep > 1)
+  ]
+
+
 FAKE_CPU_DEVICES = 8
 
 
@@ -44,7 +54,7 @@ def build_mesh(
   `allow_tp_across_hosts`."""
   devices = list(devices if devices is not None else jax.devices())
   grid = device_grid(plan, devices, allow_tp_across_hosts)
-  axes = CP_AXES if plan.cp > 1 else EP_AXES if plan.ep > 1 else AXES
+  axes = axes_of(plan)
   return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
@@ -100,16 +110,19 @@ def device_grid(plan: RunPlan, devices: list, allow_tp_across_hosts: bool = Fals
 def _cp_grid(plan: RunPlan, devices: list, per_host: int) -> np.ndarray:
   """[dp, pp, cp, tp]: tp innermost, then cp, both inside a host (cp's K/V all-gathers are the
   heaviest traffic after tp's), then pp and dp, across hosts where the hosts' devices run out: the
-  devices host by host, in id order, cut into blocks of cp*tp neighbours."""
-  name, inner = ('cp', plan.cp) if plan.cp > 1 else ('ep', plan.ep)  # [dp, pp, ep, tp] alike
-  block = inner * plan.tp
+  devices host by host, in id order, cut into blocks of cp*tp neighbours ([dp, pp, ep, tp] alike,
+  and [dp, pp, ep, cp, tp] with both: blocks of ep*cp*tp)."""
+  inner = {a: getattr(plan, a) for a in ('ep', 'cp') if getattr(plan, a) > 1}
+  name = '*'.join(inner)
+  block = int(np.prod(list(inner.values()))) * plan.tp
   if block > per_host or per_host % block:
+    value = '*'.join(f'mesh.{a}={v}' for a, v in inner.items())
     raise ConfigError(
-      f'mesh.{name}={inner} with mesh.tp={plan.tp} would span hosts ({per_host} devices per host): '
+      f'{value} with mesh.tp={plan.tp} would span hosts ({per_host} devices per host): '
       f'{name} and tp stay inside a host; valid: {name}*tp dividing {per_host}'
     )
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-  return np.array(devices).reshape(plan.dp, plan.pp, inner, plan.tp)
+  return np.array(devices).reshape(plan.dp, plan.pp, *inner.values(), plan.tp)
 
 
 def describe_placement(mesh: Mesh, hosts: Sequence[str] | None = None) -> list[str]:

@@ -3,7 +3,7 @@
   batch      micro-batch rows inside the pipeline          -> dp (dp and ep with mesh.ep > 1)
   rows       a layer's flattened rows b*t (outside SP)      -> dp, and with context parallelism
              (mesh.cp > 1) cp and dp: cp-major rows (context.rows), each device's own tokens;
-             dp and ep with expert parallelism (mesh.ep > 1)
+             dp and ep with expert parallelism (mesh.ep > 1); cp, dp and ep with both
   experts    a mixture's experts (jax3d/model/moe.py)       -> ep (replicated without it)
   router, expert_slots, capacity                          -> replicated (the router's experts,
              the dispatched slots' expert and capacity axes: jax3d/parallel/expert.py)
@@ -65,6 +65,7 @@ def logical_rules(
   loop; `context`: mesh.cp > 1 (the sequence over the 'cp' axis); `expert`: mesh.ep > 1 (the
   experts over 'ep')."""
   rows = (CP, DP) if context else (DP, EP) if expert else DP  # cp-major rows (context.rows)
+  rows = (CP, DP, EP) if context and expert else rows
   return (
     ('batch', (DP, EP) if expert else DP),
     ('rows', rows),
