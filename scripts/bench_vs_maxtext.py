@@ -113,6 +113,10 @@ class Shape:
   qkv_bias: bool = False  # MaxText's Llama has none of these
   qk_norm: bool = False
   tie_embeddings: bool = False
+  n_experts: int = 0  # dense: a feed-forward of d_ff, no mixture of experts
+  top_k: int = 0
+  d_expert: int = 0
+  d_shared: int = 0
 
   @property
   def head_dim(self) -> int:
