@@ -413,26 +413,22 @@ def rows(j: dict, m: dict) -> list[tuple[str, str, str, str]]:
   def ratio(a: float, b: float) -> str:  # '-' when MaxText's figure is (about) nothing
     return f'{a / b:.2f}' if abs(b) > 1e-3 * abs(a) and b else '-'
 
-  out = [
-    ('peak GiB', f'{j["peak_bytes"] / GIB:.2f}', f'{m["peak_bytes"] / GIB:.2f}'),
-    (
-      'executed FLOPs (matmuls + attention), PF',
-      f'{j["executed_flops"] / 1e15:.3f}',
-      f'{m["executed_flops"] / 1e15:.3f}',
-    ),
-    ('  matmuls, PF', f'{j["matmul_flops"] / 1e15:.3f}', f'{m["matmul_flops"] / 1e15:.3f}'),
-    (
-      '  attention kernels (nominal), PF',
-      f'{j["attention_flops"] / 1e15:.3f}',
-      f'{m["attention_flops"] / 1e15:.3f}',
-    ),
+  figures = (  # (what, its value in each result, the unit's scale, decimals)
+    ('peak GiB', lambda r: r['peak_bytes'], GIB, 2),
+    ('executed FLOPs (matmuls + attention), PF', lambda r: r['executed_flops'], 1e15, 3),
+    ('  matmuls, PF', lambda r: r['matmul_flops'], 1e15, 3),
+    ('  attention kernels (nominal), PF', lambda r: r['attention_flops'], 1e15, 3),
     (
       'collective bytes (all-gather + reduce-scatter + all-reduce), GiB',
-      f'{j["collective_bytes"] / GIB:.1f}',
-      f'{m["collective_bytes"] / GIB:.1f}',
+      lambda r: r['collective_bytes'],
+      GIB,
+      1,
     ),
+  )
+  table = [
+    (what, f'{get(j) / scale:.{dec}f}', f'{get(m) / scale:.{dec}f}', ratio(get(j), get(m)))
+    for what, get, scale, dec in figures
   ]
-  table = [(w, a, b, ratio(float(a), float(b))) for w, a, b in out]
   for kind in COLLECTIVE_KINDS:
     cj, cm = j['collectives'].get(kind, {}), m['collectives'].get(kind, {})
     bj, bm = cj.get('buffer_bytes', 0.0), cm.get('buffer_bytes', 0.0)
