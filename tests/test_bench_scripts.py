@@ -227,3 +227,130 @@ def test_zero3_tables():
   (row,) = bz3.summarize_times('8x1x1', times, 'off')
   assert row['ratio'] == pytest.approx(0.15 / 0.2) and row['round_ratios'] == pytest.approx([1.0, 0.5])
   assert bz3.format_time([row])[2] == '| 8x1x1 | layer / off | 200.0 | 150.0 | 0.75 | 0.50-1.00 |'
+
+
+# scripts/bench_vs_maxtext_gpu.py: its HLO reading on a small module, the table, the shapes' keys and
+# its refusal without MaxText's venv; nothing compiled (the 8 x H100 compiles need MaxText's venv)
+_spec_gpu = importlib.util.spec_from_file_location(
+  'bench_vs_maxtext_gpu', os.path.join(ROOT, 'scripts', 'bench_vs_maxtext_gpu.py')
+)
+bgpu = importlib.util.module_from_spec(_spec_gpu)
+sys.modules['bench_vs_maxtext_gpu'] = bgpu  # dataclasses look their module up
+_spec_gpu.loader.exec_module(bgpu)
+
+# One loop of 4 trips holding a matmul as a dot and as a cuBLAS call, an fp32 all-gather, a bf16
+# reduce-scatter and cuDNN's attention (forward, backward) plus a Pallas preprocess; an all-reduce
+# outside it. Per device per call of ENTRY:
+#   matmuls     2 x (2*16*32*512) x 4                                = 4,194,304 FLOPs
+#   attention   forward 4*b*n*t*s*h/2 = 4*2*4*128*128*64/2 = 16,777,216 per call, 4 calls;
+#               backward 2.5 x that, 4 calls; the preprocess none
+#   all-gather  f32[64,32] gathered over 8: 65,536 bytes x 4; reduce-scatter bf16[512,32]: 32,768 x 4;
+#               all-reduce f32[8]: 32
+GPU_HLO = """HloModule m, num_partitions=8
+
+%cond (c: (s32[])) -> pred[] {
+  %c = (s32[]) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+%body (b: (s32[])) -> (s32[]) {
+  %b = (s32[]) parameter(0)
+  %w = f32[64,32]{1,0} parameter(1)
+  %x = bf16[16,512]{1,0} parameter(2)
+  %ag = f32[512,32]{1,0} all-gather(%w), replica_groups=[1,8]<=[8], dimensions={0}
+  %d = f32[16,32]{1,0} dot(%x, %ag), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %cb = f32[16,32]{1,0} custom-call(%x, %ag), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %g = bf16[512,32]{1,0} parameter(3)
+  %rs = bf16[64,32]{1,0} reduce-scatter(%g), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(4)
+  %k = bf16[2,128,2,64]{3,2,1,0} parameter(5)
+  %fa = (bf16[2,4,128,64]{3,1,2,0}, f32[2,4,128]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(f)/attention"}
+  %fb = (bf16[2,4,128,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmaxBackward", metadata={op_name="jit(f)/attention"}
+  %pre = f32[2,4,128]{2,1,0} custom-call(%q, %q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/preprocess_backward/pallas_call"}
+  ROOT %t = (s32[]) tuple(%ci)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %t0 = (s32[]) parameter(1)
+  %ar = f32[8]{0} all-reduce(%a), replica_groups=[1,8]<=[8], to_apply=%add
+  %wl = (s32[]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %r = f32[8]{0} copy(%ar)
+}
+"""
+
+
+def test_gpu_hlo_reading():
+  r = bgpu.read_hlo(GPU_HLO)
+  assert r['matmul_flops'] == 2 * (2 * 16 * 32 * 512) * 4
+  fwd = 4 * 2 * 4 * 128 * 128 * 64 / 2
+  att = r['attention']
+  assert (att['forward']['calls'], att['backward']['calls'], att['preprocess']['calls']) == (4, 4, 4)
+  assert att['forward']['flops'] == fwd * 4 and att['backward']['flops'] == 2.5 * fwd * 4
+  assert att['preprocess']['flops'] == 0 and att['forward']['k'] == [2, 128, 2, 64]  # K/V heads as given
+  assert r['executed_flops'] == r['matmul_flops'] + 3.5 * fwd * 4
+  c = r['collectives']
+  assert c['all-gather']['buffer_bytes'] == 65536 * 4 and c['all-gather']['dtypes'] == {'f32': 65536 * 4}
+  assert c['reduce-scatter']['buffer_bytes'] == 32768 * 4 and set(c['reduce-scatter']['dtypes']) == {'bf16'}
+  assert c['all-reduce']['buffer_bytes'] == 32 and c['all-reduce']['count'] == 1
+  assert r['collective_bytes'] == 65536 * 4 + 32768 * 4 + 32 and r['unknown_trip_counts'] == []
+
+
+def test_gpu_table():
+  j = bgpu.read_hlo(GPU_HLO) | {'peak_bytes': 3 * 2**30, 'wall_s': 30.0}
+  m = dict(
+    j, peak_bytes=2 * 2**30, collectives={k: v for k, v in j['collectives'].items() if k != 'all-reduce'}
+  )
+  m['collective_bytes'] = j['collective_bytes'] / 2
+  table = {w.strip(): (a, b, ratio) for w, a, b, ratio in bgpu.rows(j, m)}
+  assert table['peak GiB'] == ('3.00', '2.00', '1.50')
+  assert table['executed FLOPs (matmuls + attention), PF'][2] == '1.00'
+  assert table['all-reduce, GiB (by dtype)'] == ('0.0 (none)', '0.0 (none)', '-')  # MaxText has none
+  assert table['attention kernel calls per step (forward / backward)'][:2] == ('4 / 4', '4 / 4')
+  lines = bgpu.format_table('Tiny', bgpu.rows(j, m))
+  assert lines[0] == 'Tiny, per device per step:' and lines[4] == '| peak GiB | 3.00 | 2.00 | 1.50 |'
+  big = {'dtypes': {'f32': 80.04 * 2**30, 'bf16': 65.9 * 2**30, 's32': 1.0}}
+  assert bgpu._dtypes(big) == 'f32 80.0, bf16 65.9'
+
+
+def test_gpu_shapes_are_the_same_work():
+  """Each shape's jax3d overrides are valid keys giving its tokens and accumulation; MaxText's batch
+  per device and accumulation give the same tokens per step."""
+  for shape in bgpu.SHAPES.values():
+    args = shape.jax3d_args('/tmp/x.hlo', 'h100x8')
+    assert args[:2] == ['-m', 'jax3d.inspect'] and '--target=h100x8' in args
+    overrides = dict(a[len('--config.') :].split('=', 1) for a in args if a.startswith('--config.'))
+    cfg = config_lib.load_config(shape.jax3d_config, overrides)
+    plan = config_lib.validate(cfg, bgpu.N_GPUS)
+    assert plan.global_batch * plan.seq_len == shape.tokens and plan.grad_accum == shape.grad_accum
+    assert (plan.dp, plan.tp, plan.pp, cfg.train.shard_params, cfg.train.remat) == (8, 1, 1, True, 'full')
+    mt = dict(a.split('=', 1) for a in shape.maxtext_args('run', '/tmp/mt'))
+    rows = int(mt['per_device_batch_size']) * bgpu.N_GPUS * int(mt['gradient_accumulation_steps'])
+    assert rows * int(mt['max_target_length']) == shape.tokens and mt['ici_fsdp_parallelism'] == '8'
+  assert config_lib.load_config('llama3_8b', {}).model.n_kv_heads == 8
+  assert bgpu.SHAPES['llama2_7b'].jax3d_overrides['model.n_kv_heads'] == 32  # Llama 2 7B: no GQA
+
+
+def test_gpu_refusals(tmp_path, capsys):
+  """Without MaxText's venv (or its CUDA plugin), and with bad flags: one `error:` line, exit 2."""
+  for argv in (
+    [f'--maxtext-venv={tmp_path}'],
+    ['--shapes=llama3_8b,gpt5'],
+    ['--target=h100x16'],
+    ['--target=tpu8'],
+  ):
+    with pytest.raises(SystemExit) as e:
+      bgpu.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and err.startswith('error: '), err
+  (tmp_path / 'bin').mkdir()
+  (tmp_path / 'bin' / 'python').touch()
+  (tmp_path / 'lib' / 'python3.12' / 'site-packages' / 'maxtext').mkdir(parents=True)
+  with pytest.raises(SystemExit):
+    bgpu.check_venv(str(tmp_path))
+  assert "missing: JAX's CUDA plugin" in capsys.readouterr().err
+  (tmp_path / 'lib' / 'python3.12' / 'site-packages' / 'jax_cuda12_plugin').mkdir()
+  assert bgpu.check_venv(str(tmp_path)) == str(tmp_path / 'bin' / 'python')

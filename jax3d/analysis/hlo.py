@@ -59,6 +59,11 @@ def shape_bytes(shape: str) -> int:
   return total
 
 
+def arrays(shape: str) -> list[tuple[str, list[int]]]:
+  """(dtype, dimensions) of each array in an HLO shape string: 'bf16[2,3]{1,0}' -> [('bf16', [2, 3])]."""
+  return [(dtype, [int(d) for d in dims.split(',') if d]) for dtype, dims in _ARRAY.findall(shape)]
+
+
 def _split_shape(rest: str) -> tuple[str, str]:
   """'(f32[], f32[2]{0}) op(...)' -> ('(f32[], f32[2]{0})', 'op(...)')."""
   if rest.startswith('('):
