@@ -249,7 +249,9 @@ def test_planner_searches_ep_and_takes_it_where_only_ep_fits():
   assert {c.plan.ep for c in roomy} == {1, 2, 4, 8}
   assert all(c.plan.dp * c.plan.ep == 8 and c.overrides['mesh.ep'] == c.plan.ep for c in roomy)
   least = {e: min(c.est.total_bytes for c in roomy if c.plan.ep == e) for e in (1, 2)}
-  assert least[2] < 0.6 * least[1]  # the experts' state halves
+  state = lambda c: sum(c.est.breakdown[k] for k in ('params', 'grads', 'optimizer'))
+  held = {e: min(state(c) for c in roomy if c.plan.ep == e) for e in (1, 2)}
+  assert held[2] < 0.6 * held[1] and least[2] < least[1]  # the experts' state halves
   hw = costmodel.Hardware(memory_gb=(least[1] + least[2]) / 2e9, gpu=False)
   ranked = plan.search(cfg, hw, zero=('off',))
   best = ranked[0]
