@@ -13,8 +13,9 @@ for activations), modelling what jax3d's step really does:
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
     pass, and with v > 1 five stacks of its m micro-batches (`_gpipe_edges`). One layer's is read
     off the real layer (`jax.ad_checkpoint` residuals of `layers.Block` at the tp-local shapes,
-    under the remat policy, with the attention kernel's), so it follows the code; with XLA's
-    attention, Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t)). With remat 'stage' it counts m+1
+    under the remat policy, with the attention kernel's; a mixture's MoE block as it is, its rows
+    over dp*ep), so it follows the code; with XLA's attention, Korthikanti's
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)). With remat 'stage' it counts m+1
     micro-batches per iteration (its input and, with pp > 1, a stage-0 queue of m): an upper bound,
     since the compiled loop saves the iteration's input only (the queue, where v > 1, is a carry
     updated in place). Under 1F1B (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the
