@@ -331,13 +331,16 @@ def test_context_parallel_compiles_for_gpus(strategy, collective):
 
 @needs_plugin
 @pytest.mark.slow
-@pytest.mark.parametrize('name,target', [('qwen3_30b_a3b', 'h100x8'), ('mixtral_8x7b', 'h100x16')])
-def test_mixture_plans_fit_by_the_gpu_compile(name, target):
+@pytest.mark.parametrize(
+  'name,target,high', [('qwen3_30b_a3b', 'h100x8', 0.20), ('mixtral_8x7b', 'h100x16', 0.10)]
+)
+def test_mixture_plans_fit_by_the_gpu_compile(name, target, high):
   """The planner's best layout for the shipped mixtures of experts (mesh.ep searched) on their
-  targets fits by XLA:GPU's figure, and the estimate is not below it by more than 10% (its fit
-  claim is safe). Measured (docs/plan.md): 74.2 GB estimated, 61.4 compiled (Qwen3-30B-A3B, pp 8,
-  v 6, dots) and 76.6 against 63.1 (Mixtral 8x7B, dp 2 pp 4 tp 2, v 8, dots): +21%, the MoE layer's
-  residuals priced as a dense layer of model.d_ff (not yet read off the MoE layer)."""
+  targets fits by XLA:GPU's figure, the estimate not below it by more than 10% (its fit claim is
+  safe) nor above it by more than `high`. Measured (docs/plan.md): Mixtral 8x7B dp 2 x ep 8, dots,
+  ZeRO-1: 72.4 GB estimated, 78.8 compiled (-8.1%); Qwen3-30B-A3B pp 8, m 32, v 6, dots: 78.1
+  against 67.1 (+16.4%: XLA:GPU's peak is at the end of the forward loop, its residual stacks
+  as the estimate counts them; what it saves on the gradients beside them is not pinned down)."""
   from jax3d import config as config_lib
   from jax3d.planning import costmodel, planner
   from jax3d.planning.memory_check import verify_memory
@@ -347,4 +350,4 @@ def test_mixture_plans_fit_by_the_gpu_compile(name, target):
   hw = costmodel.Hardware(nodes=t.nodes, gpus_per_node=t.per_node, memory_gb=t.memory_bytes / 1e9)
   best = planner.shortlist(planner.search(cfg, hw), 1)[0]
   v = verify_memory(planner.with_overrides(cfg, best.overrides), best.plan, t)
-  assert v['fits'] and -0.10 < v['estimate_bytes'] / v['compiled_bytes'] - 1 < 0.25, v
+  assert v['fits'] and -0.10 < v['estimate_bytes'] / v['compiled_bytes'] - 1 < high, v

@@ -249,7 +249,9 @@ def test_planner_searches_ep_and_takes_it_where_only_ep_fits():
   assert {c.plan.ep for c in roomy} == {1, 2, 4, 8}
   assert all(c.plan.dp * c.plan.ep == 8 and c.overrides['mesh.ep'] == c.plan.ep for c in roomy)
   least = {e: min(c.est.total_bytes for c in roomy if c.plan.ep == e) for e in (1, 2)}
-  assert least[2] < 0.6 * least[1]  # the experts' state halves
+  state = lambda c: sum(c.est.breakdown[k] for k in ('params', 'grads', 'optimizer'))
+  held = {e: min(state(c) for c in roomy if c.plan.ep == e) for e in (1, 2)}
+  assert held[2] < 0.6 * held[1] and least[2] < least[1]  # the experts' state halves
   hw = costmodel.Hardware(memory_gb=(least[1] + least[2]) / 2e9, gpu=False)
   ranked = plan.search(cfg, hw, zero=('off',))
   best = ranked[0]
@@ -283,3 +285,25 @@ def test_time_model_prices_the_experts_all_to_all_by_the_formula():
   assert t['step'] == pytest.approx(t['compute'] + t['tp'] + t['pp'] + t['ep'] + t['dp'] - t['dp_hidden'])
   dense_ep = plan.with_overrides(cfg, {'mesh.ep': 1, 'mesh.dp': 4})
   assert costmodel.estimate(dense_ep, config.validate(dense_ep, 8), hw=CPU).times['ep'] == 0
+
+
+def test_moe_activations_are_what_the_moe_layer_keeps():
+  """A mixture's layer is priced as the MoE block keeps it (read off jax3d/model/moe.py), its rows
+  split over dp*ep. Under remat 'dots', by hand for tiny_moe at dp 2, ep 2, tp 2: the rotary angles
+  (cos, sin [128, 32]), and per row of 128 tokens the input and attention's output projection
+  [128, 256], this shard's QKV [128, 1 KV head, 4, 64] and the router's logits [128, 8] (fp32);
+  not the experts' matmuls (batched over the experts, which 'dots' does not save), and not a dense
+  MLP of model.d_ff (its gate/up [128, 2, 384] would be kept)."""
+  over = {'mesh.dp': 2, 'mesh.ep': 2, 'mesh.tp': 2, 'mesh.pp': 1, 'train.remat': 'dots'}
+  cfg = config.load_config('tiny_moe', over)
+  p = config.validate(cfg, 8)
+  rows = 16 // (2 * 2)  # the micro-batch's 16 sequences over dp*ep
+  hand = 2 * 128 * 32 * 4 + rows * 128 * (256 + 4 * 64 + 256 + 8) * 4
+  moe = (8, 2, 256, 0, 1.25)  # experts, top_k, d_expert, d_shared, capacity_factor
+  res = lambda policy: costmodel.layer_residual_bytes(
+    256, 4, 2, 768, 128, 2, policy, 'float32', 'float32', False, rows, moe=moe
+  )
+  assert res('dots') == hand
+  # 4 layers in the loop's one iteration, and one layer's intermediates while it is recomputed
+  e = costmodel.estimate(cfg, p, hw=CPU)
+  assert e.breakdown['activations'] == pytest.approx(4 * hand + res('none'))

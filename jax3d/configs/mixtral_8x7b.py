@@ -1,8 +1,8 @@
 """Mixtral 8x7B shapes (for GPU runs and planning): 32 layers, d 4096, GQA 32/8, 8 experts of 14336
 per layer (top-2), vocab 32000; 46.7B parameters, 12.9B active. On 16 GPUs (2 nodes of 8): two
 pipeline stages (one per node), in each the experts over ep=4 (two per GPU) and Megatron-split over
-tp=2: 55.8 GB per H100 compiled (XLA:GPU, --target=h100x16). dp=2 x ep=8 compiles to 96.7 GB, with
-ZeRO-3 to 206.9 GB (not investigated: BUILD_NOTES.md).
+tp=2: 58.5 GB per H100 compiled (XLA:GPU, --target=h100x16). The planner's best, dp=2 x ep=8 with
+remat dots and ZeRO-1, compiles to 78.8 GB (docs/plan.md).
 
 python -m jax3d.inspect --config=configs/mixtral_8x7b.py --target=h100x16
 """

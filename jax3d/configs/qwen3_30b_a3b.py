@@ -1,7 +1,7 @@
 """Qwen3-30B-A3B shapes (for GPU runs and planning): 48 layers, d 2048, GQA 32/4 of head 128 with q/k
 norms, 128 experts of 768 per layer (top-8, renormalised), vocab 151936; 30.5B parameters, 3.3B
 active. On 8 GPUs: the experts over ep=8 (16 per GPU), data parallel over the same 8 outside them:
-69.0 GB per H100 compiled (XLA:GPU, --target=h100x8), bf16 master weights and Adam.
+72.3 GB per H100 compiled (XLA:GPU, --target=h100x8), bf16 master weights and Adam.
 
 python -m jax3d.inspect --config=configs/qwen3_30b_a3b.py --target=h100x8
 """

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax3d.config import Config, RunPlan
 from jax3d.parallel import compression, zero3
-from jax3d.parallel.sharding import CP, DP, PP, TP, vary
+from jax3d.parallel.sharding import CP, DP, EP, PP, TP, vary
 
 PyTree = Any  # nested dicts of arrays (or of their abstract shapes / shardings)
 
@@ -206,11 +206,13 @@ def value_and_grad(
   dims = dims_tree(params, params_sh, dp)
   res_sh = None if residual is None else residual_shardings(params_sh, mesh)
   r_specs = None if residual is None else manual_specs(residual, res_sh, manual)
-  tp_specs = tp_params = None
-  if mesh.shape[TP] > 1:
-    tp_params = manual_specs(params, params_sh, {TP})
-    r_tp = None if residual is None else manual_specs(residual, res_sh, {TP})
-    tp_specs = (tp_params, manual_specs(params, grads_sh, {TP}), r_tp)
+  tp_specs = None
+  tp_params = manual_specs(params, params_sh, {TP}) if mesh.shape[TP] > 1 else None
+  blocks = {ax for ax in (TP, EP) if mesh.shape.get(ax, 1) > 1}  # each device reduces its own block
+  if blocks:
+    r_own = None if residual is None else manual_specs(residual, res_sh, blocks)
+    own = (manual_specs(params, params_sh, blocks), manual_specs(params, grads_sh, blocks), r_own)
+    tp_specs = (*own, blocks)
   reduce_dp = lambda g, r: compression.reduce(g, r, dims, dtype, dp, shard, axes)
   reduce_fn = functools.partial(_reduce_own_tp_blocks, reduce_dp, tp_specs)
   fixed, fixed_sh, fixed_zero_sh = frozen if frozen is not None else ({}, {}, {})
@@ -275,15 +277,17 @@ def _local_value_and_grad(
 
 
 def _reduce_own_tp_blocks(reduce_fn: Callable, tp_specs: tuple | None, grads: Any, residual: Any) -> tuple:
-  """`reduce_fn(grads, residual)` on each device's own tp block: in a shard_map nested over tp
-  (specs `tp_specs` = (grads in, grads out, residual); None when tp is 1), so the partitioner
-  cannot gather tp-sharded gradients before the dp collectives (which would put full-tp arrays on
-  the dp wire, and add tp all-gathers)."""
+  """`reduce_fn(grads, residual)` on each device's own tp (and ep) block: in a shard_map nested over
+  tp and ep (specs `tp_specs` = (grads in, grads out, residual, the axes); None when both are 1),
+  so the partitioner cannot gather tp-sharded gradients before the dp collectives (which would put
+  full-tp arrays on the dp wire, and add tp all-gathers), nor the experts split over ep (Mixtral
+  8x7B at dp 2 x ep 8 on 16 x H100: each device's reduce-scatter of every expert's gradient, 223 GB
+  compiled)."""
   if tp_specs is None:
     return reduce_fn(grads, residual)
-  g_in, g_out, r_tp = tp_specs
+  g_in, g_out, r_tp, axes = tp_specs
   nested = jax.shard_map(
-    reduce_fn, in_specs=(g_in, r_tp), out_specs=(g_out, r_tp), axis_names={TP}, check_vma=True
+    reduce_fn, in_specs=(g_in, r_tp), out_specs=(g_out, r_tp), axis_names=axes, check_vma=True
   )
   return nested(grads, residual)
 

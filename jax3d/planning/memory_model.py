@@ -13,8 +13,9 @@ for activations), modelling what jax3d's step really does:
     residuals of every one of its v*m+p-1 iterations (bubble iterations included) for the backward
     pass, and with v > 1 five stacks of its m micro-batches (`_gpipe_edges`). One layer's is read
     off the real layer (`jax.ad_checkpoint` residuals of `layers.Block` at the tp-local shapes,
-    under the remat policy, with the attention kernel's), so it follows the code; with XLA's
-    attention, Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t)). With remat 'stage' it counts m+1
+    under the remat policy, with the attention kernel's; a mixture's MoE block as it is, its rows
+    over dp*ep), so it follows the code; with XLA's attention, Korthikanti's
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)). With remat 'stage' it counts m+1
     micro-batches per iteration (its input and, with pp > 1, a stage-0 queue of m): an upper bound,
     since the compiled loop saves the iteration's input only (the queue, where v > 1, is a carry
     updated in place). Under 1F1B (pipeline.schedule=1f1b) a stash of chunk inputs bounded by the
@@ -28,6 +29,7 @@ for activations), modelling what jax3d's step really does:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -72,8 +74,9 @@ def lora_local_params(cfg: Config, plan: RunPlan) -> float:
 
 
 def micro_rows(plan: RunPlan) -> int:
-  """Rows of one micro-batch on one device."""
-  return plan.micro_batch // plan.dp
+  """Rows of one micro-batch on one device: split over dp and ep (ep's devices are data parallel
+  outside the experts)."""
+  return plan.micro_batch // (plan.dp * plan.ep)
 
 
 def micro_activation_bytes(cfg: Config, plan: RunPlan) -> float:
@@ -113,6 +116,7 @@ def activation_bytes(cfg: Config, plan: RunPlan, flash: bool | str) -> float:
     batch=micro_rows(plan),
     sequence_parallel=plan.sequence_parallel,
     features=(m.head_dim, m.qkv_bias, m.qk_norm),
+    moe=moe_features(cfg),
   )
   if one_f_one_b(cfg, plan):
     return _activations_1f1b(cfg, plan, lc, res)
@@ -127,6 +131,12 @@ def activation_bytes(cfg: Config, plan: RunPlan, flash: bool | str) -> float:
   carry = plan.microbatches + 1 if plan.pp > 1 else 1
   act_mb = micro_activation_bytes(cfg, plan)
   return plan.iterations * carry * act_mb / sp + lc * res(policy='full') + res(policy='none') + edges
+
+
+def moe_features(cfg: Config) -> tuple[int, int, int, int, float]:
+  """What `layer_residual_bytes` reads of a mixture of experts (num_experts 0: dense)."""
+  dims = model_dims(cfg)
+  return (dims.n_experts, dims.top_k, dims.expert_ff, dims.d_shared, dims.capacity_factor)
 
 
 def _gpipe_edges(cfg: Config, plan: RunPlan) -> float:
@@ -168,12 +178,21 @@ def head_bytes(cfg: Config, plan: RunPlan) -> float:
   Under 1F1B the head runs inside the loop on 1/pp of one micro-batch at a time. With
   train.loss_chunks the logits terms are for one piece of the sequence (a scan recomputes each
   piece's in the backward pass)."""
-  dp_pp = plan.dp * plan.pp
-  rows_all = plan.chunk_batch // (dp_pp if plan.chunk_batch % dp_pp == 0 else plan.dp)
+  rows_all = plan.chunk_batch // head_ranks(plan)
   h, cb = cfg.model.d_model, BYTES[cfg.train.compute_dtype]
   head_rows = max(1, micro_rows(plan) // plan.pp) if one_f_one_b(cfg, plan) else rows_all
   logits = head_rows * 3 * 4 * plan.vocab_padded // plan.tp / cfg.train.loss_chunks
   return plan.seq_len // plan.cp * (logits + rows_all * 2 * h * cb)
+
+
+def head_ranks(plan: RunPlan) -> int:
+  """Devices the batch outside the pipeline's loop (embedding, head, loss) is split over:
+  microbatch.batch_axes' (dp*pp, dp, or with ep and no pipeline dp*ep)."""
+  from jax3d.parallel import microbatch  # imported when needed: jax is heavy
+
+  axes = microbatch.batch_axes(plan)
+  size = {'dp': plan.dp, 'pp': plan.pp, 'ep': plan.ep}
+  return math.prod(size[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 def gather_mode(cfg: Config, plan: RunPlan) -> str | None:

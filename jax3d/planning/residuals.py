@@ -32,9 +32,13 @@ def layer_residual_bytes(
   batch: int,
   sequence_parallel: bool = False,
   features: tuple[int, bool, bool] = (0, False, False),
+  moe: tuple[int, int, int, int, float] = (0, 0, 0, 0, 0.0),
 ) -> float:
   """Bytes one tp shard of one layer keeps for its backward pass, its input included (`features`:
-  model.head_dim, 0 = d_model / n_heads, model.qkv_bias, model.qk_norm). Its weights
+  model.head_dim, 0 = d_model / n_heads, model.qkv_bias, model.qk_norm; `moe`: a mixture of
+  experts' moe.num_experts (0: a dense MLP of d_ff), top_k, one expert's hidden size, the shared
+  expert's and capacity_factor, whose block jax3d/model/moe.py is then the layer's MLP, traced as
+  it is). Its weights
   count only under remat 'none': under a checkpoint they are sliced again from the loop-invariant
   stack in the backward pass (jax3d/parallel/pipeline/chunk.py `run_layers`); without one, XLA keeps
   the per-iteration weight values the layer computes from them (reshapes, casts). Linear in the
@@ -58,6 +62,7 @@ def layer_residual_bytes(
     kernel_of(flash),
     b,
     (head_dim or d_model // n_heads, qkv_bias, qk_norm),
+    moe,
   )
   one, two = trace(1, d_model), trace(2, d_model)
   total = one + (batch - 1) * (two - one)
@@ -69,7 +74,7 @@ def layer_residual_bytes(
 
 @functools.cache
 def _traced_residuals(
-  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, kernel, batch, features
+  d_model, n_heads, n_kv_heads, d_ff, seq, tp, policy, compute, param, kernel, batch, features, moe
 ) -> float:
   """The residuals of the real layer at abstract shapes (nothing is computed or allocated). XLA's
   attention keeps the s x s scores; blockwise is traced as it is (q, k, v, out, a logsumexp);
@@ -81,6 +86,7 @@ def _traced_residuals(
   from jax3d.parallel import remat
 
   head_dim, qkv_bias, qk_norm = features
+  n_experts, top_k, d_expert, d_shared, capacity_factor = moe
   dims = dims_lib.Dims(  # one tp shard: n/tp heads of the full head size
     n_layers=1,
     d_model=d_model,
@@ -95,6 +101,13 @@ def _traced_residuals(
     qkv_bias=qkv_bias,
     qk_norm=qk_norm,
     attention='blockwise' if kernel == 'blockwise' else 'xla',
+    # a mixture's experts whole (this device's rows dispatched to every expert: under ep the
+    # all-to-all's [ep*b, E/ep, C, d] is as many bytes), their hidden sizes split over tp
+    n_experts=n_experts,
+    top_k=top_k,
+    d_expert=d_expert // tp,
+    d_shared=d_shared // tp,
+    capacity_factor=capacity_factor,
   )
   flash = kernel == 'cudnn'
   x = jax.ShapeDtypeStruct((batch, seq, d_model), dims.dtype)

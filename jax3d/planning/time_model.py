@@ -81,7 +81,7 @@ def traffic_bytes(cfg: Config, plan: RunPlan) -> dict:
   # 1F1B: as many, and the head's reduce-scatter (fp32) and all-gather of each micro-batch.
   pp_bytes = plan.iterations * plan.grad_accum * 2 * act_mb / sp if pp > 1 else 0
   pp_bytes += plan.microbatches * plan.grad_accum * 2 * (pp - 1) / pp * act_mb if one_f else 0
-  rows = plan.microbatches * memory_model.micro_rows(plan)
+  rows = plan.chunk_batch // plan.dp  # the loop's input: a dp shard's rows (replicated over ep)
   edge = formulas.pipeline_edge_bytes(
     pp, rows, plan.seq_len, cfg.model.d_model, sp, plan.pp_batch_split is not None
   )
