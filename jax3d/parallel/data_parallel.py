@@ -159,12 +159,15 @@ def gather_mode(cfg: Config, plan: RunPlan) -> str | None:
   return mode
 
 
-def layer_gather(layers: PyTree, layers_sh: PyTree, cfg: Config, plan: RunPlan, mesh: Mesh) -> zero3.Gather:
+def layer_gather(
+  layers: PyTree, layers_sh: PyTree, cfg: Config, plan: RunPlan, mesh: Mesh, dtypes: PyTree = None
+) -> zero3.Gather:
   """ZeRO-3's gather of the stacked layers (abstract `layers` in their tp/pp shardings
-  `layers_sh`): each leaf's ZeRO dimension, the gather mode, and with tp > 1 the tp specs."""
+  `layers_sh`): each leaf's ZeRO dimension, the gather mode, with tp > 1 the tp specs, and
+  `dtypes` the dtype each leaf is gathered in (model.llama.gather_dtypes; None: as stored)."""
   tp = manual_specs(layers, layers_sh, {TP}) if plan.tp > 1 else None
   dims = dims_tree(layers, layers_sh, zero_size(mesh))
-  return zero3.Gather(dims, gather_mode(cfg, plan), tp, _entry(zero_axes(mesh)))
+  return zero3.Gather(dims, gather_mode(cfg, plan), tp, _entry(zero_axes(mesh)), dtypes)
 
 
 def has_residual(cfg: Config, plan: RunPlan) -> bool:
