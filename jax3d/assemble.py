@@ -102,7 +102,9 @@ def _with_state(s: Setup) -> Setup:
   zero = data_parallel.zero_shardings(shapes['params'], compute, s.mesh)
   gather = None
   if s.zero3:  # ZeRO-3: stored in the ZeRO layout, gathered where used (jax3d/parallel/zero3.py)
-    gather = data_parallel.layer_gather(shapes['params']['layers'], compute['layers'], s.cfg, s.plan, s.mesh)
+    layers = shapes['params']['layers']
+    dtypes = llama.gather_dtypes(s.dims, layers)  # matmul weights gathered in the compute dtype
+    gather = data_parallel.layer_gather(layers, compute['layers'], s.cfg, s.plan, s.mesh, dtypes)
     s = dataclasses.replace(s, param_shardings=zero)
   # ZeRO-1: the moments (every params-shaped leaf of the optimizer state) sharded over dp too.
   moments = lora.trainable(s.dims, zero if s.zero1 else s.param_shardings)[0]  # LoRA: the adapters'

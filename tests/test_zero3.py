@@ -5,6 +5,7 @@ with gradient accumulation and the int8 reduction; the state really is 1/dp per 
 checkpoint moves between shard_params on and off exactly."""
 
 import os
+import re
 import shutil
 
 import chex
@@ -12,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 from test_checkpoint import canonical_state, cfg_for, losses
-from test_equivalence import check
+from test_equivalence import check, check_bf16
 
 import jax3d
-from jax3d import config as config_lib
+from jax3d import config as config_lib, step as step_lib
 from jax3d.trainer import metrics
 from jax3d.trainer.trainer import Trainer
 
@@ -139,6 +140,26 @@ def test_compiled_state_and_gather_memory():
   # every layer's gather hoisted out of the micro-batch scan, as JAX does without the barrier in
   # zero3.Gather.layer, 23.6)
   assert layer['temp'] < 0.5 * off['temp'], (layer, off)
+
+
+def test_bf16_compute_gathers_the_matmul_weights_in_bf16():
+  """fp32 weights, bf16 compute, ZeRO-3 per layer under remat full: every gather of a layer's
+  matrices (forward and the backward's recompute) moves bf16, cast before the gather, and each
+  weight gradient is still reduce-scattered in fp32, so the numbers are those of one device in
+  bf16 (test_equivalence.check_bf16's bounds)."""
+  bf16 = {'train__compute_dtype': 'bfloat16', 'train__remat': 'full'}
+  over = {'mesh__dp': 4, 'mesh__tp': 2, **Z3, 'train__shard_params_gather': 'layer', **bf16}
+  check_bf16(over, bf16)
+  s = setup_for(small_cfg(**over))
+  # The program as jax3d writes it: XLA:CPU widens bf16 collectives to f32 when it compiles (its
+  # float normalization); XLA:GPU keeps them (scripts/bench_vs_maxtext_gpu.py).
+  text = step_lib.make_train_step(s).lower(s.abstract_state, s.abstract_batch).as_text()
+  d, f = s.dims.d_model, s.dims.d_ff // 2  # the MLP's hidden size on one of tp=2
+  gathers = re.findall(r'all_gather.*?-> tensor<([\dx]+)x(\w+)>', text)
+  scatters = re.findall(r'reduce_scatter.*?\}\) : \(tensor<[^>]*>\) -> tensor<([\dx]+)x(\w+)>', text, re.S)
+  down = [t for shape, t in gathers if shape == f'{f}x{d}']  # the down projection, gathered whole
+  assert len(down) >= 2 and set(down) == {'bf16'}, gathers  # the forward's and the recompute's
+  assert scatters and {t for _, t in scatters} == {'f32'}, scatters
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 from jax3d import assemble, config  # noqa: E402
 from jax3d.analysis import dp_comm  # noqa: E402
 from jax3d.planning import costmodel, explain, oom, planner  # noqa: E402
+from jax3d.trainer import metrics  # noqa: E402
 
 CPU = costmodel.Hardware(flash_attention=False, gpu=False)  # priced as XLA:CPU compiles
 NODE = costmodel.Hardware(nodes=1, gpus_per_node=8, memory_gb=80)
@@ -102,6 +103,19 @@ def test_estimate_and_dp_bytes_against_the_compiled_step(layout, mode, remat, to
   r, ratio = _inspect(layout, _zero3(mode, **{'train.remat': remat}))
   assert ratio == pytest.approx(1, abs=tol)
   _dp_checks_hold(r)
+
+
+@pytest.mark.parametrize('reduce', ['float32', 'bfloat16'])
+def test_bf16_compute_dp_bytes_equal_the_formula(reduce):
+  """bf16 compute: the layers' matmul weights gathered in bf16 (as uint16 bits, which no platform
+  widens) and their gradients reduce-scattered in train.grad_reduce_dtype (fp32, or the bf16
+  wire): the HLO's dp collectives equal dp_comm's formula, and the start-up line says both."""
+  over = {'train.compute_dtype': 'bfloat16', 'train.grad_reduce_dtype': reduce}
+  r, _ = _inspect((8, 1, 1, 1), _zero3('layer', **{'train.remat': 'full'}, **over))
+  _dp_checks_hold(r)
+  s = assemble.build(config.load_config('tiny', DP8 | _zero3('layer', **over)))
+  line = metrics.summary_lines(s, '')[2]
+  assert f'its matmul weights in bfloat16; gradients reduce-scattered in {reduce})' in line, line
 
 
 @pytest.mark.slow

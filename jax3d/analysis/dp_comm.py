@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax3d.model import lora
@@ -61,21 +62,25 @@ def dp_bytes(
   gathers_back: int,
   shared_group: int,
   grad_accum: int = 1,
+  layers_grad: float | None = None,
 ) -> dict:
   """{'wire': wire bytes over groups with dp, 'reduced': the gradient buffer bytes that enter a dp
   reduction (reduce-scatter operands, all-reduce buffers), 'gathered': the all-gathers' wire
-  bytes}. `layers`/`shared`: L and S in bytes; `shared_group`: the group S's gradient is summed
+  bytes}. `layers`/`shared`: L and S in bytes as gathered; `layers_grad`: L's gradient in bytes
+  as reduced (None: L; the matmul weights are gathered in the compute dtype and reduced in
+  train.grad_reduce_dtype, jax3d/parallel/zero3.py); `shared_group`: the group S's gradient is summed
   over (dp, or dp*pp). Gathers of loop-invariant weights are hoisted out of the loops by XLA: the
   'step' gather and S's; reductions are not (one per grad_accum chunk, or per use). A 'layer'
   gather is tied to its layer's input (zero3.Gather.layer), so it runs per use even where a stage
   holds one layer (the same weights in every iteration)."""
   r = (dp - 1) / dp
   g = shared_group
+  grad = layers if layers_grad is None else layers_grad
   if mode == 'step':
-    gathered, reduced = r * layers, grad_accum * layers
+    gathered, reduced = r * layers, grad_accum * grad
   else:
-    one = layers / layers_per_stage
-    gathered, reduced = uses * (1 + gathers_back) * r * one, uses * one
+    gathered = uses * (1 + gathers_back) * r * layers / layers_per_stage
+    reduced = uses * grad / layers_per_stage
   gathered += r * shared
   wire = gathered + r * reduced + grad_accum * 2 * (g - 1) / g * shared
   return {'wire': wire, 'reduced': reduced + grad_accum * shared, 'gathered': gathered}
@@ -108,15 +113,27 @@ def dp_comm(s: Setup) -> dict:
   split = p > 1 and plan.pp_batch_split is not None
   if s.zero3 and not explicit:
     cfg = s.cfg
+    # the layers as gathered (matmul weights in the compute dtype) and their gradients as reduced
+    layer_leaves = _leaves(params['layers'], own['layers'])
+    dtypes = s.gather.dtypes or jax.tree.map(lambda x: x.dtype, params['layers'])
+    as_gathered = sum(
+      elems(x, sh) * jnp.dtype(dt).itemsize
+      for x, sh, dt in zip(*layer_leaves, jax.tree.leaves(dtypes), strict=True)
+    )
+    reduce_b = 2 if s.gather.reduce == 'bfloat16' else None
+    as_reduced = sum(
+      elems(x, sh) * (reduce_b or x.dtype.itemsize) for x, sh in zip(*layer_leaves, strict=True)
+    )
     z = zero3_bytes(
       s.gather.mode,
       plan,
       s.dims.n_layers,
       cfg.train.remat,
       cfg.pipeline.schedule,
-      layers_local,
+      as_gathered,
       p_local - layers_local,
       d * p if split else d,
+      as_reduced,
     )
     return {'wire': z['wire'], 'shared_wire': 0.0, 'grads': z['reduced']} | {
       'p_local': p_local,
@@ -155,6 +172,7 @@ def zero3_bytes(
   layers: float,
   shared: float,
   shared_group: int,
+  layers_grad: float | None = None,
 ) -> dict:
   """`dp_bytes` of ZeRO-3 on the compiler's path for a layout (`plan`: a RunPlan), the loop's
   steps and uses from its schedule: what `jax3d.inspect` checks and the time model prices."""
@@ -169,4 +187,5 @@ def zero3_bytes(
     gathers_back=regathers(remat),
     shared_group=shared_group,
     grad_accum=plan.grad_accum,
+    layers_grad=layers_grad,
   )

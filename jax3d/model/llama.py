@@ -203,6 +203,27 @@ def block_apply(
   return block.apply({'params': layer_params}, x_btd, positions_t, cache, segment_ids, noise)
 
 
+# The layer's parameters that it uses only as matmul operands in the compute dtype (flax's
+# DenseGeneral kernels, the experts' and shared expert's matrices): ZeRO-3 may cast them before
+# gathering them (jax3d/parallel/zero3.py). Not the norms' scales, biases, the fp32 router or LoRA.
+MATMUL_WEIGHTS = frozenset({'kernel', 'experts_gate_up', 'experts_down', 'shared_gate_up', 'shared_down'})
+
+
+def gather_dtypes(dims: Dims, layers: PyTree) -> PyTree:
+  """A tree like the stacked `layers` (arrays or their shapes) of the dtype ZeRO-3 gathers each
+  leaf in: the compute dtype for a float matmul weight stored wider than it (cast before the
+  gather: the same values reach the matmul, at half the wire bytes for fp32 weights and bf16
+  compute), its own dtype for the others."""
+  compute = jnp.dtype(dims.dtype)
+
+  def leaf(path, a):
+    name = getattr(path[-1], 'key', None)
+    wide = jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize > compute.itemsize
+    return compute if name in MATMUL_WEIGHTS and wide else jnp.dtype(a.dtype)
+
+  return jax.tree_util.tree_map_with_path(leaf, layers)
+
+
 def embed_apply(dims: Dims, params: PyTree, tokens_bt: jax.Array) -> jax.Array:
   """Token embeddings [b, t, d] of `tokens_bt` (the `embed` part of the full parameter tree)."""
   return Embed(dims).apply({'params': params['embed']}, tokens_bt)

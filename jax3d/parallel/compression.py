@@ -63,6 +63,20 @@ def reduce(
   return reduced, (tdef.unflatten(new_res) if residual is not None else None)
 
 
+def reduce_scatter(g: jax.Array, dtype: str, k: int, axis: Axis = DP) -> jax.Array:
+  """One varying gradient leaf summed over `axis` and scattered along dimension k, in fp32 or on
+  the bf16 wire (summed in fp32): ZeRO-3's per-layer reduction (jax3d/parallel/zero3.py)."""
+  n = jax.lax.axis_size(axis)
+  return _reduce_leaf(g.astype(jnp.float32), None, dtype, k, n, True, axis)[0]
+
+
+def gather_16bit(x: jax.Array, k: int, axis: Axis = DP) -> jax.Array:
+  """all_gather of a bf16 array along k with its bits as uint16, so that XLA cannot move a
+  conversion across it and send fp32 (XLA:CPU does)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+  return jax.lax.bitcast_convert_type(jax.lax.all_gather(bits, axis, axis=k, tiled=True), x.dtype)
+
+
 def _reduce_leaf(g, r, dtype: str, k: int | None, n: int, shard: bool, axis: Axis):
   """Sum over dp of one varying gradient leaf. Returns (reduced, new_residual or None)."""
   if dtype == 'float32':

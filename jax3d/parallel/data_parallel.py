@@ -138,11 +138,26 @@ def zero1(cfg: Config, plan: RunPlan) -> bool:
 def explicit(cfg: Config, plan: RunPlan) -> bool:
   """Whether the dp gradient sum is done here by hand rather than by the compiler: for a 16-/8-bit
   wire format, under ZeRO-1, and for bf16 parameters (summed in float32). ZeRO-3 alone is the
-  compiler's: its reduce-scatter is the transpose of the gather (jax3d/parallel/zero3.py)."""
+  compiler's: its reduce-scatter is the transpose of the gather (jax3d/parallel/zero3.py), in
+  bfloat16 too where each layer is gathered where it runs (`layer_reduces_bf16`)."""
   return plan.zero_ranks > 1 and (
-    cfg.train.grad_reduce_dtype != 'float32'
+    (cfg.train.grad_reduce_dtype != 'float32' and not layer_reduces_bf16(cfg, plan))
     or (zero1(cfg, plan) and not shard_params(cfg, plan))
     or cfg.train.param_dtype != 'float32'
+  )
+
+
+def layer_reduces_bf16(cfg: Config, plan: RunPlan) -> bool:
+  """ZeRO-3 gathering per layer with train.grad_reduce_dtype=bfloat16 (fp32 parameters): each
+  layer's weight gradients are reduce-scattered on the bf16 wire by the gather's own VJP
+  (zero3.gather_leaf), once per use, as MaxText does; the embedding, head and final norm
+  (gathered outside the loop by the compiler) in fp32."""
+  t = cfg.train
+  return (
+    shard_params(cfg, plan)
+    and t.grad_reduce_dtype == 'bfloat16'
+    and t.param_dtype == 'float32'
+    and t.shard_params_gather in ('layer', 'auto')
   )
 
 
@@ -159,12 +174,16 @@ def gather_mode(cfg: Config, plan: RunPlan) -> str | None:
   return mode
 
 
-def layer_gather(layers: PyTree, layers_sh: PyTree, cfg: Config, plan: RunPlan, mesh: Mesh) -> zero3.Gather:
+def layer_gather(
+  layers: PyTree, layers_sh: PyTree, cfg: Config, plan: RunPlan, mesh: Mesh, dtypes: PyTree = None
+) -> zero3.Gather:
   """ZeRO-3's gather of the stacked layers (abstract `layers` in their tp/pp shardings
-  `layers_sh`): each leaf's ZeRO dimension, the gather mode, and with tp > 1 the tp specs."""
+  `layers_sh`): each leaf's ZeRO dimension, the gather mode, with tp > 1 the tp specs, and
+  `dtypes` the dtype each leaf is gathered in (model.llama.gather_dtypes; None: as stored)."""
   tp = manual_specs(layers, layers_sh, {TP}) if plan.tp > 1 else None
   dims = dims_tree(layers, layers_sh, zero_size(mesh))
-  return zero3.Gather(dims, gather_mode(cfg, plan), tp, _entry(zero_axes(mesh)))
+  reduce = 'bfloat16' if layer_reduces_bf16(cfg, plan) else 'float32'
+  return zero3.Gather(dims, gather_mode(cfg, plan), tp, _entry(zero_axes(mesh)), dtypes, reduce)
 
 
 def has_residual(cfg: Config, plan: RunPlan) -> bool:

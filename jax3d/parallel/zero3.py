@@ -29,28 +29,75 @@ reductions, bf16 parameters) gathers everything once at its entry and reduce-sca
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax3d.parallel import remat
+from jax3d.parallel import compression, remat
 from jax3d.parallel.layer_fn import LayerFn
 from jax3d.parallel.sharding import DP, TP
 
 
-def gather_leaf(a: jax.Array, k: int, axes: str | tuple[str, ...] = DP) -> jax.Array:
+def gather_leaf(
+  a: jax.Array, k: int, axes: str | tuple[str, ...] = DP, dtype: Any = None, reduce: str = 'float32'
+) -> jax.Array:
   """The whole of leaf `a` from its slices over `axes` (dp, or dp and cp: `zero_axes`) on
-  dimension `k` (-1: it is not sharded)."""
-  return a if k < 0 else jax.lax.all_gather(a, axes, axis=k, tiled=True)
+  dimension `k` (-1: it is not sharded); with `dtype` (narrower than a's) cast before the gather,
+  and its gradient reduce-scattered in `reduce` (train.grad_reduce_dtype: float32 or bfloat16;
+  `_cast_gather`)."""
+  if k < 0:
+    return a
+  dtype = a.dtype if dtype is None else jnp.dtype(dtype)
+  if dtype == a.dtype and reduce == 'float32':
+    return jax.lax.all_gather(a, axes, axis=k, tiled=True)  # its transpose: an fp32 reduce-scatter
+  return _cast_gather(a, k, axes, dtype, reduce)
 
 
-def gather_tree(tree: Any, dims: Any, tp_specs: Any = None, axes: str | tuple[str, ...] = DP) -> Any:
-  """`gather_leaf` of every leaf of `tree`, `dims` its tree of sharded dimensions. `tp_specs`
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _cast_gather(a: jax.Array, k: int, axes: str | tuple[str, ...], dtype: Any, reduce: str) -> jax.Array:
+  """all_gather(a.astype(dtype)): a weight the layer casts to the compute dtype anyway, gathered
+  in it (bf16 bits as uint16, so no platform moves the cast past the gather: half fp32's wire).
+  Its gradient is reduce-scattered in `reduce` (compression.reduce_scatter: fp32, or the bf16
+  wire summed in fp32), not in the compute dtype autodiff would give the transpose of the cast
+  gather; with fp32 it is the same sum as a gather of `a`, so the numbers do not change."""
+  x = a.astype(dtype)
+  if x.dtype.itemsize == 2:
+    return compression.gather_16bit(x, k, axes)
+  return jax.lax.all_gather(x, axes, axis=k, tiled=True)
+
+
+def _cast_gather_fwd(a: jax.Array, k: int, axes: Any, dtype: Any, reduce: str) -> tuple[jax.Array, Any]:
+  return _cast_gather(a, k, axes, dtype, reduce), jnp.zeros((), a.dtype)  # the residual: a's dtype
+
+
+def _cast_gather_bwd(k: int, axes: Any, dtype: Any, reduce: str, like: jax.Array, g: jax.Array) -> tuple:
+  return (compression.reduce_scatter(g, reduce, k, axes).astype(like.dtype),)
+
+
+_cast_gather.defvjp(_cast_gather_fwd, _cast_gather_bwd)
+
+
+def gather_tree(
+  tree: Any,
+  dims: Any,
+  tp_specs: Any = None,
+  axes: str | tuple[str, ...] = DP,
+  dtypes: Any = None,
+  reduce: str = 'float32',
+) -> Any:
+  """`gather_leaf` of every leaf of `tree`, `dims` its tree of sharded dimensions, `dtypes` (None:
+  as stored) a tree of the dtype each leaf is gathered in (model.llama.gather_dtypes), `reduce`
+  the dtype its gradient is reduce-scattered in (autodiff's transpose). `tp_specs`
   (tp > 1): each leaf's PartitionSpec over tp; the gathers then run in a `shard_map` nested over
   tp, so each device gathers its own tp block over dp (left to the partitioner, the tp-sharded
   weights were gathered whole over tp first: twice the dp bytes at tp=2)."""
-  gather = lambda t: jax.tree.map(lambda a, k: gather_leaf(a, k, axes), t, dims)
+  if dtypes is None:
+    gather = lambda t: jax.tree.map(lambda a, k: gather_leaf(a, k, axes, None, reduce), t, dims)
+  else:
+    gather = lambda t: jax.tree.map(lambda a, k, dt: gather_leaf(a, k, axes, dt, reduce), t, dims, dtypes)
   if tp_specs is None:
     return gather(tree)
   return jax.shard_map(gather, in_specs=(tp_specs,), out_specs=tp_specs, axis_names={TP}, check_vma=True)(
@@ -68,6 +115,8 @@ class Gather:
   mode: str
   tp_specs: Any = None
   axes: str | tuple[str, ...] = DP  # the mesh axes of the slices: dp, or (dp, cp) (data_parallel.zero_axes)
+  dtypes: Any = None  # a tree like `dims`: the dtype each leaf is gathered in (None: as stored)
+  reduce: str = 'float32'  # train.grad_reduce_dtype of the gradients: float32 or bfloat16
 
   def specs(self, pp: str | None) -> Any:
     """The layers' in_specs over the loop's manual axes: the layer axis over `pp` (None: pp is
@@ -83,7 +132,9 @@ class Gather:
 
   def stage(self, layers: Any) -> Any:
     """The stage's layers as the loop runs them: gathered here ('step') or left as slices."""
-    return gather_tree(layers, self.dims, self.tp_specs, self.axes) if self.mode == 'step' else layers
+    if self.mode != 'step':
+      return layers
+    return gather_tree(layers, self.dims, self.tp_specs, self.axes, self.dtypes, self.reduce)
 
   def layer(self, layer_fn: LayerFn, policy: str) -> LayerFn:
     """`layer_fn` gathering its layer's weights first ('layer'; unchanged under 'step'). One
@@ -106,7 +157,7 @@ class Gather:
       # around the layers' scan (pp=1) would otherwise have JAX compute every layer's gather
       # once, before it, and keep them all for the backward pass.
       p, h = jax.lax.optimization_barrier((p, h))
-      return layer_fn(gather_tree(p, one, one_tp, self.axes), h, side)
+      return layer_fn(gather_tree(p, one, one_tp, self.axes, self.dtypes, self.reduce), h, side)
 
     if policy != 'none':
       return gathered

@@ -158,15 +158,20 @@ def dp_traffic(cfg: Config, plan: RunPlan) -> tuple[float, float]:
   pb = BYTES[t.param_dtype]
   if data_parallel.explicit(cfg, plan):
     return ring / 2 * n_local * (BYTES[t.grad_reduce_dtype] + pb), ring / 2 * n_local * pb
+  # the layers gathered in the compute dtype where narrower (their matmul weights; the norms are
+  # a rounding error here) and reduced on the bf16 wire where data_parallel.layer_reduces_bf16
+  gathered_b = min(pb, BYTES[t.compute_dtype])
+  reduced_b = BYTES['bfloat16'] if data_parallel.layer_reduces_bf16(cfg, plan) else pb
   z = dp_comm.zero3_bytes(
     mode,
     plan,
     cfg.model.n_layers,
     t.remat,
     cfg.pipeline.schedule,
-    local['layers'] * pb,
+    local['layers'] * gathered_b,
     local['embed_head'] * pb,
     dp,
+    local['layers'] * reduced_b,
   )
   return z['wire'], z['gathered'] if mode == 'step' else ring / 2 * local['embed_head'] * pb
 

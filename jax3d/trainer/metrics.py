@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax3d.analysis.memory import fmt_bytes
@@ -138,7 +139,13 @@ def summary_lines(s: Any, data: str) -> list[str]:
   zero = ''
   if s.zero3:
     how = {'layer': 'each layer gathered where it runs', 'step': "the stage's layers gathered once per step"}
-    zero = f', sharded over dp={p.dp} with their gradients and Adam state (ZeRO-3: {how[s.gather.mode]})'
+    narrow = any(jnp.dtype(t).itemsize < 4 for t in jax.tree.leaves(s.gather.dtypes or {}))
+    cast = f', its matmul weights in {jnp.dtype(d.dtype).name}' if narrow else ''
+    reduce = s.cfg.train.grad_reduce_dtype if s.explicit_dp else s.gather.reduce
+    zero = (
+      f', sharded over dp={p.dp} with their gradients and Adam state (ZeRO-3: {how[s.gather.mode]}'
+      f'{cast}; gradients reduce-scattered in {reduce})'
+    )
   elif s.zero1:
     zero = f', Adam state sharded over dp={p.dp} (ZeRO-1)'
   return [
