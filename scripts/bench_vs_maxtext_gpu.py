@@ -34,8 +34,10 @@ loops around it; XLA's cost_analysis counts a loop's body once):
   FLOPs      2*M*N*K of every matmul (dots, also inside fusions, and cuBLAS GEMM calls), plus the
              fused attention kernels (cuDNN or Pallas/Triton calls, opaque to XLA) at their nominal
              causal work: forward 4*b*n*t*s*h/2, backward 2.5 times that, preprocess none;
-  bytes      all-gather + reduce-scatter + all-reduce buffer bytes (the gathered result, the
-             scattered operand, the reduced operand), by dtype; wire bytes in the JSON.
+  bytes      all-gather + reduce-scatter + all-reduce + all-to-all buffer bytes (the gathered
+             result, the scattered operand, the reduced operand, the exchanged operand: a bf16
+             reduction written as an all-to-all counts as its reduce-scatter would), by dtype;
+             wire bytes in the JSON.
 Exit status: 0 done; 1 a compile failed or the two sides' work differs; 2 bad flags or no venv.
 """
 
@@ -69,7 +71,7 @@ DEFAULT_VENV = os.path.join(os.path.expanduser('~'), '.cache', 'jax3d-peer', 'ma
 SETUP = '../shared/bench/maxtext/setup.sh'
 N_GPUS = 8
 GIB = 2**30
-COLLECTIVE_KINDS = ('all-gather', 'reduce-scatter', 'all-reduce')
+COLLECTIVE_KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all')
 TIMEOUT_S = 1800
 KERNEL_TARGETS = tuple(t for t, _ in hlo_lib.ATTENTION_KERNELS)  # cuDNN's and Triton's calls
 
@@ -422,7 +424,7 @@ def rows(j: dict, m: dict) -> list[tuple[str, str, str, str]]:
     ('  matmuls, PF', lambda r: r['matmul_flops'], 1e15, 3),
     ('  attention kernels (nominal), PF', lambda r: r['attention_flops'], 1e15, 3),
     (
-      'collective bytes (all-gather + reduce-scatter + all-reduce), GiB',
+      'collective bytes (all-gather + reduce-scatter + all-reduce + all-to-all), GiB',
       lambda r: r['collective_bytes'],
       GIB,
       1,
