@@ -2,7 +2,8 @@
 fills the rest), the real train step compiled and run: parameter and temp bytes per device (the
 experts split over ep), the experts' all-to-all bytes per step measured in the compiled HLO against
 the formula (jax3d/analysis/ep_comm.py), the median step time, and the router's metrics of the last
-step (the dropped share at moe.capacity_factor).
+step (the dropped share at moe.capacity_factor); and the dense model of equal active parameters
+(d_ff = top_k x 256, no router) at dp=8, the baseline a mixture's step is weighed against.
 
   python scripts/bench_moe.py [--eps=1,2,4,8] [--experts=8] [--top_k=2] [--capacity_factor=1.25]
                               [--steps=6] [--json=docs/bench/bench_moe.json]
@@ -64,10 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   return a
 
 
-def measure(ep: int, a: argparse.Namespace) -> dict:
+def measure(ep: int, a: argparse.Namespace, dense: bool = False) -> dict:
+  """One row: the mixture at `ep`, or with `dense` the dense model of its active parameters."""
   over = dict(SHAPE)
-  over |= {'mesh.ep': ep, 'mesh.dp': 8 // ep, 'moe.num_experts': a.experts, 'moe.top_k': a.top_k}
-  over |= {'moe.d_expert': 256, 'moe.capacity_factor': a.capacity_factor}
+  if dense:  # top_k experts of 256 as one MLP: the same active parameters and matmul work per token
+    over |= {'mesh.ep': 1, 'mesh.dp': 8, 'model.d_ff': a.top_k * 256}
+  else:
+    over |= {'mesh.ep': ep, 'mesh.dp': 8 // ep, 'moe.num_experts': a.experts, 'moe.top_k': a.top_k}
+    over |= {'moe.d_expert': 256, 'moe.capacity_factor': a.capacity_factor}
   cfg = config_lib.load_config('tiny', over)
   s = assemble.build(cfg)
   step = assemble.compile_train_step(s)
@@ -84,27 +89,33 @@ def measure(ep: int, a: argparse.Namespace) -> dict:
     times.append(time.perf_counter() - t0)
   mem = step.memory
   return {
-    'ep': ep,
-    'dp': 8 // ep,
+    'model': 'dense' if dense else 'moe',
+    'ep': 1 if dense else ep,
+    'dp': 8 if dense else 8 // ep,
     'argument_mib': mem['argument'] / MIB,
     'temp_mib': mem['temp'] / MIB,
     'all_to_all_mib': (check['measured'] if check else 0.0) / MIB,
     'all_to_all_formula_mib': (check['spmd'] if check else 0.0) / MIB,
     'step_ms': 1e3 * statistics.median(times[1:]),
     'loss': float(m['loss']),
-    'moe_dropped': float(m['moe_dropped']),
+    'moe_dropped': float(m['moe_dropped']) if 'moe_dropped' in m else 0.0,
   }
 
 
 def main(argv: list[str] | None = None) -> None:
   a = parse_args(argv)
-  rows = [measure(ep, a) for ep in a.ep_list]
-  print('| ep | dp | params+opt MiB/dev | temp MiB/dev | all-to-all MiB (formula) | step ms | dropped |')
-  print('|---:|---:|---:|---:|---:|---:|---:|')
+  rows = [measure(1, a, dense=True)] + [measure(ep, a) for ep in a.ep_list]
+  dense_ms = rows[0]['step_ms']
+  print(
+    '| model | ep | dp | params+opt MiB/dev | temp MiB/dev | all-to-all MiB (formula) | step ms | / dense | dropped |'
+  )
+  print('|---|---:|---:|---:|---:|---:|---:|---:|---:|')
   for r in rows:
+    r['vs_dense'] = r['step_ms'] / dense_ms
     print(
-      f'| {r["ep"]} | {r["dp"]} | {r["argument_mib"]:.2f} | {r["temp_mib"]:.2f} | '
-      f'{r["all_to_all_mib"]:.2f} ({r["all_to_all_formula_mib"]:.2f}) | {r["step_ms"]:.0f} | {r["moe_dropped"]:.3f} |'
+      f'| {r["model"]} | {r["ep"]} | {r["dp"]} | {r["argument_mib"]:.2f} | {r["temp_mib"]:.2f} | '
+      f'{r["all_to_all_mib"]:.2f} ({r["all_to_all_formula_mib"]:.2f}) | {r["step_ms"]:.0f} | '
+      f'{r["vs_dense"]:.2f} | {r["moe_dropped"]:.3f} |'
     )
   if a.json:
     with open(a.json, 'w') as f:

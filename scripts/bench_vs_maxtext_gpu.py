@@ -34,8 +34,10 @@ loops around it; XLA's cost_analysis counts a loop's body once):
   FLOPs      2*M*N*K of every matmul (dots, also inside fusions, and cuBLAS GEMM calls), plus the
              fused attention kernels (cuDNN or Pallas/Triton calls, opaque to XLA) at their nominal
              causal work: forward 4*b*n*t*s*h/2, backward 2.5 times that, preprocess none;
-  bytes      all-gather + reduce-scatter + all-reduce buffer bytes (the gathered result, the
-             scattered operand, the reduced operand), by dtype; wire bytes in the JSON.
+  bytes      all-gather + reduce-scatter + all-reduce + all-to-all buffer bytes (the gathered
+             result, the scattered operand, the reduced operand, the exchanged operand: a bf16
+             reduction written as an all-to-all counts as its reduce-scatter would), by dtype;
+             wire bytes in the JSON.
 Exit status: 0 done; 1 a compile failed or the two sides' work differs; 2 bad flags or no venv.
 """
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import glob
 import json
 import os
@@ -68,7 +71,7 @@ DEFAULT_VENV = os.path.join(os.path.expanduser('~'), '.cache', 'jax3d-peer', 'ma
 SETUP = '../shared/bench/maxtext/setup.sh'
 N_GPUS = 8
 GIB = 2**30
-COLLECTIVE_KINDS = ('all-gather', 'reduce-scatter', 'all-reduce')
+COLLECTIVE_KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all')
 TIMEOUT_S = 1800
 KERNEL_TARGETS = tuple(t for t, _ in hlo_lib.ATTENTION_KERNELS)  # cuDNN's and Triton's calls
 
@@ -128,9 +131,9 @@ class Shape:
     """Rows per GPU in one accumulation chunk (MaxText's per_device_batch_size)."""
     return self.global_batch // (self.grad_accum * N_GPUS)
 
-  def jax3d_args(self, hlo_path: str, target: str) -> list[str]:
-    """`python -m jax3d.inspect` arguments."""
-    over = ZERO3 | self.jax3d_overrides
+  def jax3d_args(self, hlo_path: str, target: str, extra: Sequence[str] = ()) -> list[str]:
+    """`python -m jax3d.inspect` arguments; `extra`: KEY=VALUE settings of jax3d's (--jax3d-config)."""
+    over = ZERO3 | self.jax3d_overrides | dict(e.split('=', 1) for e in extra)
     over |= {
       'train.seq_len': self.seq_len,
       'train.global_batch_size': self.global_batch,
@@ -350,10 +353,12 @@ def _env(**extra: str) -> dict[str, str]:
   return env | {'JAX_PLATFORMS': 'cpu'} | extra
 
 
-def compile_jax3d(python: str, shape: Shape, target: gpu_target.Target, out: str) -> dict:
+def compile_jax3d(
+  python: str, shape: Shape, target: gpu_target.Target, out: str, extra: Sequence[str] = ()
+) -> dict:
   """jax3d's step through `python -m jax3d.inspect --target`: its JSON, the HLO read, the peak."""
   stdout, wall = _run(
-    [python, *shape.jax3d_args(out + '.hlo', target.name)], _env(PYTHONPATH=REPO), out + '.log'
+    [python, *shape.jax3d_args(out + '.hlo', target.name, extra)], _env(PYTHONPATH=REPO), out + '.log'
   )
   r = json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith('{')))
   lay = r['layout']
@@ -419,7 +424,7 @@ def rows(j: dict, m: dict) -> list[tuple[str, str, str, str]]:
     ('  matmuls, PF', lambda r: r['matmul_flops'], 1e15, 3),
     ('  attention kernels (nominal), PF', lambda r: r['attention_flops'], 1e15, 3),
     (
-      'collective bytes (all-gather + reduce-scatter + all-reduce), GiB',
+      'collective bytes (all-gather + reduce-scatter + all-reduce + all-to-all), GiB',
       lambda r: r['collective_bytes'],
       GIB,
       1,
@@ -478,6 +483,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   ap.add_argument('--jax3d-python', default=None, help="jax3d's interpreter (default: the MaxText venv's)")
   ap.add_argument(
+    '--jax3d-config',
+    action='append',
+    default=[],
+    metavar='KEY=VALUE',
+    help="a jax3d setting over the shape's (repeatable), e.g. train.grad_reduce_dtype=bfloat16",
+  )
+  ap.add_argument(
     '--hlo-dir', default=None, help='keep the HLOs, JSONs and logs here (default: a temporary folder)'
   )
   ap.add_argument('--json', default='bench_vs_maxtext_gpu.json', help='results (JSON)')
@@ -487,6 +499,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   bad = [s for s in a.shape_list if s not in SHAPES]
   if bad or not a.shape_list:
     ap.error(f'--shapes={a.shapes!r}: {", ".join(bad) or "none"} is not one of {", ".join(SHAPES)}')
+  for e in a.jax3d_config:
+    if '=' not in e:
+      ap.error(f'--jax3d-config={e!r} is invalid: KEY=VALUE, e.g. train.grad_reduce_dtype=bfloat16')
   try:
     target = gpu_target.parse(a.target)
   except ConfigError as e:
@@ -518,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = SHAPES[name]
     got = {}
     for who, compile_fn, python in (
-      ('jax3d', compile_jax3d, j_python),
+      ('jax3d', functools.partial(compile_jax3d, extra=a.jax3d_config), j_python),
       ('maxtext', compile_maxtext, mt_python),
     ):
       print(f"{name}: compiling {who}'s step for {a.target_gpus.name} ...", flush=True)

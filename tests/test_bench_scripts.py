@@ -331,6 +331,8 @@ def test_gpu_shapes_are_the_same_work():
     assert rows * int(mt['max_target_length']) == shape.tokens and mt['ici_fsdp_parallelism'] == '8'
   assert config_lib.load_config('llama3_8b', {}).model.n_kv_heads == 8
   assert bgpu.SHAPES['llama2_7b'].jax3d_overrides['model.n_kv_heads'] == 32  # Llama 2 7B: no GQA
+  extra = bgpu.SHAPES['llama3_8b'].jax3d_args('/tmp/x.hlo', 'h100x8', ['train.grad_reduce_dtype=bfloat16'])
+  assert '--config.train.grad_reduce_dtype=bfloat16' in extra  # --jax3d-config reaches jax3d
 
 
 def test_gpu_refusals(tmp_path, capsys):
@@ -340,6 +342,7 @@ def test_gpu_refusals(tmp_path, capsys):
     ['--shapes=llama3_8b,gpt5'],
     ['--target=h100x16'],
     ['--target=tpu8'],
+    ['--jax3d-config=train.grad_reduce_dtype'],
   ):
     with pytest.raises(SystemExit) as e:
       bgpu.main(argv)

@@ -188,7 +188,7 @@ class Train:
   shard_params: bool = key(False, ANY)
   # auto | layer | step: per layer in the loop, or once per step
   shard_params_gather: Gather = key('auto', choice(Gather))
-  # float32 | bfloat16 | int8 for the dp gradient reduction
+  # float32 | bfloat16 | int8 for the dp gradient reduction (ZeRO-3 per layer: float32 | bfloat16)
   grad_reduce_dtype: GradReduceDtype = key('float32', choice(GradReduceDtype))
   # auto: on NVIDIA GPUs in bf16/fp16 (head size a multiple of 8, <= 256) fused = cuDNN for rows of one document, Pallas for rows of documents; else blockwise | xla (dense mask, the reference) | cudnn (documents as a [b,1,t,t] bias) | pallas (Pallas Triton flash attention with segment ids; GPUs only) | blockwise (memory linear in seq)
   attention: Attention = key('auto', choice(Attention))

@@ -119,7 +119,10 @@ def attend(
   if kernel == 'pallas':
     seg = () if segment_ids_bt is None else (segment_ids_bt,)
     in_logical = (names[0], names[1], names[1]) + (('batch', 'seq'),) * len(seg)
-    run = sharding.device_local_vjp(pallas.attention, in_logical, names[0], len(seg), pallas.backward)
+    lse = (('batch', 'heads', None),)  # the kernel's logsumexp [b, n, t padded], kept for the backward
+    run = sharding.device_local_vjp(
+      pallas.attention_lse, in_logical, names[0], len(seg), pallas.backward, saved=lse
+    )
     return run(q_btnh, k_btkh, v_btkh, *seg)
   impl = 'cudnn' if kernel == 'cudnn' else 'xla'
 

@@ -12,8 +12,9 @@ the padded keys and the padded outputs are dropped.
 Lowered per platform (`jax.lax.platform_dependent`): Triton on NVIDIA GPUs; elsewhere Pallas's
 interpreter, which only tests reach (`attention.resolve` refuses `pallas` off GPUs).
 
-`backward` calls the kernel's own forward and backward rules (`mha.fwd`, `mha.bwd`) rather than
-differentiating `mha`: a Pallas call's outputs carry no manual-axis (vma) type, so inside the
+`backward` calls the kernel's own backward rule (`mha.bwd`) on the residuals the forward kept
+(`attention_lse`: the output and the logsumexp, so the forward runs once, or twice under remat,
+not once more for the backward), rather than differentiating `mha`: a Pallas call's outputs carry no manual-axis (vma) type, so inside the
 pipeline's shard_map jax's check of `mha`'s custom VJP rejects its gradients (and the region runs
 without the check, where they cannot be typed back); attention.py's per-device region owns the VJP.
 """
@@ -32,29 +33,38 @@ BLOCK, BWD_BLOCK = 128, 32  # query/key rows of the forward's blocks and the bac
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None = None) -> jax.Array:
   """Causal attention [b, t, n, h] of q [b, t, n, h] over k, v [b, t, kv, h] within the documents
   of `seg` int [b, t] (None: one document per row)."""
+  return attention_lse(q, k, v, seg)[0]
+
+
+def attention_lse(
+  q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """(`attention`'s output, the kernel's logsumexp [b, n, t padded]): the forward whose residual
+  `backward` takes, so that the backward does not run the forward again for it."""
   t = q.shape[1]
   args, static = _prepare(q, k, v, seg)
-  run = lambda interpret, *a: _mha()(*a, **_options(static, interpret))
-  return _per_platform(run, *args)[:, :t]
+  run = lambda interpret, *a: _mha()(*a, **_options(static, interpret, residuals=True))
+  out, lse = _per_platform(run, *args)
+  return out[:, :t], lse
 
 
-def backward(q: jax.Array, k: jax.Array, v: jax.Array, *seg_g: jax.Array) -> tuple[jax.Array, ...]:
-  """(dq, dk, dv) of `attention(q, k, v, seg)`'s output for its cotangent g (`seg_g`: (seg, g), or
-  (g,) without segments): the forward once more (for the logsumexp), then the kernel's backward;
-  dK/dV summed over each query group."""
-  *seg, g = seg_g
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, *rest: jax.Array) -> tuple[jax.Array, ...]:
+  """(dq, dk, dv) of `attention(q, k, v, seg)`'s output for its cotangent g, `rest` = ([seg,] out,
+  lse, g) with out and lse as `attention_lse` returned them: the kernel's backward from the
+  forward's own residuals; dK/dV summed over each query group. The padded rows' output is taken
+  as zero: their cotangent is zero, so they add nothing to dK/dV."""
+  *seg, out, lse, g = rest
   seg = seg[0] if seg else None
   b, t, n, h = q.shape
   kv = k.shape[2]
   args, static = _prepare(q, k, v, seg)
-  g = _pad(g, args[0].shape[1])
+  padded = args[0].shape[1]
+  out, g = _pad(out, padded), _pad(g, padded)
 
-  def run(interpret, args, g):
-    opts = _options(static, interpret)
-    res = _mha().fwd(*args, **opts)[1]
-    return _mha().bwd(**opts, res=res, do=g)[:3]
+  def run(interpret, args, out, lse, g):
+    return _mha().bwd(**_options(static, interpret), res=(*args, out, lse), do=g)[:3]
 
-  dq, dk, dv = _per_platform(run, args, g)
+  dq, dk, dv = _per_platform(run, args, out, lse, g)
   fold = lambda d: d[:, :t].reshape(b, t, kv, n // kv, h).sum(3).astype(k.dtype)
   return dq[:, :t].astype(q.dtype), fold(dk), fold(dv)
 
@@ -79,8 +89,9 @@ def _pad(x: jax.Array, length: int) -> jax.Array:
   return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)) if extra else x
 
 
-def _options(static: tuple, interpret: bool) -> dict:
-  """The kernel's static arguments, by name (those of `mha` after its operands)."""
+def _options(static: tuple, interpret: bool, residuals: bool = False) -> dict:
+  """The kernel's static arguments, by name (those of `mha` after its operands); `residuals`: the
+  forward returns (out, logsumexp)."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
   scale, block, bwd = static
@@ -94,7 +105,7 @@ def _options(static: tuple, interpret: bool) -> dict:
     grid=None,
     interpret=interpret,
     debug=False,
-    return_residuals=False,
+    return_residuals=residuals,
   )
 
 
