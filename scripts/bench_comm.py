@@ -16,9 +16,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
+from jax3d.cli import prepare_devices  # noqa: E402
 
-use_fake_cpu_devices(8)
+prepare_devices(8)
 
 OPTIONS = {
   'plain': {},

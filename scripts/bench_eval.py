@@ -31,9 +31,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, 'tests')]
 from jax3d.harness import offline_tasks  # noqa: E402
 
 offline_tasks.go_offline()
-from jax3d.parallel.mesh import use_fake_cpu_devices  # noqa: E402
+from jax3d.cli import prepare_devices  # noqa: E402
 
-use_fake_cpu_devices(1)
+prepare_devices(1)
 import eval_helpers as eh  # noqa: E402
 import jax  # noqa: E402
 

@@ -149,9 +149,9 @@ def _maxrss() -> int:
 
 def child_import(folder: str, layout: tuple[int, int, int], param_dtype: str, out: str) -> None:
   """Imports the folder in this (fresh) process and writes the figures and checks to `out`."""
-  from jax3d.parallel.mesh import use_fake_cpu_devices
+  from jax3d.cli import prepare_devices
 
-  use_fake_cpu_devices(8)
+  prepare_devices(8)
   import jax
 
   from jax3d import assemble, config as config_lib

@@ -44,9 +44,9 @@ def write_shards(folder: str, total_mb: int, n_shards: int = 4) -> None:
 
 
 def child(folder: str, steps: int) -> None:
-  from jax3d.parallel.mesh import use_fake_cpu_devices
+  from jax3d.cli import prepare_devices
 
-  use_fake_cpu_devices(8)
+  prepare_devices(8)
   from jax3d import config as config_lib
   from jax3d.trainer.trainer import Trainer
 

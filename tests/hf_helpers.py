@@ -69,13 +69,17 @@ FAMILIES = {
 FAMILY_SEQ = 32  # past the llama3.2 model's original context
 
 
-def make_family_model(path: str, family: str, seed: int = 0) -> object:
-  """A random model of `family` (FAMILIES) saved to `path`; returns the torch model (eval mode).
-  Norm scales and biases are randomised too (transformers initialises them to 1 and 0)."""
+def make_family_model(
+  path: str, family: str, seed: int = 0, families: dict | None = None, spread: str = 'bias'
+) -> object:
+  """A random model of `family` (in `families`, default FAMILIES) saved to `path`; returns the torch
+  model (eval mode). Norm scales and the parameters whose name ends with `spread` (the biases; a
+  mixture's router, for a decisive routing) are randomised too (transformers initialises them to
+  1, 0 or a narrow normal)."""
   import torch
   import transformers
 
-  spec = dict(FAMILIES[family])
+  spec = dict((families or FAMILIES)[family])
   name = spec.pop('cls')
   conf = getattr(transformers, f'{name}Config')(**{**TINY, 'max_position_embeddings': 128, **spec})
   torch.manual_seed(seed)
@@ -84,7 +88,7 @@ def make_family_model(path: str, family: str, seed: int = 0) -> object:
     for pname, p in model.named_parameters():
       if pname.endswith('norm.weight'):
         p.copy_(1 + 0.1 * torch.randn_like(p))
-      elif pname.endswith('bias'):
+      elif pname.endswith(spread):
         p.copy_(0.5 * torch.randn_like(p))
   model.save_pretrained(path)
   return model

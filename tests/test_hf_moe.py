@@ -40,18 +40,7 @@ DROP_NOTHING = {'moe.capacity_factor': E / K}  # capacity = t: every assignment 
 def make(path: str, family: str, seed: int, fused: bool) -> object:
   """A random model of `family`, saved per expert (save_pretrained) or with its fused tensors as
   transformers 5 holds them in memory; norms and the router randomised (a decisive routing)."""
-  spec = dict(FAMILIES[family])
-  name = spec.pop('cls')
-  conf = getattr(transformers, f'{name}Config')(**{**H.TINY, 'max_position_embeddings': 128, **spec})
-  torch.manual_seed(seed)
-  model = getattr(transformers, f'{name}ForCausalLM')(conf).eval()
-  with torch.no_grad():
-    for pname, p in model.named_parameters():
-      if pname.endswith('norm.weight'):
-        p.copy_(1 + 0.1 * torch.randn_like(p))
-      elif pname.endswith('mlp.gate.weight'):
-        p.copy_(0.5 * torch.randn_like(p))
-  model.save_pretrained(path)
+  model = H.make_family_model(path, family, seed, FAMILIES, spread='mlp.gate.weight')
   if fused:
     os.remove(os.path.join(path, 'model.safetensors'))
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}

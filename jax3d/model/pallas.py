@@ -14,9 +14,10 @@ interpreter, which only tests reach (`attention.resolve` refuses `pallas` off GP
 
 `backward` calls the kernel's own backward rule (`mha.bwd`) on the residuals the forward kept
 (`attention_lse`: the output and the logsumexp, so the forward runs once, or twice under remat,
-not once more for the backward), rather than differentiating `mha`: a Pallas call's outputs carry no manual-axis (vma) type, so inside the
-pipeline's shard_map jax's check of `mha`'s custom VJP rejects its gradients (and the region runs
-without the check, where they cannot be typed back); attention.py's per-device region owns the VJP.
+not once more for the backward), rather than differentiating `mha`: a Pallas call's outputs
+carry no manual-axis (vma) type, so inside the pipeline's shard_map jax's check of `mha`'s custom
+VJP rejects its gradients (and the region runs without the check, where they cannot be typed
+back); attention.py's per-device region owns the VJP.
 """
 
 from __future__ import annotations
