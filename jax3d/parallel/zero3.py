@@ -94,10 +94,8 @@ def gather_tree(
   (tp > 1): each leaf's PartitionSpec over tp; the gathers then run in a `shard_map` nested over
   tp, so each device gathers its own tp block over dp (left to the partitioner, the tp-sharded
   weights were gathered whole over tp first: twice the dp bytes at tp=2)."""
-  if dtypes is None:
-    gather = lambda t: jax.tree.map(lambda a, k: gather_leaf(a, k, axes, None, reduce), t, dims)
-  else:
-    gather = lambda t: jax.tree.map(lambda a, k, dt: gather_leaf(a, k, axes, dt, reduce), t, dims, dtypes)
+  dtypes = jax.tree.map(lambda a: a.dtype, tree) if dtypes is None else dtypes
+  gather = lambda t: jax.tree.map(lambda a, k, dt: gather_leaf(a, k, axes, dt, reduce), t, dims, dtypes)
   if tp_specs is None:
     return gather(tree)
   return jax.shard_map(gather, in_specs=(tp_specs,), out_specs=tp_specs, axis_names={TP}, check_vma=True)(

@@ -139,8 +139,12 @@ def summary_lines(s: Any, data: str) -> list[str]:
   zero = ''
   if s.zero3:
     how = {'layer': 'each layer gathered where it runs', 'step': "the stage's layers gathered once per step"}
-    narrow = any(jnp.dtype(t).itemsize < 4 for t in jax.tree.leaves(s.gather.dtypes or {}))
-    cast = f', its matmul weights in {jnp.dtype(d.dtype).name}' if narrow else ''
+    # cast before the gather where the loop gathers (the written-out path gathers as stored)
+    compute = jnp.dtype(d.dtype)
+    narrowed = any(
+      jnp.dtype(t) == compute != jnp.dtype(d.param_dtype) for t in jax.tree.leaves(s.gather.dtypes)
+    )
+    cast = f', its matmul weights in {compute.name}' if narrowed and not s.explicit_dp else ''
     reduce = s.cfg.train.grad_reduce_dtype if s.explicit_dp else s.gather.reduce
     zero = (
       f', sharded over dp={p.dp} with their gradients and Adam state (ZeRO-3: {how[s.gather.mode]}'
