@@ -89,8 +89,7 @@ def _capacity(s: Setup) -> int:
   dims = s.dims
   if not dims.n_experts:
     return 0
-  seq = s.plan.seq_len // s.plan.cp  # with mesh.cp > 1 a capacity group is a cp rank's share of a row
-  return ep_comm.capacity(dims.capacity_factor, seq, dims.top_k, dims.n_experts)
+  return ep_comm.group_capacity(s.plan, dims.capacity_factor, dims.top_k, dims.n_experts)
 
 
 def summarize(colls: list[dict]) -> dict:

@@ -12,8 +12,9 @@ all-to-all over e devices.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
+
+from jax3d.model import formulas
 
 if TYPE_CHECKING:
   from jax3d.config import RunPlan
@@ -24,9 +25,10 @@ ALL_TO_ALLS_PER_LAYER = 5  # forward: there and back; backward: slots there, gra
 RECOMPUTING = ('full', 'stage')
 
 
-def capacity(capacity_factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
-  """Slots per expert and sequence (jax3d/model/moe.py `capacity`): ceil(cf * t * k / E) in [1, t]."""
-  return max(1, min(seq_len, math.ceil(capacity_factor * seq_len * top_k / n_experts)))
+def group_capacity(plan: RunPlan, capacity_factor: float, top_k: int, n_experts: int) -> int:
+  """Slots per expert and capacity group: a sequence, or with mesh.cp > 1 a cp rank's share of one
+  (jax3d/model/moe.py), by formulas.capacity."""
+  return formulas.capacity(capacity_factor, plan.seq_len // plan.cp, top_k, n_experts)
 
 
 def dispatch_buffer_bytes(plan: RunPlan, n_experts: int, cap: int, d_model: int, itemsize: int) -> float:

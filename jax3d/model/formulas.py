@@ -32,6 +32,7 @@ bf16 peak or less), so its MFU against the bf16 peak is low by construction.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -94,6 +95,12 @@ def layer_params(dims: Dims, tp: int = 1, active: bool = False, ep: int = 1) -> 
   router = d * dims.n_experts
   norms = 2 * d + (2 * hd if dims.qk_norm else 0)
   return (matrices + biases) // tp + routed // (tp * ep) + norms + router
+
+
+def capacity(capacity_factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
+  """A mixture's slots per expert and capacity group of seq_len tokens (jax3d/model/moe.py):
+  ceil(capacity_factor * t * k / E), between 1 and t."""
+  return max(1, min(seq_len, math.ceil(capacity_factor * seq_len * top_k / n_experts)))
 
 
 def mlp_matrices(dims: Dims, active: bool = False) -> int:

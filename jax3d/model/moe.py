@@ -33,14 +33,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax3d.model import formulas
 from jax3d.model.dims import Dims
 from jax3d.parallel import context, expert
 
 
 def capacity(dims: Dims, t: int) -> int:
-  """Slots per expert and sequence: ceil(capacity_factor * t * k / E), between 1 and t."""
-  c = math.ceil(dims.capacity_factor * t * dims.top_k / dims.n_experts)
-  return max(1, min(t, c))
+  """Slots per expert in a capacity group of t tokens (formulas.capacity)."""
+  return formulas.capacity(dims.capacity_factor, t, dims.top_k, dims.n_experts)
 
 
 def n_stats(dims: Dims) -> int:

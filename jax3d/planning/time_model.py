@@ -55,16 +55,16 @@ def executed_layer_params(cfg: Config, plan: RunPlan) -> float:
   dims = memory_model.model_dims(cfg, plan)
   if not dims.n_experts:
     return float(formulas.layer_params(dims))
-  slots = dims.n_experts * _capacity(cfg, plan) / plan.seq_len
+  slots = dims.n_experts * _capacity(cfg, plan) / (plan.seq_len // plan.cp)  # per capacity group
   return float(formulas.layer_params(dataclasses.replace(dims, top_k=slots), active=True))
 
 
 def _capacity(cfg: Config, plan: RunPlan) -> int:
-  """Slots per expert and sequence (ep_comm.capacity, the model's)."""
+  """Slots per expert and capacity group (ep_comm.group_capacity, the model's)."""
   from jax3d.analysis import ep_comm
 
   moe = cfg.moe
-  return ep_comm.capacity(moe.capacity_factor, plan.seq_len, moe.top_k, moe.num_experts)
+  return ep_comm.group_capacity(plan, moe.capacity_factor, moe.top_k, moe.num_experts)
 
 
 def traffic_bytes(cfg: Config, plan: RunPlan) -> dict:
