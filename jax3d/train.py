@@ -111,7 +111,10 @@ def _run(args: cli.Args) -> int:
     status = _fail(e, multi)
   finally:
     if trainer is not None:
-      trainer.close()
+      try:
+        trainer.close()  # waits for an async checkpoint write, whose failure surfaces here
+      except errors.Jax3dError as e:
+        status = status or _fail(e, multi)
   if made and status == errors.BAD_INPUT and not multi:  # a refusal leaves no workdir behind
     rundir.discard_unused(workdir)
   return status

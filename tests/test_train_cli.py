@@ -50,3 +50,33 @@ def test_train_cli_end_to_end(tmp_path):
   evals = {r['step']: r['eval_loss'] for r in recs if 'eval_loss' in r}
   assert sorted(evals) == [0, 20, 40] and evals[40] < evals[0] - 1.5
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['20', '40']
+
+
+def test_a_checkpoint_write_failing_at_close_is_one_error_line_and_exit_3(tmp_path, monkeypatch, capsys):
+  """An async save's write that fails after the last step surfaces when the trainer closes: one
+  `error:` line and exit 3, as during training (it escaped as a traceback, exit 1)."""
+  from jax3d import errors, train
+  from jax3d.trainer import trainer as trainer_lib
+
+  class Closing:
+    preempted = True  # no sample after training
+
+    def __init__(self, cfg, workdir):
+      pass
+
+    def summary(self):
+      return []
+
+    def log(self, line):
+      pass
+
+    def train(self):
+      pass
+
+    def close(self):
+      raise errors.CheckpointError('could not write checkpoint step 4: the disk is full')
+
+  monkeypatch.setattr(trainer_lib, 'Trainer', Closing)
+  assert train.main([f'--workdir={tmp_path / "w"}', '--config=tiny']) == 3
+  err = capsys.readouterr().err
+  assert err.count('error:') == 1 and 'disk is full' in err and 'Traceback' not in err, err
